@@ -1,0 +1,127 @@
+// Shared pieces of fastrl's native CPU kernels: dtype codes, element loads and
+// stores, a vectorisable exp, and the ISA-clone attribute.
+//
+// The extension does not link libtorch. Python passes raw data pointers, sizes,
+// strides and a dtype code (the values of DType below, mirrored in
+// fastrl/_native.py), and each kernel switches on the code once per call.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace fastrl {
+
+enum DType : int {
+  kFloat32 = 0,
+  kFloat16 = 1,
+  kBFloat16 = 2,
+  kFloat64 = 3,
+  kInt32 = 10,
+  kInt64 = 11,
+};
+
+// bfloat16 is stored as its raw 16 bits; fp16 uses the compiler's _Float16,
+// whose conversions are exactly rounded (hardware F16C where the clone has it).
+struct BF16 {
+  uint16_t bits;
+};
+using F16 = _Float16;
+
+#define FASTRL_INLINE inline __attribute__((always_inline))
+
+// Row kernels are compiled once per x86-64 level and picked at load time, so
+// one wheel uses AVX-512 / AVX2 where the CPU has them and plain SSE2 elsewhere.
+#if defined(__x86_64__) && !defined(__clang__)
+#define FASTRL_ISA_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define FASTRL_ISA_CLONES
+#endif
+
+FASTRL_INLINE float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+FASTRL_INLINE uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// Loads widen to the accumulation type Acc (float, or double for float64 input).
+template <typename Acc>
+FASTRL_INLINE Acc load_as(const float* p, int64_t i) { return static_cast<Acc>(p[i]); }
+template <typename Acc>
+FASTRL_INLINE Acc load_as(const double* p, int64_t i) { return static_cast<Acc>(p[i]); }
+template <typename Acc>
+FASTRL_INLINE Acc load_as(const F16* p, int64_t i) { return static_cast<Acc>(p[i]); }
+template <typename Acc>
+FASTRL_INLINE Acc load_as(const BF16* p, int64_t i) {
+  return static_cast<Acc>(bits_to_float(static_cast<uint32_t>(p[i].bits) << 16));
+}
+
+// Stores narrow with round-to-nearest-even, as torch's .to(dtype) does.
+template <typename Acc>
+FASTRL_INLINE void store_from(float* p, int64_t i, Acc v) { p[i] = static_cast<float>(v); }
+template <typename Acc>
+FASTRL_INLINE void store_from(double* p, int64_t i, Acc v) { p[i] = static_cast<double>(v); }
+template <typename Acc>
+FASTRL_INLINE void store_from(F16* p, int64_t i, Acc v) { p[i] = static_cast<F16>(static_cast<float>(v)); }
+template <typename Acc>
+FASTRL_INLINE void store_from(BF16* p, int64_t i, Acc v) {
+  const uint32_t u = float_to_bits(static_cast<float>(v));
+  const bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
+  // Adding 0x7fff plus the lowest kept bit rounds the dropped half to even.
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  p[i].bits = static_cast<uint16_t>(is_nan ? 0x7fc0u : rounded);
+}
+
+// exp(x) in float, written so that the compiler vectorises it inside simd
+// loops (libm's expf is a scalar call). Range reduction x = n ln2 + r with
+// |r| <= ln2 / 2, a degree-6 polynomial for e^r (the classic Cephes expf
+// coefficients, about 1 ulp), and 2^n assembled in the exponent bits.
+// Below -87.3 the result would be subnormal; it is flushed to 0, which changes
+// no sum of exponentials here by more than 1e-38 of its value. NaN propagates.
+FASTRL_INLINE float exp_approx(float x) {
+  const float lo = -87.3f, hi = 88.3f;
+  float xc = x < lo ? lo : x;  // NaN fails both tests and stays NaN
+  xc = xc > hi ? hi : xc;
+  // Round x/ln2 to the nearest integer with the 1.5 * 2^23 shifter trick,
+  // which needs no rounding instruction.
+  const float shifter = 12582912.0f;
+  const float t = xc * 1.44269504088896341f + shifter;
+  const float n = t - shifter;
+  const int32_t ni = static_cast<int32_t>(float_to_bits(t) - float_to_bits(shifter));
+  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 split hi + lo
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float scale = bits_to_float(static_cast<uint32_t>(ni + 127) << 23);
+  const float res = p * scale;
+  return x < lo ? 0.0f : res;
+}
+FASTRL_INLINE double exp_approx(double x) { return std::exp(x); }
+
+template <typename Acc>
+constexpr Acc neg_inf() { return -std::numeric_limits<Acc>::infinity(); }
+template <typename Acc>
+constexpr Acc quiet_nan() { return std::numeric_limits<Acc>::quiet_NaN(); }
+
+// Reads label i as int64 whichever integer type the caller passed.
+FASTRL_INLINE int64_t load_label(const void* labels, int label_dtype, int64_t i) {
+  return label_dtype == kInt32 ? static_cast<const int32_t*>(labels)[i]
+                               : static_cast<const int64_t*>(labels)[i];
+}
+
+[[noreturn]] inline void fail(const std::string& what) { throw std::invalid_argument(what); }
+
+}  // namespace fastrl

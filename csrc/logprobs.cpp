@@ -1,0 +1,227 @@
+// Log-probs and entropy of the chosen tokens, CPU kernels.
+//
+// For one row of logits x (length V) at temperature T, with z = x / T:
+//   m   = max_j z_j
+//   s   = sum_j exp(z_j - m)
+//   w   = sum_j exp(z_j - m) * (z_j - m)
+//   lse = m + log s
+//   logprob = z_label - lse
+//   entropy = lse - sum_j p_j z_j = log s - w / s          (p = softmax(z))
+// Keeping w relative to the running max (not sum p_j z_j) avoids cancelling two
+// numbers of size |z| when the logits are large and the entropy small.
+//
+// Forward reads the row once: it goes through the row in chunks that fit in L1,
+// takes the chunk's max, rescales (m, s, w) when the max grows, then adds the
+// chunk's exponentials (the second look at the chunk hits L1, not memory).
+//
+// Backward, with g = dL/dlogprob and h = dL/dentropy of the row:
+//   dL/dx_j = (1/T) * ( g * ([j == label] - p_j)  -  h * p_j * (log p_j + entropy) )
+// with log p_j = z_j - lse; a -inf logit has p_j = 0 and contributes nothing.
+// One read of the row and one write of the gradient, which may alias the logits
+// (inplace_backward): each chunk is read fully before it is written.
+//
+// Each row is reduced by one thread in a fixed order, so results are bitwise
+// reproducible and independent of the other rows in the batch.
+#include "logprobs.h"
+
+#include <algorithm>
+
+#include "common.h"
+
+namespace fastrl {
+namespace {
+
+constexpr int64_t kChunk = 2048;
+
+template <typename Acc>
+struct RowStats {
+  Acc m, s, w;
+};
+
+template <typename In, typename Acc>
+FASTRL_ISA_CLONES RowStats<Acc> row_stats(const In* x, int64_t vocab, Acc inv_t, bool want_w) {
+  Acc m = neg_inf<Acc>(), s = 0, w = 0;
+  Acc z[kChunk];
+  for (int64_t start = 0; start < vocab; start += kChunk) {
+    const int64_t n = std::min(kChunk, vocab - start);
+    Acc chunk_max = neg_inf<Acc>();
+#pragma omp simd reduction(max : chunk_max)
+    for (int64_t i = 0; i < n; ++i) {
+      z[i] = load_as<Acc>(x, start + i) * inv_t;
+      chunk_max = z[i] > chunk_max ? z[i] : chunk_max;
+    }
+    if (chunk_max > m) {
+      // Move (s, w) to the new reference point m' = chunk_max:
+      //   s' = a s,  w' = a (w + (m - m') s),  a = exp(m - m').
+      if (m == neg_inf<Acc>()) {
+        s = 0;
+        w = 0;
+      } else {
+        const Acc a = std::exp(m - chunk_max);
+        w = a * (w + (m - chunk_max) * s);
+        s = a * s;
+      }
+      m = chunk_max;
+    }
+    if (m == neg_inf<Acc>()) continue;  // every logit so far is -inf
+    Acc chunk_s = 0, chunk_w = 0;
+    if (want_w) {
+#pragma omp simd reduction(+ : chunk_s, chunk_w)
+      for (int64_t i = 0; i < n; ++i) {
+        const Acc d = z[i] - m;
+        const Acc e = exp_approx(d);
+        chunk_s += e;
+        chunk_w += z[i] == neg_inf<Acc>() ? Acc(0) : e * d;
+      }
+    } else {
+#pragma omp simd reduction(+ : chunk_s)
+      for (int64_t i = 0; i < n; ++i) chunk_s += exp_approx(z[i] - m);
+    }
+    s += chunk_s;
+    w += chunk_w;
+  }
+  return {m, s, w};
+}
+
+template <typename In, typename Acc>
+FASTRL_ISA_CLONES void row_grad(const In* x, In* grad, int64_t vocab, Acc inv_t, Acc lse,
+                                Acc g_logprob, int64_t label, bool with_entropy, Acc g_entropy,
+                                Acc entropy) {
+  Acc buf[kChunk];
+  for (int64_t start = 0; start < vocab; start += kChunk) {
+    const int64_t n = std::min(kChunk, vocab - start);
+    if (with_entropy) {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const Acc z = load_as<Acc>(x, start + i) * inv_t;
+        const Acc logp = z - lse;
+        const Acc p = exp_approx(logp);
+        const Acc ent_term = z == neg_inf<Acc>() ? Acc(0) : g_entropy * p * (logp + entropy);
+        buf[i] = -g_logprob * p - ent_term;
+      }
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const Acc z = load_as<Acc>(x, start + i) * inv_t;
+        buf[i] = -g_logprob * exp_approx(z - lse);
+      }
+    }
+    if (label >= start && label < start + n) buf[label - start] += g_logprob;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) store_from(grad, start + i, buf[i] * inv_t);
+  }
+}
+
+template <typename Acc>
+Acc row_temperature(const void* temps, double temp_scalar, int64_t r) {
+  return temps ? static_cast<const Acc*>(temps)[r] : static_cast<Acc>(temp_scalar);
+}
+
+// A temperature that is not a positive finite number poisons its row with NaN
+// (the Python layer rejects it before this on CPU; this keeps the kernel total).
+template <typename Acc>
+bool usable_temperature(Acc t) {
+  return t > 0 && t < std::numeric_limits<Acc>::infinity();
+}
+
+template <typename In, typename Acc>
+void forward_impl(const LogprobsArgs& a, void* out_logprob, void* out_entropy, void* out_lse) {
+  const In* logits = static_cast<const In*>(a.logits);
+  Acc* logprob = static_cast<Acc*>(out_logprob);
+  Acc* entropy = static_cast<Acc*>(out_entropy);
+  Acc* lse_out = static_cast<Acc*>(out_lse);
+  const bool want_w = entropy != nullptr;
+#pragma omp parallel for schedule(static) if (a.n_rows * a.vocab > 32768)
+  for (int64_t r = 0; r < a.n_rows; ++r) {
+    const In* x = logits + r * a.row_stride;
+    const Acc t = row_temperature<Acc>(a.temps, a.temp_scalar, r);
+    if (!usable_temperature(t)) {
+      if (logprob) logprob[r] = quiet_nan<Acc>();
+      if (entropy) entropy[r] = quiet_nan<Acc>();
+      if (lse_out) lse_out[r] = quiet_nan<Acc>();
+      continue;
+    }
+    const Acc inv_t = Acc(1) / t;
+    const RowStats<Acc> st = row_stats<In, Acc>(x, a.vocab, inv_t, want_w);
+    const Acc log_s = std::log(st.s);
+    if (lse_out) lse_out[r] = st.m + log_s;
+    if (entropy) entropy[r] = log_s - st.w / st.s;
+    if (logprob) {
+      const int64_t label = load_label(a.labels, a.label_dtype, r);
+      if (label == a.ignore_index) {
+        logprob[r] = 0;
+      } else if (label < 0 || label >= a.vocab) {
+        logprob[r] = quiet_nan<Acc>();
+      } else {
+        logprob[r] = (load_as<Acc>(x, label) * inv_t - st.m) - log_s;
+      }
+    }
+  }
+}
+
+template <typename In, typename Acc>
+void backward_impl(const LogprobsArgs& a, const void* lse_in, const void* entropy_in,
+                   const void* grad_logprob, const void* grad_entropy, void* grad_out,
+                   int64_t grad_row_stride) {
+  const In* logits = static_cast<const In*>(a.logits);
+  In* grad = static_cast<In*>(grad_out);
+  const Acc* lse = static_cast<const Acc*>(lse_in);
+  const Acc* entropy = static_cast<const Acc*>(entropy_in);
+  const Acc* g_lp = static_cast<const Acc*>(grad_logprob);
+  const Acc* g_ent = static_cast<const Acc*>(grad_entropy);
+#pragma omp parallel for schedule(static) if (a.n_rows * a.vocab > 32768)
+  for (int64_t r = 0; r < a.n_rows; ++r) {
+    const Acc t = row_temperature<Acc>(a.temps, a.temp_scalar, r);
+    const Acc inv_t = usable_temperature(t) ? Acc(1) / t : quiet_nan<Acc>();
+    Acc g = 0;
+    int64_t label = -1;
+    if (g_lp) {
+      label = load_label(a.labels, a.label_dtype, r);
+      if (label == a.ignore_index) {
+        label = -1;
+      } else if (label < 0 || label >= a.vocab) {
+        label = -1;
+        g = quiet_nan<Acc>();  // the forward marked this row NaN; so does its gradient
+      } else {
+        g = g_lp[r];
+      }
+    }
+    row_grad<In, Acc>(logits + r * a.row_stride, grad + r * grad_row_stride, a.vocab, inv_t,
+                      lse[r], g, label, g_ent != nullptr, g_ent ? g_ent[r] : Acc(0),
+                      g_ent ? entropy[r] : Acc(0));
+  }
+}
+
+}  // namespace
+
+void logprobs_forward(const LogprobsArgs& a, void* out_logprob, void* out_entropy, void* out_lse) {
+  switch (a.dtype) {
+    case kFloat32: return forward_impl<float, float>(a, out_logprob, out_entropy, out_lse);
+    case kFloat16: return forward_impl<F16, float>(a, out_logprob, out_entropy, out_lse);
+    case kBFloat16: return forward_impl<BF16, float>(a, out_logprob, out_entropy, out_lse);
+    case kFloat64: return forward_impl<double, double>(a, out_logprob, out_entropy, out_lse);
+    default: fail("logprobs_forward: unsupported logits dtype code " + std::to_string(a.dtype));
+  }
+}
+
+void logprobs_backward(const LogprobsArgs& a, const void* lse, const void* entropy,
+                       const void* grad_logprob, const void* grad_entropy, void* grad_out,
+                       int64_t grad_row_stride) {
+  switch (a.dtype) {
+    case kFloat32:
+      return backward_impl<float, float>(a, lse, entropy, grad_logprob, grad_entropy, grad_out,
+                                         grad_row_stride);
+    case kFloat16:
+      return backward_impl<F16, float>(a, lse, entropy, grad_logprob, grad_entropy, grad_out,
+                                       grad_row_stride);
+    case kBFloat16:
+      return backward_impl<BF16, float>(a, lse, entropy, grad_logprob, grad_entropy, grad_out,
+                                        grad_row_stride);
+    case kFloat64:
+      return backward_impl<double, double>(a, lse, entropy, grad_logprob, grad_entropy, grad_out,
+                                           grad_row_stride);
+    default: fail("logprobs_backward: unsupported logits dtype code " + std::to_string(a.dtype));
+  }
+}
+
+}  // namespace fastrl

@@ -1,0 +1,38 @@
+// Log-probs and entropy of chosen tokens: the CPU kernels' interface.
+#pragma once
+
+#include <cstdint>
+
+namespace fastrl {
+
+// What both passes read. logits: n_rows rows of `vocab` elements with unit
+// stride, row r at logits + r * row_stride elements. labels: int32 / int64
+// (label_dtype), or null when only the entropy is wanted. temps: one per-row
+// temperature of the accumulation type (float, double for float64 logits), or
+// null to use temp_scalar for every row.
+struct LogprobsArgs {
+  const void* logits;
+  int dtype;
+  int64_t n_rows;
+  int64_t vocab;
+  int64_t row_stride;
+  const void* labels;
+  int label_dtype;
+  int64_t ignore_index;
+  const void* temps;
+  double temp_scalar;
+};
+
+// Writes per-row log-prob, entropy and logsumexp(z) into whichever output
+// pointers are non-null (all of the accumulation type).
+void logprobs_forward(const LogprobsArgs& args, void* out_logprob, void* out_entropy,
+                      void* out_lse);
+
+// Writes dL/dlogits (logits' dtype, row stride grad_row_stride; may alias the
+// logits) from the saved lse / entropy and the incoming gradients. A null
+// grad_logprob or grad_entropy means that output's gradient is zero.
+void logprobs_backward(const LogprobsArgs& args, const void* lse, const void* entropy,
+                       const void* grad_logprob, const void* grad_entropy, void* grad_out,
+                       int64_t grad_row_stride);
+
+}  // namespace fastrl

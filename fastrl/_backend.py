@@ -1,0 +1,136 @@
+"""The one dispatch point: which backend runs a call.
+
+Backends:
+  ``triton``    the Triton kernels in ``fastrl.kernels``: compiled on CUDA tensors,
+                and on CPU tensors under ``TRITON_INTERPRET=1`` (how CI covers them).
+  ``native``    the C++ kernels of the ``fastrl._C`` extension (CPU tensors; CUDA
+                tensors where a CUDA C++ kernel is built and registered).
+  ``reference`` the PyTorch references in ``fastrl.reference`` (the spec).
+
+Default per call, from the tensors' device: CUDA -> triton; CPU -> native, or the
+reference with one warning when the extension is missing. ``FASTRL_BACKEND`` or
+the context manager :func:`use_backend` (which wins over the variable) force one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import os
+import warnings
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+
+BACKENDS = ("triton", "native", "reference")
+
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("fastrl_backend", default=None)
+
+
+def _check_name(name: object, what: str) -> str:
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(f"{what} must be one of {', '.join(BACKENDS)}; got {name!r}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Run every fastrl op inside the block on backend ``name``
+    (``"triton"``, ``"native"`` or ``"reference"``)."""
+    token = _forced.set(_check_name(name, "use_backend(name)"))
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def forced_backend() -> str | None:
+    """The backend forced by :func:`use_backend` or ``FASTRL_BACKEND``, if any."""
+    name = _forced.get()
+    if name is not None:
+        return name
+    env = os.environ.get("FASTRL_BACKEND", "").strip()
+    return _check_name(env, "the environment variable FASTRL_BACKEND") if env else None
+
+
+@functools.cache
+def native_module() -> ModuleType | None:
+    """``fastrl._C``, or None when the extension was not built."""
+    try:
+        return importlib.import_module("fastrl._C")
+    except ImportError:
+        return None
+
+
+@functools.cache
+def native_cuda() -> bool:
+    mod = native_module()
+    return bool(mod is not None and mod.build_info()["cuda"])
+
+
+def triton_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def triton_importable() -> bool:
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def _unavailable(name: str, device: torch.device) -> str | None:
+    """Why backend ``name`` cannot run on ``device``, or None if it can."""
+    if name == "reference":
+        return None
+    if name == "native":
+        if native_module() is None:
+            return "the native extension fastrl._C is not built (reinstall with a C++ compiler)"
+        if device.type == "cuda" and not native_cuda():
+            return "fastrl._C was built without CUDA kernels"
+        if device.type not in ("cpu", "cuda"):
+            return f"the native backend has no kernels for {device.type} tensors"
+        return None
+    if not triton_importable():
+        return "triton is not installed"
+    if device.type == "cpu" and not triton_interpreter():
+        return "Triton runs CPU tensors only under TRITON_INTERPRET=1"
+    if device.type not in ("cpu", "cuda"):
+        return f"the Triton backend has no kernels for {device.type} tensors"
+    return None
+
+
+@functools.cache
+def _warn_reference_fallback(device_type: str) -> None:
+    warnings.warn(
+        f"fastrl: no fused kernel is available for {device_type} tensors "
+        "(native extension not built or triton missing); running the PyTorch reference",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def select_backend(device: torch.device) -> str:
+    """The backend that runs an op on tensors of ``device``."""
+    name = forced_backend()
+    if name is not None:
+        why = _unavailable(name, device)
+        if why is not None:
+            raise RuntimeError(f"fastrl backend {name!r} was requested but cannot run: {why}")
+        return name
+    preferred = ("triton", "native") if device.type == "cuda" else ("native",)
+    for candidate in preferred:
+        if _unavailable(candidate, device) is None:
+            return candidate
+    _warn_reference_fallback(device.type)
+    return "reference"
+
+
+def checks_enabled() -> bool:
+    """``FASTRL_CHECKS=1``: also run the checks that need a host sync on CUDA."""
+    return os.environ.get("FASTRL_CHECKS", "0") not in ("", "0")

@@ -1,0 +1,83 @@
+"""Launchers for the native C++ kernels in ``fastrl._C``.
+
+The extension takes raw pointers, sizes, strides and dtype codes (the codes of
+``csrc/common.h``); these functions allocate the outputs and pass them. They
+mirror the Triton launchers in ``fastrl.kernels`` argument for argument, so the
+API layer picks a backend by picking a module.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import native_module
+
+DTYPE_CODES = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.float64: 3,
+    torch.int32: 10,
+    torch.int64: 11,
+}
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _temperature_args(temperature: float | torch.Tensor) -> tuple[int, float]:
+    """(pointer to per-row temperatures or 0, scalar temperature)."""
+    if isinstance(temperature, torch.Tensor):
+        return temperature.data_ptr(), 1.0
+    return 0, float(temperature)
+
+
+def logprobs_forward(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    temperature: float | torch.Tensor,
+    ignore_index: int,
+    *,
+    with_entropy: bool,
+    with_lse: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Per-row (log-prob of the label, entropy, logsumexp(z)) of ``logits [N, V]``
+    (unit stride in V); an output not asked for is None. Per-row temperatures
+    come as a contiguous ``[N]`` tensor of the accumulation dtype."""
+    n_rows, vocab = logits.shape
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    new = lambda: torch.empty(n_rows, dtype=acc, device=logits.device)  # noqa: E731
+    logprob = new() if labels is not None else None
+    entropy = new() if with_entropy else None
+    lse = new() if with_lse else None
+    temps_ptr, temp_scalar = _temperature_args(temperature)
+    native_module().logprobs_forward(
+        logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, logits.stride(0),
+        _ptr(labels), DTYPE_CODES[labels.dtype] if labels is not None else -1, ignore_index,
+        temps_ptr, temp_scalar, _ptr(logprob), _ptr(entropy), _ptr(lse),
+    )  # fmt: skip
+    return logprob, entropy, lse
+
+
+def logprobs_backward(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    temperature: float | torch.Tensor,
+    ignore_index: int,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logprob: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    grad_out: torch.Tensor,
+) -> None:
+    """Writes dL/dlogits into ``grad_out [N, V]`` (logits' dtype; it may be the
+    logits themselves). A None incoming gradient counts as zero and skips its term."""
+    n_rows, vocab = logits.shape
+    temps_ptr, temp_scalar = _temperature_args(temperature)
+    native_module().logprobs_backward(
+        logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, logits.stride(0),
+        _ptr(labels), DTYPE_CODES[labels.dtype] if labels is not None else -1, ignore_index,
+        temps_ptr, temp_scalar, lse.data_ptr(), _ptr(entropy), _ptr(grad_logprob),
+        _ptr(grad_entropy), grad_out.data_ptr(), grad_out.stride(0),
+    )  # fmt: skip

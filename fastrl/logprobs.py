@@ -1,0 +1,179 @@
+"""Log-probs and entropy of chosen tokens from ``[..., V]`` logits.
+
+    z        = logits / T                      (fp32 inside the kernel; never a scaled copy)
+    logprob  = log_softmax(z)[label]           (0 where label == ignore_index)
+    entropy  = -sum_v softmax(z)_v log softmax(z)_v
+
+Both are differentiable w.r.t. the logits (the 1/T factor included); the
+temperature is a constant. Outputs are float32 (float64 for float64 logits,
+which the kernels accept so that their gradients can be checked with gradcheck).
+
+Memory: the forward reads the logits once and, when a gradient is needed, keeps
+two fp32 numbers per row (logsumexp, and entropy if it was asked for); under
+``torch.no_grad`` it keeps nothing. The backward reads the logits once and
+writes the gradient once; with ``inplace_backward=True`` the gradient is written
+into the logits' own storage (the logits must not be used after the backward).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from . import _validation, reference
+from ._backend import select_backend
+
+__all__ = ["logprobs_from_logits", "logprobs_and_entropy", "entropy_from_logits"]
+
+
+def _kernels(backend: str) -> ModuleType:
+    """The launcher module of a kernel backend (both expose the same functions)."""
+    if backend == "triton":
+        from .kernels import logprobs as triton_logprobs
+
+        return triton_logprobs
+    from . import _native
+
+    return _native
+
+
+def _as_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` as ``[N, V]`` with unit stride in V: a view when the layout
+    allows it, otherwise one copy."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    if rows.shape[1] > 1 and rows.stride(1) != 1:
+        rows = rows.contiguous()
+    return rows
+
+
+class _LogprobsEntropy(torch.autograd.Function):
+    """Outputs, in order: logprob (if labels are given), entropy (if asked for)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, ignore_index, with_entropy, inplace_backward, kernels):
+        rows = _as_rows(logits)
+        logprob, entropy, lse = kernels.logprobs_forward(
+            rows, labels, temperature, ignore_index, with_entropy=with_entropy, with_lse=True
+        )
+        temps = temperature if isinstance(temperature, torch.Tensor) else None
+        ctx.save_for_backward(rows, labels, temps, lse, entropy)
+        ctx.scalar_temperature = None if temps is not None else temperature
+        ctx.ignore_index = ignore_index
+        ctx.inplace_backward = inplace_backward
+        ctx.kernels = kernels
+        ctx.logits_shape = logits.shape
+        ctx.has_labels = labels is not None
+        ctx.set_materialize_grads(False)
+        return tuple(t for t in (logprob, entropy) if t is not None)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rows, labels, temps, lse, entropy = ctx.saved_tensors
+        grads = list(grads)
+        grad_logprob = grads.pop(0) if ctx.has_labels else None
+        grad_entropy = grads.pop(0) if entropy is not None else None
+        if grad_logprob is None and grad_entropy is None:
+            return (None,) * 7
+        acc = lse.dtype
+        if grad_logprob is not None:
+            grad_logprob = grad_logprob.to(acc).contiguous()
+        if grad_entropy is not None:
+            grad_entropy = grad_entropy.to(acc).contiguous()
+        grad_rows = rows if ctx.inplace_backward else torch.empty_like(rows, memory_format=torch.contiguous_format)
+        temperature = temps if temps is not None else ctx.scalar_temperature
+        ctx.kernels.logprobs_backward(
+            rows, labels, temperature, ctx.ignore_index, lse, entropy, grad_logprob, grad_entropy, grad_rows
+        )
+        return grad_rows.reshape(ctx.logits_shape), None, None, None, None, None, None
+
+
+def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy):
+    """Validates, picks the backend and runs the op. Returns (logprob, entropy),
+    either None when not asked for, shaped like ``logits.shape[:-1]``."""
+    _validation.check_logits(logits)
+    if labels is not None:
+        _validation.check_labels(labels, logits, ignore_index)
+    _validation.check_bool(inplace_backward, "inplace_backward")
+    token_shape = logits.shape[:-1]
+    temperature = _validation.check_temperature(temperature, token_shape, logits.device)
+
+    backend = select_backend(logits.device)
+    if backend == "reference" or logits.numel() == 0:
+        logprob = entropy = None
+        if labels is not None:
+            logprob = reference.logprobs_from_logits(
+                logits, labels, temperature=temperature, ignore_index=ignore_index
+            )
+        if with_entropy:
+            entropy = reference.entropy_from_logits(logits, temperature=temperature)
+        return logprob, entropy
+
+    kernels = _kernels(backend)
+    acc = reference.compute_dtype(logits)
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.to(acc).expand(token_shape).reshape(-1).contiguous()
+    flat_labels = labels.reshape(-1).contiguous() if labels is not None else None
+
+    if torch.is_grad_enabled() and logits.requires_grad:
+        outputs = list(
+            _LogprobsEntropy.apply(
+                logits, flat_labels, temperature, ignore_index, with_entropy, inplace_backward, kernels
+            )
+        )
+        logprob = outputs.pop(0) if labels is not None else None
+        entropy = outputs.pop(0) if with_entropy else None
+    else:
+        logprob, entropy, _ = kernels.logprobs_forward(
+            _as_rows(logits), flat_labels, temperature, ignore_index, with_entropy=with_entropy, with_lse=False
+        )
+    reshape = lambda t: None if t is None else t.view(token_shape)  # noqa: E731
+    return reshape(logprob), reshape(entropy)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    inplace_backward: bool = False,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """``log_softmax(logits / temperature)[..., label]`` per token, float32.
+
+    Drop-in for veRL's ``verl.utils.torch_functional.logprobs_from_logits``
+    (same positional arguments, same result) and equal to TRL's
+    ``selective_log_softmax`` on float32 input.
+
+    Args:
+        logits: ``[..., V]`` bf16 / fp16 / fp32 (fp64 accepted, computed in fp64).
+        labels: ``[...]`` int32 / int64, in ``[0, V)`` or ``ignore_index``.
+        inplace_backward: write the gradient into ``logits``' storage instead of
+            allocating a new ``[..., V]`` tensor.
+        temperature: positive float, or a tensor of per-row temperatures
+            broadcastable to ``labels.shape``.
+        ignore_index: label whose log-prob is 0 and whose gradient is 0.
+    """
+    logprob, _ = _run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy=False)
+    return logprob
+
+
+def logprobs_and_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    inplace_backward: bool = False,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logprobs, entropy)`` of the same distribution, from one read of the
+    logits. Arguments as :func:`logprobs_from_logits`; the entropy is defined on
+    ``ignore_index`` rows too. The entropy's gradient term is skipped in the
+    backward when the entropy is not used in the loss."""
+    return _run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy=True)
+
+
+def entropy_from_logits(logits: torch.Tensor, *, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` per row, float32, differentiable."""
+    _, entropy = _run(logits, None, temperature, -100, False, with_entropy=True)
+    return entropy

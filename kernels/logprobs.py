@@ -1,0 +1,178 @@
+"""Log-probs and entropy of chosen tokens: Triton kernels and their launchers.
+
+One program per row of logits (so a row's result never depends on the batch),
+z = x / T computed on the fly in fp32 (fp64 for float64 logits), never a scaled
+copy of the logits.
+
+Forward, one read of the row (``reduce.softmax_stats``):
+    lse     = m + log s
+    logprob = z[label] - lse          (0 for ignore_index, NaN for a label outside [0, V))
+    entropy = log s - w / s
+
+Backward, one read and one write, with g = dL/dlogprob and h = dL/dentropy:
+    dL/dx_j = (1/T) (g ([j == label] - p_j) - h p_j (log p_j + entropy)),   log p_j = z_j - lse
+where a -inf logit (p_j = 0) contributes 0. The entropy term is compiled out
+when entropy's gradient is not needed. The gradient may be written over the
+logits (inplace_backward): each block is loaded before it is stored.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reduce import softmax_stats
+
+# Elements of a row handled per loop iteration. It depends on V only, never on
+# the number of rows, which keeps results batch invariant.
+_MAX_BLOCK_V = 8192
+
+
+def _launch_config(vocab: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for a row of ``vocab`` logits."""
+    block = min(triton.next_power_of_2(vocab), _MAX_BLOCK_V)
+    num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
+    return block, num_warps
+
+
+def _acc_dtypes(logits: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
+    if logits.dtype == torch.float64:
+        return torch.float64, tl.float64
+    return torch.float32, tl.float32
+
+
+@triton.jit
+def _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP: tl.constexpr, ACC: tl.constexpr):
+    """1/T of this row; NaN (poisoning the row) if T is not positive and finite."""
+    if PER_ROW_TEMP:
+        t = tl.load(temps_ptr + row).to(ACC)
+    else:
+        t = tl.full([], temp_scalar, ACC)
+    usable = (t > 0) & (t < float("inf"))
+    return tl.where(usable, 1.0 / t, float("nan")).to(ACC)
+
+
+@triton.jit
+def _logprobs_fwd_kernel(
+    logits_ptr, row_stride, labels_ptr, temps_ptr, temp_scalar, ignore_index,
+    logprob_ptr, entropy_ptr, lse_ptr, V,
+    HAS_LABELS: tl.constexpr, PER_ROW_TEMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    WITH_LSE: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    inv_t = _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
+    m, s, w = softmax_stats(row_ptr, V, inv_t, WITH_ENTROPY, BLOCK_V, ACC)
+    log_s = tl.log(s)
+    if WITH_LSE:
+        tl.store(lse_ptr + row, m + log_s)
+    if WITH_ENTROPY:
+        tl.store(entropy_ptr + row, log_s - w / s)
+    if HAS_LABELS:
+        label = tl.load(labels_ptr + row).to(tl.int64)
+        in_range = (label >= 0) & (label < V)
+        z_label = tl.load(row_ptr + label, mask=in_range, other=0.0).to(ACC) * inv_t
+        logprob = (z_label - m) - log_s
+        logprob = tl.where(in_range, logprob, float("nan"))
+        logprob = tl.where(label == ignore_index, 0.0, logprob)
+        tl.store(logprob_ptr + row, logprob)
+
+
+@triton.jit
+def _logprobs_bwd_kernel(
+    logits_ptr, row_stride, grad_ptr, grad_row_stride, labels_ptr, temps_ptr, temp_scalar,
+    ignore_index, lse_ptr, entropy_ptr, grad_logprob_ptr, grad_entropy_ptr, V,
+    HAS_GRAD_LOGPROB: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr, PER_ROW_TEMP: tl.constexpr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    grad_row_ptr = grad_ptr + row * grad_row_stride
+    inv_t = _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
+    lse = tl.load(lse_ptr + row).to(ACC)
+    g = tl.zeros([], ACC)
+    label = tl.full([], -1, tl.int64)
+    if HAS_GRAD_LOGPROB:
+        label = tl.load(labels_ptr + row).to(tl.int64)
+        ignored = label == ignore_index
+        in_range = (label >= 0) & (label < V)
+        # A label outside [0, V) made the forward NaN; its gradient is NaN too.
+        g = tl.where(in_range, tl.load(grad_logprob_ptr + row).to(ACC), float("nan"))
+        g = tl.where(ignored, 0.0, g).to(ACC)
+        label = tl.where(in_range & ~ignored, label, -1)
+    if HAS_GRAD_ENTROPY:
+        h = tl.load(grad_entropy_ptr + row).to(ACC)
+        entropy = tl.load(entropy_ptr + row).to(ACC)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        mask = offs < V
+        z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(ACC) * inv_t
+        logp = z - lse
+        p = tl.exp(logp)
+        grad = -g * p
+        if HAS_GRAD_ENTROPY:
+            logp_finite = tl.where(z == float("-inf"), 0.0, logp)  # p = 0 there; avoid 0 * -inf
+            grad -= h * p * (logp_finite + entropy)
+        grad = tl.where(offs == label, grad + g, grad)
+        tl.store(grad_row_ptr + offs, (grad * inv_t).to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+def _temperature_args(temperature: float | torch.Tensor) -> tuple[torch.Tensor | None, float, bool]:
+    """(per-row temperature tensor or None, scalar temperature, PER_ROW_TEMP)."""
+    if isinstance(temperature, torch.Tensor):
+        return temperature, 1.0, True
+    return None, float(temperature), False
+
+
+def logprobs_forward(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    temperature: float | torch.Tensor,
+    ignore_index: int,
+    *,
+    with_entropy: bool,
+    with_lse: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Per-row (log-prob of the label, entropy, logsumexp(z)) of ``logits [N, V]``
+    (unit stride in V); an output not asked for is None."""
+    n_rows, vocab = logits.shape
+    acc, acc_tl = _acc_dtypes(logits)
+    new = lambda: torch.empty(n_rows, dtype=acc, device=logits.device)  # noqa: E731
+    logprob = new() if labels is not None else None
+    entropy = new() if with_entropy else None
+    lse = new() if with_lse else None
+    temps, temp_scalar, per_row = _temperature_args(temperature)
+    block, num_warps = _launch_config(vocab)
+    _logprobs_fwd_kernel[(n_rows,)](
+        logits, logits.stride(0), labels, temps, temp_scalar, ignore_index,
+        logprob, entropy, lse, vocab,
+        HAS_LABELS=labels is not None, PER_ROW_TEMP=per_row, WITH_ENTROPY=with_entropy,
+        WITH_LSE=with_lse, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
+    )  # fmt: skip
+    return logprob, entropy, lse
+
+
+def logprobs_backward(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    temperature: float | torch.Tensor,
+    ignore_index: int,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    grad_logprob: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    grad_out: torch.Tensor,
+) -> None:
+    """Writes dL/dlogits into ``grad_out [N, V]`` (logits' dtype; it may be the
+    logits themselves). A None incoming gradient counts as zero and skips its term."""
+    n_rows, vocab = logits.shape
+    _, acc_tl = _acc_dtypes(logits)
+    temps, temp_scalar, per_row = _temperature_args(temperature)
+    block, num_warps = _launch_config(vocab)
+    _logprobs_bwd_kernel[(n_rows,)](
+        logits, logits.stride(0), grad_out, grad_out.stride(0), labels, temps, temp_scalar,
+        ignore_index, lse, entropy, grad_logprob, grad_entropy, vocab,
+        HAS_GRAD_LOGPROB=grad_logprob is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
+        PER_ROW_TEMP=per_row, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
+    )  # fmt: skip
