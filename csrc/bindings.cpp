@@ -47,10 +47,10 @@ PYBIND11_MODULE(_C, m) {
       [](std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab, int64_t row_stride,
          std::uintptr_t labels, int label_dtype, int64_t ignore_index, std::uintptr_t temps,
          double temp_scalar, std::uintptr_t out_logprob, std::uintptr_t out_entropy,
-         std::uintptr_t out_lse) {
+         std::uintptr_t out_stats) {
         fastrl::logprobs_forward(logprobs_args(logits, dtype, n_rows, vocab, row_stride, labels,
                                                label_dtype, ignore_index, temps, temp_scalar),
-                                 mptr(out_logprob), mptr(out_entropy), mptr(out_lse));
+                                 mptr(out_logprob), mptr(out_entropy), mptr(out_stats));
       },
       py::call_guard<py::gil_scoped_release>());
 
@@ -58,12 +58,12 @@ PYBIND11_MODULE(_C, m) {
       "logprobs_backward",
       [](std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab, int64_t row_stride,
          std::uintptr_t labels, int label_dtype, int64_t ignore_index, std::uintptr_t temps,
-         double temp_scalar, std::uintptr_t lse, std::uintptr_t entropy,
+         double temp_scalar, std::uintptr_t stats, std::uintptr_t entropy,
          std::uintptr_t grad_logprob, std::uintptr_t grad_entropy, std::uintptr_t grad_out,
          int64_t grad_row_stride) {
         fastrl::logprobs_backward(logprobs_args(logits, dtype, n_rows, vocab, row_stride, labels,
                                                 label_dtype, ignore_index, temps, temp_scalar),
-                                  cptr(lse), cptr(entropy), cptr(grad_logprob),
+                                  cptr(stats), cptr(entropy), cptr(grad_logprob),
                                   cptr(grad_entropy), mptr(grad_out), grad_row_stride);
       },
       py::call_guard<py::gil_scoped_release>());

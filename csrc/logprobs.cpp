@@ -1,24 +1,24 @@
 // Log-probs and entropy of the chosen tokens, CPU kernels.
 //
-// For one row of logits x (length V) at temperature T, with z = x / T:
-//   m   = max_j z_j
-//   s   = sum_j exp(z_j - m)
-//   w   = sum_j exp(z_j - m) * (z_j - m)
-//   lse = m + log s
-//   logprob = z_label - lse
-//   entropy = lse - sum_j p_j z_j = log s - w / s          (p = softmax(z))
-// Keeping w relative to the running max (not sum p_j z_j) avoids cancelling two
-// numbers of size |z| when the logits are large and the entropy small.
+// For one row of logits x (length V) at temperature T (inv_t = 1/T > 0):
+//   m   = max_j x_j,   d_j = (x_j - m) * inv_t
+//   s   = sum_j exp(d_j),   w = sum_j exp(d_j) * d_j
+//   logprob = (x_label - m) * inv_t - log s
+//   entropy = -sum_j p_j log p_j = log s - w / s          (log p_j = d_j - log s)
+// Differences are taken on the raw logits before scaling, so large logits lose
+// no absolute accuracy when T != 1, and keeping w relative to the max avoids
+// cancelling two numbers of size |x| when the entropy is small.
 //
 // Forward reads the row once: it goes through the row in chunks that fit in L1,
-// takes the chunk's max, rescales (m, s, w) when the max grows, then adds the
+// takes the chunk's max, rescales (s, w) when the max grows, then adds the
 // chunk's exponentials (the second look at the chunk hits L1, not memory).
+// The backward gets each row's (m, log s) from the forward.
 //
 // Backward, with g = dL/dlogprob and h = dL/dentropy of the row:
-//   dL/dx_j = (1/T) * ( g * ([j == label] - p_j)  -  h * p_j * (log p_j + entropy) )
-// with log p_j = z_j - lse; a -inf logit has p_j = 0 and contributes nothing.
-// One read of the row and one write of the gradient, which may alias the logits
-// (inplace_backward): each chunk is read fully before it is written.
+//   dL/dx_j = inv_t * ( g * ([j == label] - p_j)  -  h * p_j * (log p_j + entropy) )
+// a -inf logit has p_j = 0 and contributes nothing. One read of the row and one
+// write of the gradient, which may alias the logits (inplace_backward): each
+// chunk is read fully before it is written.
 //
 // Each row is reduced by one thread in a fixed order, so results are bitwise
 // reproducible and independent of the other rows in the batch.
@@ -41,24 +41,22 @@ struct RowStats {
 template <typename In, typename Acc>
 FASTRL_ISA_CLONES RowStats<Acc> row_stats(const In* x, int64_t vocab, Acc inv_t, bool want_w) {
   Acc m = neg_inf<Acc>(), s = 0, w = 0;
-  Acc z[kChunk];
+  Acc xs[kChunk];
   for (int64_t start = 0; start < vocab; start += kChunk) {
     const int64_t n = std::min(kChunk, vocab - start);
     Acc chunk_max = neg_inf<Acc>();
 #pragma omp simd reduction(max : chunk_max)
     for (int64_t i = 0; i < n; ++i) {
-      z[i] = load_as<Acc>(x, start + i) * inv_t;
-      chunk_max = z[i] > chunk_max ? z[i] : chunk_max;
+      xs[i] = load_as<Acc>(x, start + i);
+      chunk_max = xs[i] > chunk_max ? xs[i] : chunk_max;
     }
     if (chunk_max > m) {
       // Move (s, w) to the new reference point m' = chunk_max:
-      //   s' = a s,  w' = a (w + (m - m') s),  a = exp(m - m').
-      if (m == neg_inf<Acc>()) {
-        s = 0;
-        w = 0;
-      } else {
-        const Acc a = std::exp(m - chunk_max);
-        w = a * (w + (m - chunk_max) * s);
+      //   s' = a s,  w' = a (w + c s),  c = (m - m') inv_t,  a = exp(c).
+      if (m != neg_inf<Acc>()) {
+        const Acc c = (m - chunk_max) * inv_t;
+        const Acc a = std::exp(c);
+        w = a * (w + c * s);
         s = a * s;
       }
       m = chunk_max;
@@ -68,14 +66,14 @@ FASTRL_ISA_CLONES RowStats<Acc> row_stats(const In* x, int64_t vocab, Acc inv_t,
     if (want_w) {
 #pragma omp simd reduction(+ : chunk_s, chunk_w)
       for (int64_t i = 0; i < n; ++i) {
-        const Acc d = z[i] - m;
+        const Acc d = (xs[i] - m) * inv_t;
         const Acc e = exp_approx(d);
         chunk_s += e;
-        chunk_w += z[i] == neg_inf<Acc>() ? Acc(0) : e * d;
+        chunk_w += xs[i] == neg_inf<Acc>() ? Acc(0) : e * d;
       }
     } else {
 #pragma omp simd reduction(+ : chunk_s)
-      for (int64_t i = 0; i < n; ++i) chunk_s += exp_approx(z[i] - m);
+      for (int64_t i = 0; i < n; ++i) chunk_s += exp_approx((xs[i] - m) * inv_t);
     }
     s += chunk_s;
     w += chunk_w;
@@ -84,8 +82,8 @@ FASTRL_ISA_CLONES RowStats<Acc> row_stats(const In* x, int64_t vocab, Acc inv_t,
 }
 
 template <typename In, typename Acc>
-FASTRL_ISA_CLONES void row_grad(const In* x, In* grad, int64_t vocab, Acc inv_t, Acc lse,
-                                Acc g_logprob, int64_t label, bool with_entropy, Acc g_entropy,
+FASTRL_ISA_CLONES void row_grad(const In* x, In* grad, int64_t vocab, Acc inv_t, Acc m,
+                                Acc log_s, Acc g_logprob, int64_t label, bool with_entropy, Acc g_entropy,
                                 Acc entropy) {
   Acc buf[kChunk];
   for (int64_t start = 0; start < vocab; start += kChunk) {
@@ -93,17 +91,17 @@ FASTRL_ISA_CLONES void row_grad(const In* x, In* grad, int64_t vocab, Acc inv_t,
     if (with_entropy) {
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) {
-        const Acc z = load_as<Acc>(x, start + i) * inv_t;
-        const Acc logp = z - lse;
+        const Acc xi = load_as<Acc>(x, start + i);
+        const Acc logp = (xi - m) * inv_t - log_s;
         const Acc p = exp_approx(logp);
-        const Acc ent_term = z == neg_inf<Acc>() ? Acc(0) : g_entropy * p * (logp + entropy);
-        buf[i] = -g_logprob * p - ent_term;
+        const Acc logp_finite = xi == neg_inf<Acc>() ? Acc(0) : logp;  // p = 0 there
+        buf[i] = -g_logprob * p - g_entropy * p * (logp_finite + entropy);
       }
     } else {
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) {
-        const Acc z = load_as<Acc>(x, start + i) * inv_t;
-        buf[i] = -g_logprob * exp_approx(z - lse);
+        const Acc logp = (load_as<Acc>(x, start + i) - m) * inv_t - log_s;
+        buf[i] = -g_logprob * exp_approx(logp);
       }
     }
     if (label >= start && label < start + n) buf[label - start] += g_logprob;
@@ -125,11 +123,11 @@ bool usable_temperature(Acc t) {
 }
 
 template <typename In, typename Acc>
-void forward_impl(const LogprobsArgs& a, void* out_logprob, void* out_entropy, void* out_lse) {
+void forward_impl(const LogprobsArgs& a, void* out_logprob, void* out_entropy, void* out_stats) {
   const In* logits = static_cast<const In*>(a.logits);
   Acc* logprob = static_cast<Acc*>(out_logprob);
   Acc* entropy = static_cast<Acc*>(out_entropy);
-  Acc* lse_out = static_cast<Acc*>(out_lse);
+  Acc* stats = static_cast<Acc*>(out_stats);
   const bool want_w = entropy != nullptr;
 #pragma omp parallel for schedule(static) if (a.n_rows * a.vocab > 32768)
   for (int64_t r = 0; r < a.n_rows; ++r) {
@@ -138,13 +136,16 @@ void forward_impl(const LogprobsArgs& a, void* out_logprob, void* out_entropy, v
     if (!usable_temperature(t)) {
       if (logprob) logprob[r] = quiet_nan<Acc>();
       if (entropy) entropy[r] = quiet_nan<Acc>();
-      if (lse_out) lse_out[r] = quiet_nan<Acc>();
+      if (stats) stats[2 * r] = stats[2 * r + 1] = quiet_nan<Acc>();
       continue;
     }
     const Acc inv_t = Acc(1) / t;
     const RowStats<Acc> st = row_stats<In, Acc>(x, a.vocab, inv_t, want_w);
     const Acc log_s = std::log(st.s);
-    if (lse_out) lse_out[r] = st.m + log_s;
+    if (stats) {
+      stats[2 * r] = st.m;
+      stats[2 * r + 1] = log_s;
+    }
     if (entropy) entropy[r] = log_s - st.w / st.s;
     if (logprob) {
       const int64_t label = load_label(a.labels, a.label_dtype, r);
@@ -153,19 +154,19 @@ void forward_impl(const LogprobsArgs& a, void* out_logprob, void* out_entropy, v
       } else if (label < 0 || label >= a.vocab) {
         logprob[r] = quiet_nan<Acc>();
       } else {
-        logprob[r] = (load_as<Acc>(x, label) * inv_t - st.m) - log_s;
+        logprob[r] = (load_as<Acc>(x, label) - st.m) * inv_t - log_s;
       }
     }
   }
 }
 
 template <typename In, typename Acc>
-void backward_impl(const LogprobsArgs& a, const void* lse_in, const void* entropy_in,
+void backward_impl(const LogprobsArgs& a, const void* stats_in, const void* entropy_in,
                    const void* grad_logprob, const void* grad_entropy, void* grad_out,
                    int64_t grad_row_stride) {
   const In* logits = static_cast<const In*>(a.logits);
   In* grad = static_cast<In*>(grad_out);
-  const Acc* lse = static_cast<const Acc*>(lse_in);
+  const Acc* stats = static_cast<const Acc*>(stats_in);
   const Acc* entropy = static_cast<const Acc*>(entropy_in);
   const Acc* g_lp = static_cast<const Acc*>(grad_logprob);
   const Acc* g_ent = static_cast<const Acc*>(grad_entropy);
@@ -187,38 +188,39 @@ void backward_impl(const LogprobsArgs& a, const void* lse_in, const void* entrop
       }
     }
     row_grad<In, Acc>(logits + r * a.row_stride, grad + r * grad_row_stride, a.vocab, inv_t,
-                      lse[r], g, label, g_ent != nullptr, g_ent ? g_ent[r] : Acc(0),
+                      stats[2 * r], stats[2 * r + 1], g, label, g_ent != nullptr, g_ent ? g_ent[r] : Acc(0),
                       g_ent ? entropy[r] : Acc(0));
   }
 }
 
 }  // namespace
 
-void logprobs_forward(const LogprobsArgs& a, void* out_logprob, void* out_entropy, void* out_lse) {
+void logprobs_forward(const LogprobsArgs& a, void* out_logprob, void* out_entropy,
+                      void* out_stats) {
   switch (a.dtype) {
-    case kFloat32: return forward_impl<float, float>(a, out_logprob, out_entropy, out_lse);
-    case kFloat16: return forward_impl<F16, float>(a, out_logprob, out_entropy, out_lse);
-    case kBFloat16: return forward_impl<BF16, float>(a, out_logprob, out_entropy, out_lse);
-    case kFloat64: return forward_impl<double, double>(a, out_logprob, out_entropy, out_lse);
+    case kFloat32: return forward_impl<float, float>(a, out_logprob, out_entropy, out_stats);
+    case kFloat16: return forward_impl<F16, float>(a, out_logprob, out_entropy, out_stats);
+    case kBFloat16: return forward_impl<BF16, float>(a, out_logprob, out_entropy, out_stats);
+    case kFloat64: return forward_impl<double, double>(a, out_logprob, out_entropy, out_stats);
     default: fail("logprobs_forward: unsupported logits dtype code " + std::to_string(a.dtype));
   }
 }
 
-void logprobs_backward(const LogprobsArgs& a, const void* lse, const void* entropy,
+void logprobs_backward(const LogprobsArgs& a, const void* stats, const void* entropy,
                        const void* grad_logprob, const void* grad_entropy, void* grad_out,
                        int64_t grad_row_stride) {
   switch (a.dtype) {
     case kFloat32:
-      return backward_impl<float, float>(a, lse, entropy, grad_logprob, grad_entropy, grad_out,
+      return backward_impl<float, float>(a, stats, entropy, grad_logprob, grad_entropy, grad_out,
                                          grad_row_stride);
     case kFloat16:
-      return backward_impl<F16, float>(a, lse, entropy, grad_logprob, grad_entropy, grad_out,
+      return backward_impl<F16, float>(a, stats, entropy, grad_logprob, grad_entropy, grad_out,
                                        grad_row_stride);
     case kBFloat16:
-      return backward_impl<BF16, float>(a, lse, entropy, grad_logprob, grad_entropy, grad_out,
+      return backward_impl<BF16, float>(a, stats, entropy, grad_logprob, grad_entropy, grad_out,
                                         grad_row_stride);
     case kFloat64:
-      return backward_impl<double, double>(a, lse, entropy, grad_logprob, grad_entropy, grad_out,
+      return backward_impl<double, double>(a, stats, entropy, grad_logprob, grad_entropy, grad_out,
                                            grad_row_stride);
     default: fail("logprobs_backward: unsupported logits dtype code " + std::to_string(a.dtype));
   }

@@ -23,15 +23,16 @@ struct LogprobsArgs {
   double temp_scalar;
 };
 
-// Writes per-row log-prob, entropy and logsumexp(z) into whichever output
-// pointers are non-null (all of the accumulation type).
+// Writes per-row log-prob, entropy and stats (the pair max logit, log s that
+// the backward needs; [n_rows, 2]) into whichever output pointers are non-null,
+// all of the accumulation type.
 void logprobs_forward(const LogprobsArgs& args, void* out_logprob, void* out_entropy,
-                      void* out_lse);
+                      void* out_stats);
 
 // Writes dL/dlogits (logits' dtype, row stride grad_row_stride; may alias the
-// logits) from the saved lse / entropy and the incoming gradients. A null
+// logits) from the saved stats / entropy and the incoming gradients. A null
 // grad_logprob or grad_entropy means that output's gradient is zero.
-void logprobs_backward(const LogprobsArgs& args, const void* lse, const void* entropy,
+void logprobs_backward(const LogprobsArgs& args, const void* stats, const void* entropy,
                        const void* grad_logprob, const void* grad_entropy, void* grad_out,
                        int64_t grad_row_stride);
 

@@ -40,24 +40,25 @@ def logprobs_forward(
     ignore_index: int,
     *,
     with_entropy: bool,
-    with_lse: bool,
+    with_stats: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Per-row (log-prob of the label, entropy, logsumexp(z)) of ``logits [N, V]``
-    (unit stride in V); an output not asked for is None. Per-row temperatures
-    come as a contiguous ``[N]`` tensor of the accumulation dtype."""
+    """(log-prob of the label [N], entropy [N], stats [N, 2]) of ``logits [N, V]``
+    (unit stride in V), stats being each row's (max logit, log s) that the
+    backward needs; an output not asked for is None. Per-row temperatures come
+    as a contiguous ``[N]`` tensor of the accumulation dtype."""
     n_rows, vocab = logits.shape
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     new = lambda: torch.empty(n_rows, dtype=acc, device=logits.device)  # noqa: E731
     logprob = new() if labels is not None else None
     entropy = new() if with_entropy else None
-    lse = new() if with_lse else None
+    stats = torch.empty(n_rows, 2, dtype=acc, device=logits.device) if with_stats else None
     temps_ptr, temp_scalar = _temperature_args(temperature)
     native_module().logprobs_forward(
         logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, logits.stride(0),
         _ptr(labels), DTYPE_CODES[labels.dtype] if labels is not None else -1, ignore_index,
-        temps_ptr, temp_scalar, _ptr(logprob), _ptr(entropy), _ptr(lse),
+        temps_ptr, temp_scalar, _ptr(logprob), _ptr(entropy), _ptr(stats),
     )  # fmt: skip
-    return logprob, entropy, lse
+    return logprob, entropy, stats
 
 
 def logprobs_backward(
@@ -65,7 +66,7 @@ def logprobs_backward(
     labels: torch.Tensor | None,
     temperature: float | torch.Tensor,
     ignore_index: int,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     entropy: torch.Tensor | None,
     grad_logprob: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
@@ -78,6 +79,6 @@ def logprobs_backward(
     native_module().logprobs_backward(
         logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, logits.stride(0),
         _ptr(labels), DTYPE_CODES[labels.dtype] if labels is not None else -1, ignore_index,
-        temps_ptr, temp_scalar, lse.data_ptr(), _ptr(entropy), _ptr(grad_logprob),
+        temps_ptr, temp_scalar, stats.data_ptr(), _ptr(entropy), _ptr(grad_logprob),
         _ptr(grad_entropy), grad_out.data_ptr(), grad_out.stride(0),
     )  # fmt: skip

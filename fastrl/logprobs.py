@@ -9,7 +9,8 @@ temperature is a constant. Outputs are float32 (float64 for float64 logits,
 which the kernels accept so that their gradients can be checked with gradcheck).
 
 Memory: the forward reads the logits once and, when a gradient is needed, keeps
-two fp32 numbers per row (logsumexp, and entropy if it was asked for); under
+three fp32 numbers per row (max logit, log-normaliser, and entropy if it was
+asked for); under
 ``torch.no_grad`` it keeps nothing. The backward reads the logits once and
 writes the gradient once; with ``inplace_backward=True`` the gradient is written
 into the logits' own storage (the logits must not be used after the backward).
@@ -20,6 +21,7 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _validation, reference
 from ._backend import select_backend
@@ -53,11 +55,11 @@ class _LogprobsEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature, ignore_index, with_entropy, inplace_backward, kernels):
         rows = _as_rows(logits)
-        logprob, entropy, lse = kernels.logprobs_forward(
-            rows, labels, temperature, ignore_index, with_entropy=with_entropy, with_lse=True
+        logprob, entropy, stats = kernels.logprobs_forward(
+            rows, labels, temperature, ignore_index, with_entropy=with_entropy, with_stats=True
         )
         temps = temperature if isinstance(temperature, torch.Tensor) else None
-        ctx.save_for_backward(rows, labels, temps, lse, entropy)
+        ctx.save_for_backward(rows, labels, temps, stats, entropy)
         ctx.scalar_temperature = None if temps is not None else temperature
         ctx.ignore_index = ignore_index
         ctx.inplace_backward = inplace_backward
@@ -68,14 +70,15 @@ class _LogprobsEntropy(torch.autograd.Function):
         return tuple(t for t in (logprob, entropy) if t is not None)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grads):
-        rows, labels, temps, lse, entropy = ctx.saved_tensors
+        rows, labels, temps, stats, entropy = ctx.saved_tensors
         grads = list(grads)
         grad_logprob = grads.pop(0) if ctx.has_labels else None
         grad_entropy = grads.pop(0) if entropy is not None else None
         if grad_logprob is None and grad_entropy is None:
             return (None,) * 7
-        acc = lse.dtype
+        acc = stats.dtype
         if grad_logprob is not None:
             grad_logprob = grad_logprob.to(acc).contiguous()
         if grad_entropy is not None:
@@ -83,7 +86,7 @@ class _LogprobsEntropy(torch.autograd.Function):
         grad_rows = rows if ctx.inplace_backward else torch.empty_like(rows, memory_format=torch.contiguous_format)
         temperature = temps if temps is not None else ctx.scalar_temperature
         ctx.kernels.logprobs_backward(
-            rows, labels, temperature, ctx.ignore_index, lse, entropy, grad_logprob, grad_entropy, grad_rows
+            rows, labels, temperature, ctx.ignore_index, stats, entropy, grad_logprob, grad_entropy, grad_rows
         )
         return grad_rows.reshape(ctx.logits_shape), None, None, None, None, None, None
 
@@ -100,14 +103,11 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entro
 
     backend = select_backend(logits.device)
     if backend == "reference" or logits.numel() == 0:
-        logprob = entropy = None
-        if labels is not None:
-            logprob = reference.logprobs_from_logits(
-                logits, labels, temperature=temperature, ignore_index=ignore_index
-            )
-        if with_entropy:
-            entropy = reference.entropy_from_logits(logits, temperature=temperature)
-        return logprob, entropy
+        if labels is None:
+            return None, reference.entropy_from_logits(logits, temperature=temperature)
+        if not with_entropy:
+            return reference.logprobs_from_logits(logits, labels, temperature=temperature, ignore_index=ignore_index), None
+        return reference.logprobs_and_entropy(logits, labels, temperature=temperature, ignore_index=ignore_index)
 
     kernels = _kernels(backend)
     acc = reference.compute_dtype(logits)
@@ -125,7 +125,7 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entro
         entropy = outputs.pop(0) if with_entropy else None
     else:
         logprob, entropy, _ = kernels.logprobs_forward(
-            _as_rows(logits), flat_labels, temperature, ignore_index, with_entropy=with_entropy, with_lse=False
+            _as_rows(logits), flat_labels, temperature, ignore_index, with_entropy=with_entropy, with_stats=False
         )
     reshape = lambda t: None if t is None else t.view(token_shape)  # noqa: E731
     return reshape(logprob), reshape(entropy)

@@ -1,16 +1,16 @@
 """Log-probs and entropy of chosen tokens: Triton kernels and their launchers.
 
 One program per row of logits (so a row's result never depends on the batch),
-z = x / T computed on the fly in fp32 (fp64 for float64 logits), never a scaled
-copy of the logits.
+in fp32 (fp64 for float64 logits), never on a scaled copy of the logits.
 
-Forward, one read of the row (``reduce.softmax_stats``):
-    lse     = m + log s
-    logprob = z[label] - lse          (0 for ignore_index, NaN for a label outside [0, V))
+Forward, one read of the row (``reduce.softmax_stats`` gives m, s, w):
+    logprob = (x[label] - m) / T - log s    (0 for ignore_index, NaN for a label outside [0, V))
     entropy = log s - w / s
+and, when a gradient will be needed, the row's (m, log s) are saved.
 
 Backward, one read and one write, with g = dL/dlogprob and h = dL/dentropy:
-    dL/dx_j = (1/T) (g ([j == label] - p_j) - h p_j (log p_j + entropy)),   log p_j = z_j - lse
+    dL/dx_j = (1/T) (g ([j == label] - p_j) - h p_j (log p_j + entropy)),
+    log p_j = (x_j - m) / T - log s,
 where a -inf logit (p_j = 0) contributes 0. The entropy term is compiled out
 when entropy's gradient is not needed. The gradient may be written over the
 logits (inplace_backward): each block is loaded before it is stored.
@@ -56,24 +56,25 @@ def _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP: tl.constexpr
 @triton.jit
 def _logprobs_fwd_kernel(
     logits_ptr, row_stride, labels_ptr, temps_ptr, temp_scalar, ignore_index,
-    logprob_ptr, entropy_ptr, lse_ptr, V,
+    logprob_ptr, entropy_ptr, stats_ptr, V,
     HAS_LABELS: tl.constexpr, PER_ROW_TEMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-    WITH_LSE: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    WITH_STATS: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
     inv_t = _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
     m, s, w = softmax_stats(row_ptr, V, inv_t, WITH_ENTROPY, BLOCK_V, ACC)
     log_s = tl.log(s)
-    if WITH_LSE:
-        tl.store(lse_ptr + row, m + log_s)
+    if WITH_STATS:
+        tl.store(stats_ptr + 2 * row, m)
+        tl.store(stats_ptr + 2 * row + 1, log_s)
     if WITH_ENTROPY:
         tl.store(entropy_ptr + row, log_s - w / s)
     if HAS_LABELS:
         label = tl.load(labels_ptr + row).to(tl.int64)
         in_range = (label >= 0) & (label < V)
-        z_label = tl.load(row_ptr + label, mask=in_range, other=0.0).to(ACC) * inv_t
-        logprob = (z_label - m) - log_s
+        x_label = tl.load(row_ptr + label, mask=in_range, other=0.0).to(ACC)
+        logprob = (x_label - m) * inv_t - log_s
         logprob = tl.where(in_range, logprob, float("nan"))
         logprob = tl.where(label == ignore_index, 0.0, logprob)
         tl.store(logprob_ptr + row, logprob)
@@ -82,7 +83,7 @@ def _logprobs_fwd_kernel(
 @triton.jit
 def _logprobs_bwd_kernel(
     logits_ptr, row_stride, grad_ptr, grad_row_stride, labels_ptr, temps_ptr, temp_scalar,
-    ignore_index, lse_ptr, entropy_ptr, grad_logprob_ptr, grad_entropy_ptr, V,
+    ignore_index, stats_ptr, entropy_ptr, grad_logprob_ptr, grad_entropy_ptr, V,
     HAS_GRAD_LOGPROB: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr, PER_ROW_TEMP: tl.constexpr,
     BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
@@ -90,7 +91,8 @@ def _logprobs_bwd_kernel(
     row_ptr = logits_ptr + row * row_stride
     grad_row_ptr = grad_ptr + row * grad_row_stride
     inv_t = _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
-    lse = tl.load(lse_ptr + row).to(ACC)
+    m = tl.load(stats_ptr + 2 * row).to(ACC)
+    log_s = tl.load(stats_ptr + 2 * row + 1).to(ACC)
     g = tl.zeros([], ACC)
     label = tl.full([], -1, tl.int64)
     if HAS_GRAD_LOGPROB:
@@ -107,12 +109,12 @@ def _logprobs_bwd_kernel(
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < V
-        z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(ACC) * inv_t
-        logp = z - lse
+        x = tl.load(row_ptr + offs, mask=mask, other=0.0).to(ACC)
+        logp = (x - m) * inv_t - log_s
         p = tl.exp(logp)
         grad = -g * p
         if HAS_GRAD_ENTROPY:
-            logp_finite = tl.where(z == float("-inf"), 0.0, logp)  # p = 0 there; avoid 0 * -inf
+            logp_finite = tl.where(x == float("-inf"), 0.0, logp)  # p = 0 there; avoid 0 * -inf
             grad -= h * p * (logp_finite + entropy)
         grad = tl.where(offs == label, grad + g, grad)
         tl.store(grad_row_ptr + offs, (grad * inv_t).to(grad_ptr.dtype.element_ty), mask=mask)
@@ -132,25 +134,26 @@ def logprobs_forward(
     ignore_index: int,
     *,
     with_entropy: bool,
-    with_lse: bool,
+    with_stats: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Per-row (log-prob of the label, entropy, logsumexp(z)) of ``logits [N, V]``
-    (unit stride in V); an output not asked for is None."""
+    """(log-prob of the label [N], entropy [N], stats [N, 2]) of ``logits [N, V]``
+    (unit stride in V), stats being each row's (max logit, log s) that the
+    backward needs; an output not asked for is None."""
     n_rows, vocab = logits.shape
     acc, acc_tl = _acc_dtypes(logits)
     new = lambda: torch.empty(n_rows, dtype=acc, device=logits.device)  # noqa: E731
     logprob = new() if labels is not None else None
     entropy = new() if with_entropy else None
-    lse = new() if with_lse else None
+    stats = torch.empty(n_rows, 2, dtype=acc, device=logits.device) if with_stats else None
     temps, temp_scalar, per_row = _temperature_args(temperature)
     block, num_warps = _launch_config(vocab)
     _logprobs_fwd_kernel[(n_rows,)](
         logits, logits.stride(0), labels, temps, temp_scalar, ignore_index,
-        logprob, entropy, lse, vocab,
+        logprob, entropy, stats, vocab,
         HAS_LABELS=labels is not None, PER_ROW_TEMP=per_row, WITH_ENTROPY=with_entropy,
-        WITH_LSE=with_lse, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
+        WITH_STATS=with_stats, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
     )  # fmt: skip
-    return logprob, entropy, lse
+    return logprob, entropy, stats
 
 
 def logprobs_backward(
@@ -158,7 +161,7 @@ def logprobs_backward(
     labels: torch.Tensor | None,
     temperature: float | torch.Tensor,
     ignore_index: int,
-    lse: torch.Tensor,
+    stats: torch.Tensor,
     entropy: torch.Tensor | None,
     grad_logprob: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
@@ -172,7 +175,7 @@ def logprobs_backward(
     block, num_warps = _launch_config(vocab)
     _logprobs_bwd_kernel[(n_rows,)](
         logits, logits.stride(0), grad_out, grad_out.stride(0), labels, temps, temp_scalar,
-        ignore_index, lse, entropy, grad_logprob, grad_entropy, vocab,
+        ignore_index, stats, entropy, grad_logprob, grad_entropy, vocab,
         HAS_GRAD_LOGPROB=grad_logprob is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
         PER_ROW_TEMP=per_row, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
     )  # fmt: skip

@@ -1,0 +1,442 @@
+"""logprobs_from_logits / logprobs_and_entropy / entropy_from_logits against the
+float64 reference, on every backend available (native C++, Triton interpreted on
+CPU or compiled on GPU, and the reference itself)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import (
+    assert_close_to_reference,
+    backend_params,
+    kernel_backends,
+    make_labels,
+    make_logits,
+    output_tolerance,
+)
+
+import fastrl
+from fastrl import reference
+
+BACKENDS = backend_params()
+KERNEL_BACKENDS = backend_params(include_reference=False)
+
+# Leading shapes cycle with the vocabulary so that 1-D, 2-D and 3-D inputs all
+# meet every dtype and temperature.
+LEAD_SHAPES = {1: (5,), 7: (3, 4), 4097: (2, 3, 2), 32000: (6,)}
+
+# Rounding of a gradient stored in the logits' dtype (half an ulp at 1.0, times two).
+GRAD_RTOL = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float64: 1e-12}
+
+
+def _temperature(kind, lead_shape, device):
+    if kind == "per-row":
+        return (torch.rand(lead_shape, dtype=torch.float64) * 1.5 + 0.3).to(device)
+    return float(kind)
+
+
+def _reference_with_grads(logits, labels, temperature, weights_lp, weights_ent):
+    """Float64 reference outputs and d(sum(w_lp lp) + sum(w_ent ent))/dlogits."""
+    x = logits.detach().double().requires_grad_(True)
+    t = temperature.double() if isinstance(temperature, torch.Tensor) else temperature
+    lp, ent = reference.logprobs_and_entropy(x, labels, temperature=t)
+    ((lp * weights_lp.double()).sum() + (ent * weights_ent.double()).sum()).backward()
+    return lp.detach(), ent.detach(), x.grad
+
+
+def _grad_bound(expected_grad, dtype):
+    """(rtol, atol) for a gradient in ``dtype``: the dtype's rounding relative to
+    each element, plus that much of the largest element for the fp32 arithmetic."""
+    rtol = GRAD_RTOL[dtype]
+    return rtol, rtol * float(expected_grad.abs().max()) + 1e-30
+
+
+@pytest.mark.parametrize("temperature", ["0.3", "1.0", "1.7", "per-row"])
+@pytest.mark.parametrize("vocab", [1, 7, 4097, 32000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_values_and_gradients_match_float64_reference(device, backend, dtype, vocab, temperature):
+    lead = LEAD_SHAPES[vocab]
+    std = 10.0 if temperature in ("0.3", "per-row") else 1.0
+    logits = make_logits(lead, vocab, dtype, std=std, device=device)
+    labels = make_labels(logits)
+    temp = _temperature(temperature, lead, device)
+    w_lp = torch.randn(lead, device=device)
+    w_ent = torch.randn(lead, device=device)
+    ref_lp, ref_ent, ref_grad = _reference_with_grads(logits, labels, temp, w_lp, w_ent)
+
+    x = logits.clone().requires_grad_(True)
+    with fastrl.use_backend(backend):
+        lp, ent = fastrl.logprobs_and_entropy(x, labels, temperature=temp)
+        ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+    assert lp.dtype == ent.dtype == torch.float32
+    assert lp.shape == ent.shape == lead
+    tol = output_tolerance(vocab)
+    assert_close_to_reference(lp, ref_lp, tol, what="logprob")
+    assert_close_to_reference(ent, ref_ent, tol, what="entropy")
+    assert x.grad.dtype == dtype and x.grad.shape == logits.shape
+    assert torch.isfinite(x.grad).all(), "gradient must be finite, -inf logits included"
+    assert_close_to_reference(x.grad, ref_grad, *_grad_bound(ref_grad, dtype), what="grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_qwen_vocabulary(device, backend, dtype):
+    """V = 151936 (Qwen2.5), a few rows, both outputs and the gradient."""
+    logits = make_logits((3,), 151936, dtype, std=2.0, device=device)
+    labels = make_labels(logits, ignore_frac=0.0)
+    w = torch.randn(3, device=device)
+    ref_lp, ref_ent, ref_grad = _reference_with_grads(logits, labels, 0.7, w, w)
+    x = logits.clone().requires_grad_(True)
+    with fastrl.use_backend(backend):
+        lp, ent = fastrl.logprobs_and_entropy(x, labels, temperature=0.7)
+        ((lp * w).sum() + (ent * w).sum()).backward()
+    assert_close_to_reference(lp, ref_lp, output_tolerance(151936), what="logprob")
+    assert_close_to_reference(ent, ref_ent, output_tolerance(151936), what="entropy")
+    assert_close_to_reference(x.grad, ref_grad, *_grad_bound(ref_grad, dtype), what="grad")
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0])
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_large_magnitudes_and_peaked_rows(device, backend, temperature):
+    """Logits up to 1e4 in fp32: nearly one-hot rows (entropy ~ 0, log-prob of
+    the top token ~ 0) must keep their accuracy, not lose it to cancellation."""
+    logits = (torch.rand(8, 1000, dtype=torch.float64) * 2e4 - 1e4).float()
+    logits[:4, :] *= 1e-3  # four rows of moderate logits next to four extreme ones
+    logits[4, 17] = 1e4
+    labels = logits.argmax(dim=-1)
+    labels[5] = 3
+    logits, labels = logits.to(device), labels.to(device)
+    ref_lp, ref_ent = reference.logprobs_and_entropy(logits.double(), labels, temperature=temperature)
+    with fastrl.use_backend(backend):
+        lp, ent = fastrl.logprobs_and_entropy(logits, labels, temperature=temperature)
+    assert_close_to_reference(lp, ref_lp, 1e-5, what="logprob")
+    assert_close_to_reference(ent, ref_ent, 1e-5, what="entropy")
+
+
+@pytest.mark.parametrize("which", ["logprob", "entropy", "both"])
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_gradcheck_float64(device, backend, which):
+    """Finite differences in float64 against each backend's own backward (the
+    kernels compute float64 input in float64), with per-row temperatures,
+    ignore_index rows and -inf logits."""
+    logits = make_logits((3, 2), 6, torch.float64, std=2.0, device=device)
+    labels = logits.argmax(dim=-1)  # on a finite logit: a -inf log-prob has no finite difference
+    labels[1, 0] = -100
+    temp = _temperature("per-row", (3, 2), device)
+
+    def f(x):
+        lp, ent = fastrl.logprobs_and_entropy(x, labels, temperature=temp)
+        return {"logprob": (lp,), "entropy": (ent,), "both": (lp, ent)}[which]
+
+    with fastrl.use_backend(backend):
+        assert torch.autograd.gradcheck(f, (logits.clone().requires_grad_(True),), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_single_output_functions(device, backend):
+    logits = make_logits((4, 3), 517, torch.bfloat16, std=3.0, device=device)
+    labels = make_labels(logits)
+    ref_lp, ref_ent = reference.logprobs_and_entropy(logits.double(), labels, temperature=1.3)
+    x_lp = logits.clone().requires_grad_(True)
+    x_ent = logits.clone().requires_grad_(True)
+    with fastrl.use_backend(backend):
+        lp = fastrl.logprobs_from_logits(x_lp, labels, temperature=1.3)
+        ent = fastrl.entropy_from_logits(x_ent, temperature=1.3)
+        lp.sum().backward()
+        ent.sum().backward()
+    assert_close_to_reference(lp, ref_lp, 1e-5, what="logprob")
+    assert_close_to_reference(ent, ref_ent, 1e-5, what="entropy")
+    for x, op in ((x_lp, lambda z: reference.logprobs_from_logits(z, labels, temperature=1.3)),
+                  (x_ent, lambda z: reference.entropy_from_logits(z, temperature=1.3))):
+        expected = torch.func.grad(lambda z: op(z).sum())(logits.double())
+        assert_close_to_reference(x.grad, expected, *_grad_bound(expected, torch.bfloat16), what="grad")
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_verl_positional_signature_and_trl_formula(device, backend):
+    """veRL calls logprobs_from_logits(logits, labels, inplace_backward); TRL's
+    selective_log_softmax on fp32 is gather(logits) - logsumexp(logits)."""
+    logits = torch.randn(2, 5, 300, device=device)
+    labels = torch.randint(300, (2, 5), device=device)
+    trl_style = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    with fastrl.use_backend(backend):
+        out = fastrl.logprobs_from_logits(logits, labels, False)
+    assert out.dtype == torch.float32 and out.shape == labels.shape
+    torch.testing.assert_close(out, trl_style, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_per_row_temperature_broadcasts(device, backend):
+    """A temperature of shape [B, 1] (one per sequence) against [B, S] tokens."""
+    logits = make_logits((3, 4), 50, device=device)
+    labels = make_labels(logits, ignore_frac=0.0)
+    temp = torch.tensor([[0.5], [1.0], [2.0]], device=device)
+    expected = reference.logprobs_from_logits(logits.double(), labels, temperature=temp.double())
+    with fastrl.use_backend(backend):
+        out = fastrl.logprobs_from_logits(logits, labels, temperature=temp)
+    assert_close_to_reference(out, expected, 1e-5)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced-vocab", "strided-rows"])
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_non_contiguous_logits(device, backend, layout):
+    base = make_logits((6, 64), 80, device=device, masked=False)
+    logits = {
+        "transposed": base.transpose(0, 1),  # [64, 6, 80], rows not evenly strided
+        "sliced-vocab": base[:, :, :71],  # unit stride, row stride 80
+        "strided-rows": base[::2, ::3],  # unit stride, gaps between rows
+    }[layout]
+    labels = make_labels(logits)
+    ref_lp, ref_ent, ref_grad = _reference_with_grads(
+        logits, labels, 1.0, torch.ones(labels.shape, device=device), torch.ones(labels.shape, device=device)
+    )
+    x = logits.detach().requires_grad_(True)
+    with fastrl.use_backend(backend):
+        lp, ent = fastrl.logprobs_and_entropy(x, labels)
+        (lp.sum() + ent.sum()).backward()
+    assert_close_to_reference(lp, ref_lp, 1e-5, what="logprob")
+    assert_close_to_reference(ent, ref_ent, 1e-5, what="entropy")
+    assert_close_to_reference(x.grad, ref_grad, *_grad_bound(ref_grad, torch.float32), what="grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_inplace_backward_writes_into_logits_storage(device, backend, dtype):
+    logits = make_logits((4, 3), 1000, dtype, std=2.0, device=device)
+    labels = make_labels(logits)
+    w = torch.randn(4, 3, device=device)
+    with fastrl.use_backend(backend):
+        x = logits.clone().requires_grad_(True)
+        lp, ent = fastrl.logprobs_and_entropy(x, labels)
+        ((lp * w).sum() + ent.sum()).backward()
+        expected = x.grad
+
+        leaf = logits.clone().requires_grad_(True)
+        h = leaf * 1  # a non-leaf activation, as logits are in a model
+        captured = {}
+        h.register_hook(lambda g: captured.setdefault("grad", g))
+        lp, ent = fastrl.logprobs_and_entropy(h, labels, inplace_backward=True)
+        ((lp * w).sum() + ent.sum()).backward()
+    grad = captured["grad"]
+    assert grad.data_ptr() == h.data_ptr(), "the gradient must live in the logits' own storage"
+    assert torch.equal(h, grad), "the logits buffer now holds the gradient"
+    torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+    torch.testing.assert_close(leaf.grad, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_deterministic_and_batch_invariant(device, backend):
+    """Bitwise the same on repeat, and a row's result does not depend on the
+    rows around it (alone, or anywhere in batches of other sizes)."""
+    logits = make_logits((33,), 5000, torch.bfloat16, std=3.0, device=device)
+    labels = make_labels(logits)
+    with fastrl.use_backend(backend):
+        lp1, ent1 = fastrl.logprobs_and_entropy(logits, labels)
+        lp2, ent2 = fastrl.logprobs_and_entropy(logits, labels)
+        assert torch.equal(lp1, lp2) and torch.equal(ent1, ent2)
+        for rows in (slice(7, 8), slice(5, 20), slice(0, 2)):
+            lp_sub, ent_sub = fastrl.logprobs_and_entropy(logits[rows].clone(), labels[rows].clone())
+            assert torch.equal(lp_sub, lp1[rows]) and torch.equal(ent_sub, ent1[rows])
+        x = logits.clone().requires_grad_(True)
+        fastrl.logprobs_and_entropy(x, labels)[0].sum().backward()
+        x_one = logits[7:8].clone().requires_grad_(True)
+        fastrl.logprobs_and_entropy(x_one, labels[7:8])[0].sum().backward()
+    assert torch.equal(x.grad[7:8], x_one.grad)
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_ignore_index_rows(device, backend):
+    logits = make_logits((6,), 40, device=device)
+    labels = make_labels(logits, ignore_frac=0.0, ignore_index=7)
+    labels[[1, 4]] = 7  # a custom ignore_index that is also a valid token id
+    x = logits.clone().requires_grad_(True)
+    with fastrl.use_backend(backend):
+        lp, ent = fastrl.logprobs_and_entropy(x, labels, ignore_index=7)
+        lp.sum().backward()
+    assert lp[1] == 0 and lp[4] == 0
+    assert torch.isfinite(ent).all() and (ent[[1, 4]] > 0).all(), "entropy stays defined on ignored rows"
+    assert torch.count_nonzero(x.grad[[1, 4]]) == 0, "ignored rows get zero gradient"
+    assert torch.count_nonzero(x.grad[0]) > 0
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_label_on_masked_logit(device, backend):
+    """A label on a -inf logit gives -inf with a finite gradient; an all -inf
+    row gives NaN (as log_softmax does) without touching other rows."""
+    logits = torch.randn(3, 10, device=device)
+    logits[0, 4] = float("-inf")
+    logits[2] = float("-inf")
+    labels = torch.tensor([4, 2, 1], device=device)
+    x = logits.clone().requires_grad_(True)
+    with fastrl.use_backend(backend):
+        lp, ent = fastrl.logprobs_and_entropy(x, labels)
+        lp[:2].sum().backward()
+    assert lp[0] == float("-inf")
+    assert torch.isfinite(lp[1]) and torch.isfinite(ent[:2]).all()
+    assert lp[2].isnan() and ent[2].isnan()
+    assert torch.isfinite(x.grad[:2]).all()
+    assert x.grad[0, 4] == 1.0, "d logprob / d logit of the label is 1 - p = 1"
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_nan_row_stays_in_its_row(device, backend):
+    logits = torch.randn(4, 100, device=device)
+    logits[1, 30] = float("nan")
+    labels = torch.randint(100, (4,), device=device)
+    with fastrl.use_backend(backend):
+        lp, ent = fastrl.logprobs_and_entropy(logits, labels)
+    assert lp[1].isnan() and ent[1].isnan()
+    assert torch.isfinite(lp[[0, 2, 3]]).all() and torch.isfinite(ent[[0, 2, 3]]).all()
+
+
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_kernel_marks_out_of_range_labels_nan(device, backend):
+    """What the CUDA path relies on without FASTRL_CHECKS: the kernels never read
+    outside the row for a bad label and mark that row NaN (called directly,
+    below the argument checks)."""
+    from fastrl.logprobs import _kernels
+
+    kernels = _kernels(backend)
+    logits = torch.randn(4, 64, device=device)
+    labels = torch.tensor([3, 64, -5, -100], device=device)
+    lp, ent, stats = kernels.logprobs_forward(logits, labels, 1.0, -100, with_entropy=True, with_stats=True)
+    assert torch.isfinite(lp[0]) and lp[1].isnan() and lp[2].isnan() and lp[3] == 0
+    assert torch.isfinite(ent).all()
+    grad = torch.empty_like(logits)
+    kernels.logprobs_backward(logits, labels, 1.0, -100, stats, None, torch.ones(4, device=device), None, grad)
+    assert torch.isfinite(grad[[0, 3]]).all() and grad[[1, 2]].isnan().all()
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_empty_inputs(device, backend):
+    logits = torch.randn(0, 7, 11, device=device, requires_grad=True)
+    labels = torch.zeros(0, 7, dtype=torch.long, device=device)
+    with fastrl.use_backend(backend):
+        lp, ent = fastrl.logprobs_and_entropy(logits, labels)
+        (lp.sum() + ent.sum()).backward()
+    assert lp.shape == ent.shape == (0, 7) and lp.dtype == torch.float32
+    assert logits.grad.shape == logits.shape
+
+
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_no_grad_saves_nothing_and_unused_entropy_skips_its_term(device, backend, monkeypatch):
+    from fastrl.logprobs import _kernels
+
+    kernels = _kernels(backend)
+    calls = []
+    forward, backward = kernels.logprobs_forward, kernels.logprobs_backward
+
+    def spy_forward(*args, **kwargs):
+        calls.append(("forward", kwargs["with_stats"]))
+        return forward(*args, **kwargs)
+
+    def spy_backward(*args):
+        calls.append(("backward", args[7] is not None))  # grad_entropy
+        return backward(*args)
+
+    monkeypatch.setattr(kernels, "logprobs_forward", spy_forward)
+    monkeypatch.setattr(kernels, "logprobs_backward", spy_backward)
+    logits = torch.randn(4, 50, device=device, requires_grad=True)
+    labels = torch.randint(50, (4,), device=device)
+    with fastrl.use_backend(backend):
+        with torch.no_grad():
+            lp, ent = fastrl.logprobs_and_entropy(logits, labels)
+        assert lp.grad_fn is None and ent.grad_fn is None
+        lp, ent = fastrl.logprobs_and_entropy(logits, labels)
+        lp.sum().backward()  # entropy unused
+    assert calls == [("forward", False), ("forward", True), ("backward", False)]
+    expected = torch.func.grad(lambda x: reference.logprobs_from_logits(x, labels).sum())(logits.detach())
+    torch.testing.assert_close(logits.grad, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("label_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_int32_and_int64_labels(device, backend, label_dtype):
+    logits = make_logits((5,), 33, device=device)
+    labels = make_labels(logits, dtype=label_dtype)
+    expected = reference.logprobs_from_logits(logits.double(), labels)
+    with fastrl.use_backend(backend):
+        assert_close_to_reference(fastrl.logprobs_from_logits(logits, labels), expected, 1e-5)
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+
+def _ok():
+    return torch.randn(2, 3, 5), torch.randint(5, (2, 3))
+
+
+@pytest.mark.parametrize(
+    "make_args,error,match",
+    [
+        (lambda: (_ok()[0], torch.randint(5, (2, 4))), ValueError, "labels must have shape"),
+        (lambda: (torch.randn(2, 3, 0), torch.zeros(2, 3, dtype=torch.long)), ValueError, "logits must have a non-empty"),
+        (lambda: (torch.randint(5, (2, 3, 5)), _ok()[1]), TypeError, "logits must have a floating dtype"),
+        (lambda: ("not a tensor", _ok()[1]), TypeError, "logits must be a torch.Tensor"),
+        (lambda: (torch.tensor(1.0), torch.tensor(0)), ValueError, "logits must have shape"),
+        (lambda: (_ok()[0], _ok()[1].float()), TypeError, "labels must have an integer dtype"),
+        (lambda: (_ok()[0], _ok()[1].to(torch.int16)), TypeError, "labels must have an integer dtype"),
+        (lambda: (_ok()[0], torch.full((2, 3), 5)), ValueError, r"labels must lie in \[0, 5\)"),
+        (lambda: (_ok()[0], torch.full((2, 3), -1)), ValueError, r"labels must lie in \[0, 5\)"),
+        (lambda: (_ok()[0], _ok()[1].to("meta")), ValueError, "labels is on meta"),
+    ],
+    ids=["shape", "V=0", "int-logits", "not-tensor", "0-d", "float-labels", "int16-labels", "label>=V", "label<0", "devices"],
+)
+@pytest.mark.parametrize("backend", ["native", "triton", "reference"])
+def test_bad_tensors_raise_before_any_kernel(make_args, error, match, backend):
+    logits, labels = make_args()
+    with fastrl.use_backend(backend), pytest.raises(error, match=match):
+        fastrl.logprobs_and_entropy(logits, labels)
+
+
+@pytest.mark.parametrize(
+    "temperature,error,match",
+    [
+        (0.0, ValueError, "temperature must be positive and finite"),
+        (-1.0, ValueError, "temperature must be positive and finite"),
+        (float("nan"), ValueError, "temperature must be positive and finite"),
+        (float("inf"), ValueError, "temperature must be positive and finite"),
+        (True, TypeError, "temperature must be a float"),
+        ("0.7", TypeError, "temperature must be a float"),
+        (torch.tensor([1.0, 0.0]).view(2, 1), ValueError, "temperature must be positive and finite in every row"),
+        (torch.tensor([[1.0, float("nan"), 1.0]] * 2), ValueError, "temperature must be positive and finite in every row"),
+        (torch.ones(3, 2), ValueError, "temperature must broadcast"),
+        (torch.ones(2, 3, dtype=torch.long), TypeError, "temperature must be a float or a floating tensor"),
+        (torch.ones(2, 3, device="meta"), ValueError, "temperature is on meta"),
+    ],
+    ids=["zero", "negative", "nan", "inf", "bool", "str", "tensor-zero", "tensor-nan", "shape", "int-tensor", "device"],
+)
+def test_bad_temperature(temperature, error, match):
+    logits, labels = _ok()
+    with pytest.raises(error, match=match):
+        fastrl.logprobs_from_logits(logits, labels, temperature=temperature)
+    with pytest.raises(error, match=match):
+        fastrl.entropy_from_logits(logits, temperature=temperature)
+
+
+def test_bad_flags():
+    logits, labels = _ok()
+    with pytest.raises(TypeError, match="inplace_backward must be a bool"):
+        fastrl.logprobs_from_logits(logits, labels, "yes")
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        fastrl.logprobs_from_logits(logits, labels, ignore_index=1.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_out_of_range_labels_nan_without_checks_error_with(monkeypatch):
+    logits = torch.randn(3, 100, device="cuda")
+    labels = torch.tensor([1, 100, -100], device="cuda")
+    lp = fastrl.logprobs_from_logits(logits, labels)
+    assert torch.isfinite(lp[0]) and lp[1].isnan() and lp[2] == 0
+    monkeypatch.setenv("FASTRL_CHECKS", "1")
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 100\)"):
+        fastrl.logprobs_from_logits(logits, labels)
+
+
+def test_cpu_default_backend_is_native_when_built():
+    assert kernel_backends("cpu")[0] == "native", "the native extension must be built for the tests"
+    from fastrl._backend import select_backend
+
+    assert select_backend(torch.device("cpu")) == "native"
