@@ -1,0 +1,27 @@
+# The two commands of the README do all set-up on a fresh machine:
+#   make bench   builds fastrl, then benchmarks it on the local device (the main job)
+#   make test    builds fastrl, then runs the tests
+PYTHON ?= python3
+# The torch we test with; installed only when torch is missing, because a bare
+# `torch` requirement pulls several GB of CUDA packages.
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: setup bench bench-quick test clean
+
+setup:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
+	$(PYTHON) -m pip install -e ".[test,bench]"
+
+bench: setup
+	$(PYTHON) -m fastrl.bench
+
+# CI: small shapes; fails if a result is off the reference or fastrl is slower
+# than the torch reference measured in the same run.
+bench-quick: setup
+	$(PYTHON) -m fastrl.bench --quick --check-speed 1.0 --json build/bench-quick.json
+
+test: setup
+	$(PYTHON) -m pytest
+
+clean:
+	rm -rf build dist *.egg-info fastrl/_C*.so .pytest_cache .benchmarks

@@ -1,0 +1,91 @@
+"""``python -m fastrl.bench``: run the benchmark suite on the local device.
+
+Prints a table and writes ``bench/results/<device>.json`` (or ``--json PATH``).
+Exits non-zero if fastrl's result on a benchmark input is off the reference, or,
+with ``--check-speed``, if fastrl is slower than the torch reference in the same
+run (a ratio, with a margin for noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from . import copy_bandwidth, device_slug, environment, format_table, run_cases, write_json
+from . import logprobs as logprobs_cases
+
+OPS = {"logprobs": logprobs_cases}
+MAX_REFERENCE_ERROR = 1e-4
+
+
+def _parse_shape(text: str) -> tuple[int, int, torch.dtype]:
+    """``N,V,dtype`` such as ``2048,32000,float32``."""
+    n, v, dtype = text.split(",")
+    return int(n), int(v), getattr(torch, dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fastrl.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--op", choices=sorted(OPS), action="append", help="op family (default: all)")
+    parser.add_argument("--shape", type=_parse_shape, action="append", help="N,V,dtype (repeatable)")
+    parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions (CI)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per row")
+    parser.add_argument("--json", type=Path, default=None, help="results file (default bench/results/<device>.json)")
+    parser.add_argument("--check-speed", type=float, default=None, metavar="MARGIN",
+                        help="fail if fastrl is not faster than the torch reference by this factor")  # fmt: skip
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    reps = args.reps or (5 if args.quick or device.type == "cpu" else 20)
+    cases = [c for op in (args.op or sorted(OPS)) for c in OPS[op].cases(device, quick=args.quick, shapes=args.shape)]
+    env = environment(device)
+    copy_bps = copy_bandwidth(device)
+    print(f"fastrl bench on {env['device']} (torch {env['torch']}, triton {env['triton']}); "
+          f"copy bandwidth {copy_bps / 1e9:.1f} GB/s", flush=True)  # fmt: skip
+
+    total = sum(len(c.impls) for c in cases)
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="benchmarking", unit="row", file=sys.stderr)
+        progress, close = (lambda: bar.update(1)), bar.close
+    except ImportError:
+        done = [0]
+
+        def progress():
+            done[0] += 1
+            print(f"\r{done[0]}/{total} rows", end="", file=sys.stderr, flush=True)
+
+        close = lambda: print(file=sys.stderr)  # noqa: E731
+    rows = run_cases(cases, device, reps=reps, progress=progress)
+    close()
+
+    copy_gbps = copy_bps / 1e9
+    print(format_table(rows, copy_gbps))
+    out = args.json or Path("bench/results") / f"{device_slug(device)}.json"
+    write_json(out, env, copy_gbps, rows)
+    print(f"wrote {out}")
+
+    failures = []
+    for r in rows:
+        err = r.get("max_err_vs_reference")
+        if err is not None and not err <= MAX_REFERENCE_ERROR:
+            failures.append(f"{r['op']} {r['shape']}: fastrl differs from the reference by {err:.3g}")
+    if args.check_speed is not None:
+        for r in rows:
+            if r["impl"].startswith("torch eager") and "fastrl_speedup" in r and r["fastrl_speedup"] < args.check_speed:
+                failures.append(
+                    f"{r['op']} {r['shape']} {r['dtype']}: fastrl is {r['fastrl_speedup']:.2f}x the torch "
+                    f"reference, below the required {args.check_speed:.2f}x"
+                )
+    for f in failures:
+        print(f"FAIL: {f}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Packaging, the native build, `python -m fastrl info`, and backend dispatch."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastrl
+from fastrl import _backend
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_native_extension_built_without_libtorch():
+    mod = _backend.native_module()
+    assert mod is not None, "fastrl._C must be built by the install"
+    info = mod.build_info()
+    assert info["openmp_threads"] >= 1
+    if shutil.which("ldd"):
+        linked = subprocess.run(["ldd", mod.__file__], capture_output=True, text=True, check=True).stdout
+        assert "libtorch" not in linked and "libc10" not in linked, linked
+
+
+def test_info_command_lists_backends_and_devices():
+    out = subprocess.run(
+        [sys.executable, "-m", "fastrl", "info"], capture_output=True, text=True, check=True, cwd="/"
+    ).stdout
+    assert out.startswith(f"fastrl {fastrl.__version__}")
+    for line in ("native CPU:         yes", "native CUDA:", "Triton compiled:", "Triton interpreter:", "devices:", "cpu:"):
+        assert line in out, out
+    assert f"torch {torch.__version__}" in out
+
+
+def test_metadata_declares_dependencies_and_extras():
+    meta = importlib.metadata.metadata("fastrl")
+    requires = importlib.metadata.requires("fastrl")
+    assert any(r.startswith("torch>=2.4") for r in requires), requires
+    assert any(r.startswith("triton") and "platform_system" in r for r in requires), requires
+    assert {"test", "bench"} <= set(meta.get_all("Provides-Extra"))
+    assert (Path(fastrl.__file__).parent / "py.typed").exists()
+
+
+@pytest.mark.slow
+def test_wheel_contents(tmp_path):
+    """A wheel built from the source tree carries fastrl, fastrl.kernels (from
+    kernels/), py.typed and the native extension; with FASTRL_NO_NATIVE=1 it
+    still builds and installs without the extension."""
+    for no_native, expect_so in (("1", False), ("0", True)):
+        out = tmp_path / f"wheel-{no_native}"
+        env = {**os.environ, "FASTRL_NO_NATIVE": no_native}
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+            check=True, env=env, capture_output=True,
+        )  # fmt: skip
+        (wheel,) = out.glob("fastrl-*.whl")
+        names = zipfile.ZipFile(wheel).namelist()
+        for required in ("fastrl/__init__.py", "fastrl/py.typed", "fastrl/reference.py", "fastrl/kernels/logprobs.py", "fastrl/kernels/reduce.py"):
+            assert required in names, (required, names)
+        assert any(n.startswith("fastrl/_C") and n.endswith(".so") for n in names) == expect_so, names
+        assert not any(n.startswith(("tests/", "bench/", "csrc/")) for n in names), names
+
+
+# ---- dispatch --------------------------------------------------------------------------------
+
+
+def test_default_backend_by_device():
+    assert _backend.select_backend(torch.device("cpu")) == "native"
+
+
+def test_use_backend_wins_over_environment(monkeypatch):
+    monkeypatch.setenv("FASTRL_BACKEND", "reference")
+    assert _backend.select_backend(torch.device("cpu")) == "reference"
+    with fastrl.use_backend("native"):
+        assert _backend.select_backend(torch.device("cpu")) == "native"
+        with fastrl.use_backend("triton"):
+            assert _backend.select_backend(torch.device("cpu")) == "triton"
+        assert _backend.select_backend(torch.device("cpu")) == "native"
+    assert _backend.select_backend(torch.device("cpu")) == "reference"
+
+
+def test_bad_backend_names(monkeypatch):
+    with pytest.raises(ValueError, match="use_backend\\(name\\) must be one of triton, native, reference"):
+        with fastrl.use_backend("cuda"):
+            pass
+    monkeypatch.setenv("FASTRL_BACKEND", "fast")
+    with pytest.raises(ValueError, match="FASTRL_BACKEND must be one of triton, native, reference; got 'fast'"):
+        fastrl.logprobs_from_logits(torch.randn(2, 3), torch.zeros(2, dtype=torch.long))
+
+
+def test_forced_backend_that_cannot_run_says_why(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with fastrl.use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        fastrl.logprobs_from_logits(torch.randn(2, 3), torch.zeros(2, dtype=torch.long))
+    monkeypatch.setattr(_backend, "native_module", lambda: None)
+    with fastrl.use_backend("native"), pytest.raises(RuntimeError, match="fastrl._C is not built"):
+        fastrl.logprobs_from_logits(torch.randn(2, 3), torch.zeros(2, dtype=torch.long))
+
+
+def test_missing_extension_falls_back_to_reference_with_one_warning(monkeypatch):
+    monkeypatch.setattr(_backend, "native_module", lambda: None)
+    _backend._warn_reference_fallback.cache_clear()
+    logits, labels = torch.randn(3, 9), torch.randint(9, (3,))
+    with pytest.warns(RuntimeWarning, match="running the PyTorch reference"):
+        out = fastrl.logprobs_from_logits(logits, labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fastrl.logprobs_from_logits(logits, labels)  # warned once only
+    _backend._warn_reference_fallback.cache_clear()
+    torch.testing.assert_close(out, torch.log_softmax(logits, -1).gather(-1, labels[:, None]).squeeze(-1))
