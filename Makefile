@@ -8,9 +8,14 @@ TORCH_VERSION ?= 2.13.0
 
 .PHONY: setup bench bench-quick test clean
 
+# Build requirements of pyproject.toml, installed here so that the editable
+# build can run without pip's isolated build environment (faster rebuilds).
+BUILD_REQUIREMENTS = "setuptools>=64" wheel "pybind11>=2.10" "cmake>=3.18" ninja
+
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
-	$(PYTHON) -m pip install -e ".[test,bench]"
+	$(PYTHON) -m pip install $(BUILD_REQUIREMENTS)
+	$(PYTHON) -m pip install --no-build-isolation -e ".[test,bench]"
 
 bench: setup
 	$(PYTHON) -m fastrl.bench

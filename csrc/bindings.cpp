@@ -1,7 +1,7 @@
 // pybind11 bindings of fastrl._C. Tensors cross as integers (data pointers)
-// with sizes, strides and dtype codes, so the extension never links libtorch
-// and one build serves every torch version. The GIL is released while a
-// kernel runs.
+// with sizes, strides and dtype codes, and CUDA streams as integers too, so the
+// extension never links libtorch and one build serves every torch version. The
+// GIL is released while a kernel runs (or is launched, on CUDA).
 #include <pybind11/pybind11.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -68,6 +68,35 @@ PYBIND11_MODULE(_C, m) {
       },
       py::call_guard<py::gil_scoped_release>());
 
+#ifdef FASTRL_WITH_CUDA
+  m.def(
+      "logprobs_forward_cuda",
+      [](std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab, int64_t row_stride,
+         std::uintptr_t labels, int label_dtype, int64_t ignore_index, std::uintptr_t temps,
+         double temp_scalar, std::uintptr_t out_logprob, std::uintptr_t out_entropy,
+         std::uintptr_t out_stats, std::uintptr_t stream) {
+        fastrl::logprobs_forward_cuda(logprobs_args(logits, dtype, n_rows, vocab, row_stride, labels,
+                                                    label_dtype, ignore_index, temps, temp_scalar),
+                                      mptr(out_logprob), mptr(out_entropy), mptr(out_stats), stream);
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "logprobs_backward_cuda",
+      [](std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab, int64_t row_stride,
+         std::uintptr_t labels, int label_dtype, int64_t ignore_index, std::uintptr_t temps,
+         double temp_scalar, std::uintptr_t stats, std::uintptr_t entropy,
+         std::uintptr_t grad_logprob, std::uintptr_t grad_entropy, std::uintptr_t grad_out,
+         int64_t grad_row_stride, std::uintptr_t stream) {
+        fastrl::logprobs_backward_cuda(logprobs_args(logits, dtype, n_rows, vocab, row_stride,
+                                                     labels, label_dtype, ignore_index, temps,
+                                                     temp_scalar),
+                                       cptr(stats), cptr(entropy), cptr(grad_logprob),
+                                       cptr(grad_entropy), mptr(grad_out), grad_row_stride, stream);
+      },
+      py::call_guard<py::gil_scoped_release>());
+#endif
+
   m.def("build_info", []() {
     py::dict d;
 #ifdef _OPENMP
@@ -76,7 +105,11 @@ PYBIND11_MODULE(_C, m) {
     d["openmp_threads"] = 0;  // built without OpenMP: one thread
 #endif
     d["cpu_isa"] = cpu_isa();
+#ifdef FASTRL_WITH_CUDA
+    d["cuda"] = true;
+#else
     d["cuda"] = false;
+#endif
     return d;
   });
 }

@@ -26,6 +26,17 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+def _entry(name: str, device: torch.device):
+    """``fastrl._C.<name>`` for CPU tensors, ``<name>_cuda`` for CUDA tensors;
+    the CUDA entry takes the current stream as one more argument."""
+    mod = native_module()
+    if device.type == "cuda":
+        cuda_fn = getattr(mod, f"{name}_cuda")
+        stream = torch.cuda.current_stream(device).cuda_stream
+        return lambda *args: cuda_fn(*args, stream)
+    return getattr(mod, name)
+
+
 def _temperature_args(temperature: float | torch.Tensor) -> tuple[int, float]:
     """(pointer to per-row temperatures or 0, scalar temperature)."""
     if isinstance(temperature, torch.Tensor):
@@ -53,7 +64,7 @@ def logprobs_forward(
     entropy = new() if with_entropy else None
     stats = torch.empty(n_rows, 2, dtype=acc, device=logits.device) if with_stats else None
     temps_ptr, temp_scalar = _temperature_args(temperature)
-    native_module().logprobs_forward(
+    _entry("logprobs_forward", logits.device)(
         logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, logits.stride(0),
         _ptr(labels), DTYPE_CODES[labels.dtype] if labels is not None else -1, ignore_index,
         temps_ptr, temp_scalar, _ptr(logprob), _ptr(entropy), _ptr(stats),
@@ -76,7 +87,7 @@ def logprobs_backward(
     logits themselves). A None incoming gradient counts as zero and skips its term."""
     n_rows, vocab = logits.shape
     temps_ptr, temp_scalar = _temperature_args(temperature)
-    native_module().logprobs_backward(
+    _entry("logprobs_backward", logits.device)(
         logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, logits.stride(0),
         _ptr(labels), DTYPE_CODES[labels.dtype] if labels is not None else -1, ignore_index,
         temps_ptr, temp_scalar, stats.data_ptr(), _ptr(entropy), _ptr(grad_logprob),

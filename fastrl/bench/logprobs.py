@@ -166,6 +166,19 @@ def _check(inputs: dict) -> float:
     return max(err(lp, ref_lp), err(ent, ref_ent))
 
 
+def _native_cuda_impl(wrap, mode: str) -> Impl:
+    from fastrl._backend import native_cuda
+
+    if not native_cuda():
+        return Impl("fastrl CUDA C++", None, "fastrl._C built without CUDA")
+
+    def run(x, y):
+        with fastrl.use_backend("native"):
+            return _fastrl(mode)(x, y)
+
+    return Impl("fastrl CUDA C++", wrap(run))
+
+
 def cases(device: torch.device, *, quick: bool = False, shapes=None) -> list[Case]:
     if shapes is None:
         shapes = QUICK_SHAPES if quick else GPU_SHAPES if device.type == "cuda" else CPU_SHAPES
@@ -174,6 +187,8 @@ def cases(device: torch.device, *, quick: bool = False, shapes=None) -> list[Cas
         for mode in MODES:
             wrap = _fwd_bwd if mode.endswith("fwd+bwd") else _no_grad
             impls = [Impl("fastrl", wrap(_fastrl(mode)))]
+            if device.type == "cuda":  # the CUDA C++ kernel, against the default Triton one
+                impls.append(_native_cuda_impl(wrap, mode))
             for name, run, why in _peers(mode, device, quick):
                 impls.append(Impl(name, wrap(run) if run is not None else None, why))
             out.append(
