@@ -53,10 +53,9 @@ def logprobs_forward(
     with_entropy: bool,
     with_stats: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(log-prob of the label [N], entropy [N], stats [N, 2]) of ``logits [N, V]``
-    (unit stride in V), stats being each row's (max logit, log s) that the
-    backward needs; an output not asked for is None. Per-row temperatures come
-    as a contiguous ``[N]`` tensor of the accumulation dtype."""
+    """The contract of ``fastrl.kernels.logprobs.logprobs_forward``, on the C++
+    kernels; per-row temperatures come as a contiguous ``[N]`` tensor of the
+    accumulation dtype."""
     n_rows, vocab = logits.shape
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     new = lambda: torch.empty(n_rows, dtype=acc, device=logits.device)  # noqa: E731
@@ -83,8 +82,7 @@ def logprobs_backward(
     grad_entropy: torch.Tensor | None,
     grad_out: torch.Tensor,
 ) -> None:
-    """Writes dL/dlogits into ``grad_out [N, V]`` (logits' dtype; it may be the
-    logits themselves). A None incoming gradient counts as zero and skips its term."""
+    """The contract of ``fastrl.kernels.logprobs.logprobs_backward``, on the C++ kernels."""
     n_rows, vocab = logits.shape
     temps_ptr, temp_scalar = _temperature_args(temperature)
     _entry("logprobs_backward", logits.device)(
