@@ -74,16 +74,17 @@ FASTRL_INLINE void store_from(BF16* p, int64_t i, Acc v) {
   p[i].bits = static_cast<uint16_t>(is_nan ? 0x7fc0u : rounded);
 }
 
-// exp(x) in float, written so that the compiler vectorises it inside simd
-// loops (libm's expf is a scalar call). Range reduction x = n ln2 + r with
-// |r| <= ln2 / 2, a degree-6 polynomial for e^r (the classic Cephes expf
-// coefficients, about 1 ulp), and 2^n assembled in the exponent bits.
-// Below -87.3 the result would be subnormal; it is flushed to 0, which changes
-// no sum of exponentials here by more than 1e-38 of its value. NaN propagates.
+// exp(x) for x <= 0 (or NaN) in float, written so that the compiler vectorises
+// it inside simd loops (libm's expf is a scalar call). Every caller passes a
+// logit minus the row max, scaled by 1/T > 0, so x > 0 never occurs and needs
+// no clamp. Range reduction x = n ln2 + r with |r| <= ln2 / 2, a degree-6
+// polynomial for e^r (the classic Cephes expf coefficients, about 1 ulp), and
+// 2^n assembled in the exponent bits. Below -87.3 the result would be
+// subnormal; it is flushed to 0, which changes no sum of exponentials here by
+// more than 1e-38 of its value. exp(-inf) = 0; NaN propagates.
 FASTRL_INLINE float exp_approx(float x) {
-  const float lo = -87.3f, hi = 88.3f;
-  float xc = x < lo ? lo : x;  // NaN fails both tests and stays NaN
-  xc = xc > hi ? hi : xc;
+  const float lo = -87.3f;
+  const float xc = x < lo ? lo : x;  // NaN fails the test and stays NaN
   // Round x/ln2 to the nearest integer with the 1.5 * 2^23 shifter trick,
   // which needs no rounding instruction.
   const float shifter = 12582912.0f;

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import re
 import statistics
@@ -57,6 +58,12 @@ class Timing:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    try:  # the CPU model, which platform.processor() does not give on Linux
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
     return platform.processor() or platform.machine() or "cpu"
 
 
