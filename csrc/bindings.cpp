@@ -3,14 +3,18 @@
 // extension never links libtorch and one build serves every torch version. The
 // GIL is released while a kernel runs (or is launched, on CUDA).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 #include <cstdint>
+#include <tuple>
 
 #include "common.h"
 #include "logprobs.h"
+#include "philox.h"
+#include "sampling.h"
 
 namespace py = pybind11;
 
@@ -24,6 +28,20 @@ fastrl::LogprobsArgs logprobs_args(std::uintptr_t logits, int dtype, int64_t n_r
                                    int64_t ignore_index, std::uintptr_t temps, double temp_scalar) {
   return {cptr(logits), dtype,       n_rows,     vocab,      row_stride, cptr(labels),
           label_dtype,  ignore_index, cptr(temps), temp_scalar};
+}
+
+// The processed-distribution arguments, in the order fastrl/_native.py passes them.
+using TruncationTuple = std::tuple<std::uintptr_t, int, int64_t, int64_t, int64_t, std::uintptr_t,
+                                   double, std::uintptr_t, int64_t, std::uintptr_t, double,
+                                   std::uintptr_t, double>;
+
+fastrl::TruncationArgs truncation_args(const TruncationTuple& t) {
+  const auto& [logits, dtype, n_rows, vocab, row_stride, temps, temp, top_k, top_k_scalar, top_p,
+               top_p_scalar, min_p, min_p_scalar] = t;
+  return {cptr(logits), dtype,  n_rows,        vocab,
+          row_stride,   cptr(temps), temp,     reinterpret_cast<const int64_t*>(top_k),
+          top_k_scalar, cptr(top_p), top_p_scalar, cptr(min_p),
+          min_p_scalar};
 }
 
 const char* cpu_isa() {
@@ -67,6 +85,43 @@ PYBIND11_MODULE(_C, m) {
                                   cptr(grad_entropy), mptr(grad_out), grad_row_stride);
       },
       py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "sample_forward",
+      [](const TruncationTuple& t, std::uintptr_t seeds, int64_t seed, bool per_row_seeds,
+         std::uintptr_t offset_ptr, int64_t offset, std::uintptr_t tokens, std::uintptr_t logprobs,
+         std::uintptr_t raw_logprobs) {
+        const fastrl::RandomArgs rng{reinterpret_cast<const int64_t*>(seeds), seed, per_row_seeds,
+                                     reinterpret_cast<const int64_t*>(offset_ptr), offset};
+        fastrl::sample_forward(truncation_args(t), rng, static_cast<int64_t*>(mptr(tokens)),
+                               mptr(logprobs), mptr(raw_logprobs));
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "truncated_logprobs_forward",
+      [](const TruncationTuple& t, std::uintptr_t labels, int label_dtype, std::uintptr_t out,
+         std::uintptr_t stats) {
+        fastrl::truncated_logprobs_forward(truncation_args(t), cptr(labels), label_dtype, mptr(out),
+                                           mptr(stats));
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "truncated_logprobs_backward",
+      [](const TruncationTuple& t, std::uintptr_t labels, int label_dtype, std::uintptr_t stats,
+         std::uintptr_t grad_logprob, std::uintptr_t grad_out, int64_t grad_row_stride) {
+        fastrl::truncated_logprobs_backward(truncation_args(t), cptr(labels), label_dtype,
+                                            cptr(stats), cptr(grad_logprob), mptr(grad_out),
+                                            grad_row_stride);
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  // Philox4x32-10 of one counter under one key, for the known-answer tests.
+  m.def("philox4x32_10", [](uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
+    const fastrl::Words4 r = fastrl::philox4x32_10(c0, c1, c2, c3, k0, k1);
+    return py::make_tuple(r.w[0], r.w[1], r.w[2], r.w[3]);
+  });
 
 #ifdef FASTRL_WITH_CUDA
   m.def(

@@ -84,13 +84,16 @@ def triton_importable() -> bool:
     return True
 
 
-def _unavailable(name: str, device: torch.device) -> str | None:
-    """Why backend ``name`` cannot run on ``device``, or None if it can."""
+def _unavailable(name: str, device: torch.device, has_cuda_kernel: bool = True) -> str | None:
+    """Why backend ``name`` cannot run on ``device``, or None if it can.
+    ``has_cuda_kernel``: whether the op has a CUDA C++ kernel in fastrl._C."""
     if name == "reference":
         return None
     if name == "native":
         if native_module() is None:
             return "the native extension fastrl._C is not built (reinstall with a C++ compiler)"
+        if device.type == "cuda" and not has_cuda_kernel:
+            return "this op has no CUDA C++ kernel (use the triton backend on CUDA tensors)"
         if device.type == "cuda" and not native_cuda():
             return "fastrl._C was built without CUDA kernels"
         if device.type not in ("cpu", "cuda"):
@@ -115,17 +118,18 @@ def _warn_reference_fallback(device_type: str) -> None:
     )
 
 
-def select_backend(device: torch.device) -> str:
-    """The backend that runs an op on tensors of ``device``."""
+def select_backend(device: torch.device, *, has_cuda_kernel: bool = True) -> str:
+    """The backend that runs an op on tensors of ``device``; ``has_cuda_kernel``
+    says whether the op has a CUDA C++ kernel (else native is CPU-only)."""
     name = forced_backend()
     if name is not None:
-        why = _unavailable(name, device)
+        why = _unavailable(name, device, has_cuda_kernel)
         if why is not None:
             raise RuntimeError(f"fastrl backend {name!r} was requested but cannot run: {why}")
         return name
     preferred = ("triton", "native") if device.type == "cuda" else ("native",)
     for candidate in preferred:
-        if _unavailable(candidate, device) is None:
+        if _unavailable(candidate, device, has_cuda_kernel) is None:
             return candidate
     _warn_reference_fallback(device.type)
     return "reference"

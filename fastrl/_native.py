@@ -91,3 +91,57 @@ def logprobs_backward(
         temps_ptr, temp_scalar, stats.data_ptr(), _ptr(entropy), _ptr(grad_logprob),
         _ptr(grad_entropy), grad_out.data_ptr(), grad_out.stride(0),
     )  # fmt: skip
+
+
+def _row_param(value: float | int | torch.Tensor) -> tuple[int, float | int]:
+    """(pointer to per-row values or 0, the scalar value) of a per-row parameter."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr(), 0
+    return 0, value
+
+
+def _truncation(logits, temperature, top_k, top_p, min_p) -> tuple:
+    """The processed-distribution arguments of csrc/sampling.h, in binding order."""
+    n_rows, vocab = logits.shape
+    return (
+        logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, logits.stride(0),
+        *_row_param(temperature), *_row_param(top_k), *_row_param(top_p), *_row_param(min_p),
+    )  # fmt: skip
+
+
+def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
+    """The contract of ``fastrl.kernels.sampling.sample_forward``, on the C++ kernels."""
+    n_rows = logits.shape[0]
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    tokens = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(n_rows, dtype=acc, device=logits.device)
+    raw = torch.empty(n_rows, dtype=acc, device=logits.device)
+    per_row_seeds = isinstance(seed, torch.Tensor)
+    native_module().sample_forward(
+        _truncation(logits, temperature, top_k, top_p, min_p),
+        seed.data_ptr() if per_row_seeds else 0, 0 if per_row_seeds else seed, per_row_seeds,
+        *_row_param(offset), tokens.data_ptr(), logprobs.data_ptr(), raw.data_ptr(),
+    )  # fmt: skip
+    return tokens, logprobs, raw
+
+
+def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_stats):
+    """The contract of ``fastrl.kernels.sampling.truncated_forward``, on the C++ kernels."""
+    n_rows = logits.shape[0]
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    out = torch.empty(n_rows, dtype=acc, device=logits.device)
+    stats = torch.empty(n_rows, 3, dtype=acc, device=logits.device) if with_stats else None
+    native_module().truncated_logprobs_forward(
+        _truncation(logits, temperature, top_k, top_p, min_p),
+        labels.data_ptr(), DTYPE_CODES[labels.dtype], out.data_ptr(), _ptr(stats),
+    )  # fmt: skip
+    return out, stats
+
+
+def truncated_backward(logits, labels, stats, grad_logprob, grad_out, *, temperature, top_k, top_p, min_p):
+    """The contract of ``fastrl.kernels.sampling.truncated_backward``, on the C++ kernels."""
+    native_module().truncated_logprobs_backward(
+        _truncation(logits, temperature, top_k, top_p, min_p),
+        labels.data_ptr(), DTYPE_CODES[labels.dtype], stats.data_ptr(), grad_logprob.data_ptr(),
+        grad_out.data_ptr(), grad_out.stride(0),
+    )  # fmt: skip

@@ -8,7 +8,6 @@ without it the kernels never read out of bounds and return NaN for a bad row.
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
@@ -41,12 +40,13 @@ def check_logits(logits: object, name: str = "logits") -> torch.Tensor:
 
 def check_labels(labels: object, logits: torch.Tensor, ignore_index: object, name: str = "labels") -> torch.Tensor:
     """``labels`` must be integer ``[...]`` matching ``logits[..., V]``; on CPU
-    (or under FASTRL_CHECKS=1) every label must be in [0, V) or ``ignore_index``."""
+    (or under FASTRL_CHECKS=1) every label must be in [0, V) or equal
+    ``ignore_index`` (None: no label is ignored)."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(labels).__name__}")
     if labels.dtype not in LABEL_DTYPES:
         raise TypeError(f"{name} must have an integer dtype ({_names(LABEL_DTYPES)}); got {labels.dtype}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral)):
         raise TypeError(f"ignore_index must be an int; got {type(ignore_index).__name__}")
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
@@ -56,44 +56,64 @@ def check_labels(labels: object, logits: torch.Tensor, ignore_index: object, nam
         raise ValueError(f"{name} is on {labels.device} but logits is on {logits.device}; they must share a device")
     if labels.numel() and _host_checks(labels.device):
         vocab = logits.shape[-1]
-        bad = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
+        bad = (labels < 0) | (labels >= vocab)
+        if ignore_index is not None:
+            bad &= labels != ignore_index
         if bool(bad.any()):
             first = labels[bad].flatten()[0].item()
-            raise ValueError(
-                f"{name} must lie in [0, {vocab}) or equal ignore_index={ignore_index}; found {first} "
-                f"({int(bad.sum())} such labels)"
-            )
+            allowed = f" or equal ignore_index={ignore_index}" if ignore_index is not None else ""
+            raise ValueError(f"{name} must lie in [0, {vocab}){allowed}; found {first} ({int(bad.sum())} such labels)")
     return labels
+
+
+def check_row_param(
+    value: object,
+    name: str,
+    shape: torch.Size,
+    device: torch.device,
+    *,
+    integer: bool,
+    ok,
+    accepted: str,
+) -> int | float | torch.Tensor:
+    """A per-row parameter: a Python number, or a tensor of numbers that
+    broadcasts to ``shape`` (one value per row) on ``device``. ``ok(t)`` tells
+    which values are accepted (``accepted`` says so in words); tensors are
+    checked where that needs no host sync (CPU, or FASTRL_CHECKS=1)."""
+    kind = "an int" if integer else "a float"
+    tensor_kind = "an integer" if integer else "a floating"
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() == integer or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"{name} must be {kind} or {tensor_kind} tensor; got a tensor of {value.dtype}")
+        if value.device != device:
+            raise ValueError(f"{name} is on {value.device} but logits is on {device}; they must share a device")
+        try:
+            broadcast_ok = torch.broadcast_shapes(value.shape, shape) == shape
+        except RuntimeError:
+            broadcast_ok = False
+        if not broadcast_ok:
+            raise ValueError(f"{name} must broadcast to the per-token shape {tuple(shape)}; got shape {tuple(value.shape)}")
+        if value.numel() and _host_checks(device):
+            good = ok(value)
+            if not bool(good.all()):
+                raise ValueError(f"{name} must be {accepted} in every row; found {value[~good].flatten()[0].item()}")
+        return value
+    number_type = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, number_type):
+        raise TypeError(f"{name} must be {kind} or a tensor; got {type(value).__name__}")
+    value = int(value) if integer else float(value)
+    if not bool(ok(torch.tensor(value, dtype=torch.float64))):
+        raise ValueError(f"{name} must be {accepted}; got {value}")
+    return value
 
 
 def check_temperature(temperature: object, shape: torch.Size, device: torch.device) -> float | torch.Tensor:
     """A positive finite number, or a floating tensor of such numbers that
     broadcasts to ``shape`` (one temperature per row) on ``device``."""
-    if isinstance(temperature, torch.Tensor):
-        if not temperature.is_floating_point():
-            raise TypeError(f"temperature must be a float or a floating tensor; got a tensor of {temperature.dtype}")
-        if temperature.device != device:
-            raise ValueError(f"temperature is on {temperature.device} but logits is on {device}; they must share a device")
-        try:
-            broadcast_ok = torch.broadcast_shapes(temperature.shape, shape) == shape
-        except RuntimeError:
-            broadcast_ok = False
-        if not broadcast_ok:
-            raise ValueError(
-                f"temperature must broadcast to the per-token shape {tuple(shape)}; got shape {tuple(temperature.shape)}"
-            )
-        if temperature.numel() and _host_checks(device):
-            ok = torch.isfinite(temperature) & (temperature > 0)
-            if not bool(ok.all()):
-                bad = temperature[~ok].flatten()[0].item()
-                raise ValueError(f"temperature must be positive and finite in every row; found {bad}")
-        return temperature
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a float or a tensor; got {type(temperature).__name__}")
-    value = float(temperature)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"temperature must be positive and finite; got {value}")
-    return value
+    return check_row_param(
+        temperature, "temperature", shape, device, integer=False,
+        ok=lambda t: torch.isfinite(t) & (t > 0), accepted="positive and finite",
+    )  # fmt: skip
 
 
 def check_bool(value: object, name: str) -> bool:

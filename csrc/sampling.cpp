@@ -1,0 +1,359 @@
+// Sampling with log-probs and truncated log-probs, CPU kernels.
+//
+// Every filter of the processed distribution keeps the tokens at or above a
+// threshold logit (fastrl/reference.py, truncated_log_distribution), so a row
+// is handled without sorting:
+//   1. one pass: max m, first argmax, NaN check, each logit's order-preserving
+//      integer key (so comparisons of keys are comparisons of logits), and
+//      e_j = exp((x_j - m) / T) with s = sum e (for the raw log-probs);
+//   2. top-k: the k-th largest key by radix select (8-bit digits, one
+//      histogram pass per digit over the row's keys);
+//   3. top-p: radix search again, with each bucket weighted by its mass, for the
+//      smallest logit whose mass strictly above is < p * (mass of the top-k set);
+//   4. min-p: kept iff (x_j - m) / T >= log(min_p), tested per token;
+//   5. one pass over the kept tokens: their mass s_kept, and the exponential
+//      race argmax_j (x_j - m) / T - log E_j with E_j ~ Exp(1) from Philox,
+//      which picks j with probability e_j / s_kept.
+// Each row is handled by one thread in a fixed order: deterministic, and
+// independent of the other rows.
+#include "sampling.h"
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "common.h"
+#include "philox.h"
+
+namespace fastrl {
+namespace {
+
+// Order-preserving integer keys: key(a) < key(b) iff a < b for non-NaN a, b
+// (-0.0 and +0.0 map to the same key, so they tie as equal logits do).
+FASTRL_INLINE uint32_t order_key(float v) {
+  uint32_t u = float_to_bits(v + 0.0f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+FASTRL_INLINE uint64_t order_key(double v) {
+  uint64_t u;
+  v += 0.0;
+  std::memcpy(&u, &v, sizeof u);
+  return (u >> 63) ? ~u : (u | (uint64_t(1) << 63));
+}
+template <typename Acc>
+using KeyOf = std::conditional_t<sizeof(Acc) == 8, uint64_t, uint32_t>;
+
+// The k-th largest key (1 <= k <= n), most significant digit first: at each
+// digit keep the bucket in which the k-th largest lies, counting down from the top.
+template <typename Key>
+Key kth_largest_key(const Key* keys, int64_t n, int64_t k) {
+  Key prefix = 0, mask = 0;
+  int64_t need = k;
+  for (int shift = int(sizeof(Key)) * 8 - 8; shift >= 0; shift -= 8) {
+    int64_t hist[256] = {};
+    for (int64_t i = 0; i < n; ++i)
+      if ((keys[i] & mask) == prefix) ++hist[(keys[i] >> shift) & 0xff];
+    int b = 255;
+    for (; b > 0; --b) {
+      if (hist[b] >= need) break;
+      need -= hist[b];
+    }
+    prefix |= Key(b) << shift;
+    mask |= Key(0xff) << shift;
+  }
+  return prefix;
+}
+
+// The smallest key v among keys >= floor with mass(keys > v) < target (the
+// lowest key present when rounding leaves every mass below the target). At each
+// digit, walk the buckets from the top adding their mass until the bucket that
+// reaches the target: the boundary token lies in it.
+template <typename Key, typename Acc>
+Key mass_threshold_key(const Key* keys, const Acc* weights, int64_t n, Key floor, double target) {
+  Key prefix = 0, mask = 0;
+  double above = 0;  // mass strictly above the current bucket
+  for (int shift = int(sizeof(Key)) * 8 - 8; shift >= 0; shift -= 8) {
+    double hist[256] = {};
+    bool present[256] = {};
+    for (int64_t i = 0; i < n; ++i) {
+      if (keys[i] >= floor && (keys[i] & mask) == prefix) {
+        const int b = (keys[i] >> shift) & 0xff;
+        hist[b] += weights[i];
+        present[b] = true;
+      }
+    }
+    int chosen = -1, lowest = -1;
+    for (int b = 255; b >= 0; --b) {
+      if (!present[b]) continue;
+      lowest = b;
+      if (above + hist[b] >= target) {
+        chosen = b;
+        break;
+      }
+      above += hist[b];
+    }
+    if (chosen < 0) {  // target not reached: keep down to the lowest present value
+      chosen = lowest;
+      above -= hist[lowest];
+    }
+    prefix |= Key(chosen) << shift;
+    mask |= Key(0xff) << shift;
+  }
+  return prefix;
+}
+
+template <typename Acc>
+struct RowParams {
+  Acc t, top_p, min_p;
+  int64_t top_k;
+  bool valid() const {
+    return t >= 0 && t < std::numeric_limits<Acc>::infinity() && top_k >= 0 && top_p > 0 &&
+           top_p <= 1 && min_p >= 0 && min_p <= 1;
+  }
+};
+
+template <typename Acc>
+RowParams<Acc> row_params(const TruncationArgs& a, int64_t r) {
+  return {a.temps ? static_cast<const Acc*>(a.temps)[r] : static_cast<Acc>(a.temp_scalar),
+          a.top_p ? static_cast<const Acc*>(a.top_p)[r] : static_cast<Acc>(a.top_p_scalar),
+          a.min_p ? static_cast<const Acc*>(a.min_p)[r] : static_cast<Acc>(a.min_p_scalar),
+          a.top_k ? a.top_k[r] : a.top_k_scalar};
+}
+
+// Everything the three entry points need to know about one row.
+template <typename Acc>
+struct Selection {
+  bool bad = false, greedy = false;
+  int64_t argmax = -1, n_max = 0;
+  Acc m = 0, inv_t = 0, log_s = 0, log_s_kept = 0, log_min_p = 0;
+  KeyOf<Acc> threshold = 0;  // kept: key >= threshold and (x - m) / T >= log_min_p
+};
+
+// Per-thread scratch for one row: keys and weights, reused across rows.
+template <typename Acc>
+struct Scratch {
+  std::vector<KeyOf<Acc>> keys;
+  std::vector<Acc> weights;
+  explicit Scratch(int64_t vocab) : keys(vocab), weights(vocab) {}
+};
+
+template <typename In, typename Acc>
+Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm, Scratch<Acc>& scratch) {
+  Selection<Acc> sel;
+  KeyOf<Acc>* keys = scratch.keys.data();
+  Acc* e = scratch.weights.data();
+  bool has_nan = false;
+  Acc m = neg_inf<Acc>();
+  for (int64_t i = 0; i < vocab; ++i) {
+    const Acc v = load_as<Acc>(x, i);
+    has_nan |= v != v;
+    keys[i] = order_key(v);
+    if (v > m) {
+      m = v;
+      sel.argmax = i;
+      sel.n_max = 1;
+    } else if (v == m) {
+      ++sel.n_max;
+    }
+  }
+  sel.m = m;
+  sel.bad = has_nan || m == neg_inf<Acc>() || !prm.valid();
+  sel.greedy = prm.t == 0;
+  if (sel.bad || sel.greedy) return sel;
+
+  sel.inv_t = Acc(1) / prm.t;
+  Acc s = 0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    e[i] = exp_approx((load_as<Acc>(x, i) - m) * sel.inv_t);
+    s += e[i];
+  }
+  sel.log_s = std::log(s);
+
+  using Key = KeyOf<Acc>;
+  Key threshold = order_key(neg_inf<Acc>());  // keeps every non-NaN logit
+  if (prm.top_k > 0 && prm.top_k < vocab) threshold = kth_largest_key(keys, vocab, prm.top_k);
+  if (prm.top_p < 1) {
+    double s_top_k = 0;
+    for (int64_t i = 0; i < vocab; ++i)
+      if (keys[i] >= threshold) s_top_k += e[i];
+    threshold = std::max(threshold, mass_threshold_key(keys, e, vocab, threshold, prm.top_p * s_top_k));
+  }
+  sel.threshold = threshold;
+  sel.log_min_p = prm.min_p > 0 ? std::log(prm.min_p) : neg_inf<Acc>();
+  Acc s_kept = 0;
+  for (int64_t i = 0; i < vocab; ++i)
+    if (keys[i] >= threshold && (load_as<Acc>(x, i) - m) * sel.inv_t >= sel.log_min_p) s_kept += e[i];
+  sel.log_s_kept = std::log(s_kept);
+  return sel;
+}
+
+template <typename Acc>
+FASTRL_INLINE bool is_kept(const Selection<Acc>& sel, Acc x) {
+  return order_key(x) >= sel.threshold && (x - sel.m) * sel.inv_t >= sel.log_min_p;
+}
+
+// The exponential race over the kept tokens: the winner of argmax_j d_j - log E_j
+// is j with probability e^{d_j} / sum_kept e^{d}; ties go to the lowest index.
+template <typename In, typename Acc>
+int64_t race(const In* x, int64_t vocab, const Selection<Acc>& sel, uint64_t seed, uint32_t salt,
+             uint64_t offset) {
+  const uint32_t k0 = uint32_t(seed), k1 = uint32_t(seed >> 32);
+  const uint32_t c2 = uint32_t(offset), c3 = uint32_t(offset >> 32);
+  Acc best = neg_inf<Acc>();
+  int64_t winner = sel.argmax;  // only if every kept draw lost (E = inf, ~2^-25 each)
+  for (int64_t i = 0; i < vocab; ++i) {
+    const Acc v = load_as<Acc>(x, i);
+    if (!is_kept(sel, v)) continue;
+    const Words4 r = philox4x32_10(uint32_t(i), salt, c2, c3, k0, k1);
+    const Acc key = (v - sel.m) * sel.inv_t - std::log(Acc(exponential_variate(r.w[0], r.w[1])));
+    if (key > best) {
+      best = key;
+      winner = i;
+    }
+  }
+  return winner;
+}
+
+template <typename In, typename Acc>
+void sample_impl(const TruncationArgs& a, const RandomArgs& rng, int64_t* tokens, Acc* logprobs,
+                 Acc* raw_logprobs) {
+  const uint64_t offset = uint64_t(rng.offset_ptr ? *rng.offset_ptr : rng.offset);
+#pragma omp parallel if (a.n_rows > 1)
+  {
+    Scratch<Acc> scratch(a.vocab);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < a.n_rows; ++r) {
+      const In* x = static_cast<const In*>(a.logits) + r * a.row_stride;
+      const Selection<Acc> sel = select_row<In, Acc>(x, a.vocab, row_params<Acc>(a, r), scratch);
+      if (sel.bad) {
+        tokens[r] = -1;
+        logprobs[r] = raw_logprobs[r] = quiet_nan<Acc>();
+      } else if (sel.greedy) {  // T -> 0: a point mass on the first argmax
+        tokens[r] = sel.argmax;
+        logprobs[r] = 0;
+        raw_logprobs[r] = -std::log(Acc(sel.n_max));
+      } else {
+        const uint64_t seed = uint64_t(rng.per_row_seeds ? rng.seeds[r] : rng.seed);
+        const uint32_t salt = rng.per_row_seeds ? 0u : uint32_t(r);
+        const int64_t tok = race<In, Acc>(x, a.vocab, sel, seed, salt, offset);
+        const Acc d = (load_as<Acc>(x, tok) - sel.m) * sel.inv_t;
+        tokens[r] = tok;
+        logprobs[r] = d - sel.log_s_kept;
+        raw_logprobs[r] = d - sel.log_s;
+      }
+    }
+  }
+}
+
+template <typename In, typename Acc>
+void truncated_forward_impl(const TruncationArgs& a, const void* labels, int label_dtype,
+                            Acc* out, Acc* stats) {
+#pragma omp parallel if (a.n_rows > 1)
+  {
+    Scratch<Acc> scratch(a.vocab);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < a.n_rows; ++r) {
+      const In* x = static_cast<const In*>(a.logits) + r * a.row_stride;
+      const Selection<Acc> sel = select_row<In, Acc>(x, a.vocab, row_params<Acc>(a, r), scratch);
+      const int64_t y = load_label(labels, label_dtype, r);
+      Acc lp;
+      if (sel.bad || y < 0 || y >= a.vocab) {
+        lp = quiet_nan<Acc>();
+      } else if (sel.greedy) {
+        lp = y == sel.argmax ? Acc(0) : neg_inf<Acc>();
+      } else {
+        const Acc v = load_as<Acc>(x, y);
+        lp = is_kept(sel, v) ? (v - sel.m) * sel.inv_t - sel.log_s_kept : neg_inf<Acc>();
+      }
+      out[r] = lp;
+      if (stats) {
+        // The threshold as a logit value; keys compare like logits, so the
+        // backward rebuilds the same kept set from it.
+        const auto t = sel.threshold;
+        const auto u = (t >> (sizeof(t) * 8 - 1)) ? (t & ~(decltype(t)(1) << (sizeof(t) * 8 - 1))) : ~t;
+        Acc threshold_value;
+        std::memcpy(&threshold_value, &u, sizeof threshold_value);
+        stats[3 * r] = sel.m;
+        stats[3 * r + 1] = sel.log_s_kept;
+        stats[3 * r + 2] = threshold_value;
+      }
+    }
+  }
+}
+
+template <typename In, typename Acc>
+void truncated_backward_impl(const TruncationArgs& a, const void* labels, int label_dtype,
+                             const Acc* stats, const Acc* grad_logprob, In* grad_out,
+                             int64_t grad_row_stride) {
+#pragma omp parallel for schedule(static) if (a.n_rows * a.vocab > 32768)
+  for (int64_t r = 0; r < a.n_rows; ++r) {
+    const In* x = static_cast<const In*>(a.logits) + r * a.row_stride;
+    In* gx = grad_out + r * grad_row_stride;
+    const RowParams<Acc> prm = row_params<Acc>(a, r);
+    Selection<Acc> sel;
+    sel.m = stats[3 * r];
+    sel.log_s_kept = stats[3 * r + 1];
+    sel.threshold = order_key(stats[3 * r + 2]);
+    sel.inv_t = prm.t > 0 ? Acc(1) / prm.t : Acc(0);
+    sel.log_min_p = prm.min_p > 0 ? std::log(prm.min_p) : neg_inf<Acc>();
+    const int64_t y = load_label(labels, label_dtype, r);
+    const Acc g = grad_logprob[r];
+    // Zero gradient where the log-prob is a constant: greedy rows and labels
+    // outside the kept set (-inf). NaN rows stay NaN.
+    Acc scale = 0;
+    if (sel.m != sel.m || sel.log_s_kept != sel.log_s_kept || !prm.valid()) {
+      scale = quiet_nan<Acc>();
+    } else if (prm.t > 0 && y >= 0 && y < a.vocab && is_kept(sel, load_as<Acc>(x, y))) {
+      scale = g * sel.inv_t;
+    }
+    for (int64_t j = 0; j < a.vocab; ++j) {
+      Acc grad = 0;
+      if (scale != 0) {
+        const Acc v = load_as<Acc>(x, j);
+        const Acc q = is_kept(sel, v) ? exp_approx((v - sel.m) * sel.inv_t - sel.log_s_kept) : Acc(0);
+        grad = scale * ((j == y ? Acc(1) : Acc(0)) - q);
+      }
+      store_from(gx, j, grad);
+    }
+  }
+}
+
+}  // namespace
+
+#define FASTRL_DISPATCH_LOGITS(DTYPE, WHAT, CALL)                                         \
+  switch (DTYPE) {                                                                        \
+    case kFloat32: { using In = float; using Acc = float; CALL; break; }                  \
+    case kFloat16: { using In = F16; using Acc = float; CALL; break; }                    \
+    case kBFloat16: { using In = BF16; using Acc = float; CALL; break; }                  \
+    case kFloat64: { using In = double; using Acc = double; CALL; break; }                \
+    default: fail(std::string(WHAT) + ": unsupported logits dtype code " + std::to_string(DTYPE)); \
+  }
+
+void sample_forward(const TruncationArgs& a, const RandomArgs& rng, int64_t* tokens, void* logprobs,
+                    void* raw_logprobs) {
+  FASTRL_DISPATCH_LOGITS(a.dtype, "sample_forward",
+                         (sample_impl<In, Acc>(a, rng, tokens, static_cast<Acc*>(logprobs),
+                                               static_cast<Acc*>(raw_logprobs))))
+}
+
+void truncated_logprobs_forward(const TruncationArgs& a, const void* labels, int label_dtype,
+                                void* out_logprob, void* stats) {
+  FASTRL_DISPATCH_LOGITS(a.dtype, "truncated_logprobs_forward",
+                         (truncated_forward_impl<In, Acc>(a, labels, label_dtype,
+                                                          static_cast<Acc*>(out_logprob),
+                                                          static_cast<Acc*>(stats))))
+}
+
+void truncated_logprobs_backward(const TruncationArgs& a, const void* labels, int label_dtype,
+                                 const void* stats, const void* grad_logprob, void* grad_out,
+                                 int64_t grad_row_stride) {
+  FASTRL_DISPATCH_LOGITS(a.dtype, "truncated_logprobs_backward",
+                         (truncated_backward_impl<In, Acc>(a, labels, label_dtype,
+                                                           static_cast<const Acc*>(stats),
+                                                           static_cast<const Acc*>(grad_logprob),
+                                                           static_cast<In*>(grad_out), grad_row_stride)))
+}
+
+#undef FASTRL_DISPATCH_LOGITS
+
+}  // namespace fastrl

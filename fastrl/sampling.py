@@ -1,0 +1,214 @@
+"""Temperature / top-k / top-p / min-p sampling that returns the sampled token's
+log-probs, and the training-side log-probs of the same processed distribution.
+
+The processed distribution of a row (``fastrl.reference.truncated_log_distribution``
+is the spec):
+    1. z = logits / T; T == 0 is greedy (the lowest-index argmax, log-prob 0);
+    2. top-k keeps the tokens whose logit is >= the k-th largest (ties kept);
+    3. top-p keeps a token if the mass strictly above it, under softmax(z)
+       renormalised over the top-k set, is < p (tied tokens share their fate);
+    4. min-p keeps the tokens with prob >= min_p * max prob;
+    5. the kept tokens' softmax(z) is renormalised and sampled.
+Off: top_k None or 0, top_p None or 1, min_p None or 0. Every step keeps the
+tokens at or above a threshold logit; the kernels find the thresholds by radix /
+pivot search, never sorting the vocabulary or writing a [B, V] temporary.
+
+Randomness is counter-based (Philox4x32-10): key = the row's seed, counter =
+(vocab index, salt, offset), with salt = the row's index for a batch-wide seed
+and 0 for per-row seeds, so a row with its own seed draws the same token alone
+or in any batch. The same inputs, seeds and offset give bitwise the same tokens.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import _validation, reference
+from ._backend import select_backend
+from .logprobs import _as_rows
+
+__all__ = ["SampleOutput", "sample", "truncated_logprobs"]
+
+
+class SampleOutput(NamedTuple):
+    """One draw per row: the token, its log-prob under the processed
+    distribution (the PPO "old" log-prob) and under the full softmax(logits / T)."""
+
+    tokens: torch.Tensor  # int64 [...]; -1 marks a bad row on CUDA
+    logprobs: torch.Tensor  # fp32 [...]
+    raw_logprobs: torch.Tensor  # fp32 [...]
+
+
+def _kernels(backend: str) -> ModuleType:
+    if backend == "triton":
+        from .kernels import sampling as triton_sampling
+
+        return triton_sampling
+    from . import _native
+
+    return _native
+
+
+def _truncation(logits, temperature, top_k, top_p, min_p) -> dict:
+    """Checked processed-distribution parameters: Python scalars, or flat
+    contiguous per-row tensors (accumulation dtype; int64 for top_k)."""
+    rows, dev = logits.shape[:-1], logits.device
+    acc = reference.compute_dtype(logits)
+
+    def row(value, name, integer, ok, accepted):
+        value = _validation.check_row_param(value, name, rows, dev, integer=integer, ok=ok, accepted=accepted)
+        if isinstance(value, torch.Tensor):
+            value = value.to(torch.int64 if integer else acc).expand(rows).reshape(-1).contiguous()
+        return value
+
+    return {
+        "temperature": row(temperature, "temperature", False, lambda t: torch.isfinite(t) & (t >= 0),
+                           "non-negative and finite (0 is greedy)"),
+        "top_k": row(0 if top_k is None else top_k, "top_k", True, lambda t: t >= 0, "an int >= 0 (0 is off)"),
+        "top_p": row(1.0 if top_p is None else top_p, "top_p", False, lambda t: (t > 0) & (t <= 1),
+                     "in (0, 1] (1 is off)"),
+        "min_p": row(0.0 if min_p is None else min_p, "min_p", False, lambda t: (t >= 0) & (t <= 1),
+                     "in [0, 1] (0 is off)"),
+    }  # fmt: skip
+
+
+def _seed_and_offset(seed, offset, rows: torch.Size, device: torch.device):
+    """seed: an int64 (Python ints wrap to 64 bits) or a flat int64 tensor of
+    per-row seeds; offset: an int or a one-element int64 tensor on the device."""
+    if seed is None:  # one draw from torch's default (CPU) generator: no device sync
+        seed = int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64).item())
+    if isinstance(seed, torch.Tensor):
+        seed = _validation.check_row_param(seed, "seed", rows, device, integer=True, ok=lambda t: t == t, accepted="an int")
+        seed = seed.to(torch.int64).expand(rows).reshape(-1).contiguous()
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, an int64 tensor of per-row seeds, or None; got {type(seed).__name__}")
+    else:
+        seed = (seed + 2**63) % 2**64 - 2**63
+    if isinstance(offset, torch.Tensor):
+        if offset.is_floating_point() or offset.dtype == torch.bool or offset.numel() != 1:
+            raise TypeError(f"offset must be an int or a one-element integer tensor; got {offset.dtype} of shape {tuple(offset.shape)}")
+        if offset.device != device:
+            raise ValueError(f"offset is on {offset.device} but logits is on {device}; they must share a device")
+        offset = offset.to(torch.int64).reshape(1).contiguous()
+    elif isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise (ValueError if isinstance(offset, int) and not isinstance(offset, bool) else TypeError)(
+            f"offset must be an int >= 0 or a one-element integer tensor; got {offset!r}"
+        )
+    return seed, offset
+
+
+def _reject_bad_rows(bad: torch.Tensor, rows: torch.Size) -> None:
+    """CPU only: a row that is all -inf or has NaN (or, for per-row tensors
+    without host checks, an invalid parameter) cannot be sampled."""
+    if bool(bad.any()):
+        where = torch.nonzero(bad.reshape(rows)).tolist()[:5]
+        raise ValueError(f"logits rows {where} are all -inf or contain NaN: there is nothing to sample from")
+
+
+def sample(
+    logits: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    seed: int | torch.Tensor | None = None,
+    offset: int | torch.Tensor = 0,
+) -> SampleOutput:
+    """Draw one token per row of ``logits [..., V]`` from the processed
+    distribution (module docstring), returning it with its processed and raw
+    log-probs (float32; float64 for float64 logits).
+
+    ``temperature``, ``top_k``, ``top_p``, ``min_p``: Python scalars or per-row
+    tensors broadcastable to ``logits.shape[:-1]``. ``seed``: an int, an int64
+    tensor of per-row seeds, or None (one seed drawn from torch's default
+    generator). ``offset``: the decoding step, an int or a one-element tensor
+    (device tensors keep the call capturable in a CUDA graph). No host sync on
+    CUDA; there a bad row gets token -1 and NaN log-probs, on CPU a ValueError.
+    """
+    _validation.check_logits(logits)
+    params = _truncation(logits, temperature, top_k, top_p, min_p)
+    rows = logits.shape[:-1]
+    seed, offset = _seed_and_offset(seed, offset, rows, logits.device)
+    backend = select_backend(logits.device, has_cuda_kernel=False)
+    if logits.numel() == 0:
+        acc = reference.compute_dtype(logits)
+        empty = lambda dt: torch.empty(rows, dtype=dt, device=logits.device)  # noqa: E731
+        return SampleOutput(empty(torch.int64), empty(acc), empty(acc))
+    if backend == "reference":
+        if logits.device.type == "cpu":
+            _reject_bad_rows(logits.isnan().any(-1) | torch.isneginf(logits).all(-1), rows)
+        flat = {k: v.view(rows) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
+        seed_arg = seed.view(rows) if isinstance(seed, torch.Tensor) else seed
+        return SampleOutput(*reference.sample(logits, **flat, seed=seed_arg, offset=offset))
+    tokens, logprobs, raw = _kernels(backend).sample_forward(_as_rows(logits), **params, seed=seed, offset=offset)
+    if logits.device.type == "cpu":
+        _reject_bad_rows(tokens < 0, rows)
+    return SampleOutput(tokens.view(rows), logprobs.view(rows), raw.view(rows))
+
+
+class _TruncatedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, params, kernels):
+        rows = _as_rows(logits)
+        out, stats = kernels.truncated_forward(rows, labels, **params, with_stats=True)
+        tensors = {k: v for k, v in params.items() if isinstance(v, torch.Tensor)}
+        ctx.save_for_backward(rows, labels, stats, *tensors.values())
+        ctx.scalars = {k: v for k, v in params.items() if not isinstance(v, torch.Tensor)}
+        ctx.tensor_names = list(tensors)
+        ctx.kernels = kernels
+        ctx.logits_shape = logits.shape
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        rows, labels, stats, *tensors = ctx.saved_tensors
+        params = {**ctx.scalars, **dict(zip(ctx.tensor_names, tensors))}
+        grad_rows = torch.empty_like(rows, memory_format=torch.contiguous_format)
+        ctx.kernels.truncated_backward(
+            rows, labels, stats, grad_out.to(stats.dtype).contiguous(), grad_rows, **params
+        )
+        return grad_rows.reshape(ctx.logits_shape), None, None, None
+
+
+def truncated_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Log-prob of ``labels`` under the processed distribution that
+    :func:`sample` draws from (the same kept set on the same logits, so trainer
+    and rollout agree exactly); -inf for a label outside the kept set.
+
+    Differentiable w.r.t. ``logits`` with the kept set held fixed:
+    d/dlogit_j = (1/T) ([j == label] - q_j) over the kept tokens (zero for a
+    label outside the kept set and for greedy rows). Float32 output (float64 for
+    float64 logits)."""
+    _validation.check_logits(logits)
+    _validation.check_labels(labels, logits, ignore_index=None)
+    params = _truncation(logits, temperature, top_k, top_p, min_p)
+    rows = logits.shape[:-1]
+    backend = select_backend(logits.device, has_cuda_kernel=False)
+    if backend == "reference" or logits.numel() == 0:
+        if logits.device.type == "cpu" and logits.numel():
+            _reject_bad_rows(logits.isnan().any(-1) | torch.isneginf(logits).all(-1), rows)
+        flat = {k: v.view(rows) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
+        return reference.truncated_logprobs(logits, labels, **flat)
+    kernels = _kernels(backend)
+    flat_labels = labels.reshape(-1).contiguous()
+    if torch.is_grad_enabled() and logits.requires_grad:
+        out = _TruncatedLogprobs.apply(logits, flat_labels, params, kernels)
+    else:
+        out, _ = kernels.truncated_forward(_as_rows(logits), flat_labels, **params, with_stats=False)
+    if logits.device.type == "cpu":
+        _reject_bad_rows(out.isnan(), rows)
+    return out.view(rows)

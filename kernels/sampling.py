@@ -1,0 +1,334 @@
+"""Sampling with log-probs, and truncated log-probs: Triton kernels and launchers.
+
+One program per row; the processed distribution is the spec's
+(fastrl/reference.py, truncated_log_distribution). Every filter keeps the tokens
+at or above a threshold logit, and the thresholds are found without sorting:
+
+    keys      order-preserving integers of the logits (key(a) < key(b) iff a < b),
+    top-k     the k-th largest key by bisection on the key: the largest v with
+              #{key >= v} >= k, one counting pass over the row per probe;
+    top-p     the smallest v >= the top-k threshold with mass(key > v) < p * (top-k
+              mass), by bisection with one weighted pass per probe (the mass is a
+              step function of v, so the kept set equals the spec's);
+    min-p     kept iff (x - m) / T >= log(min_p), per token;
+    sample    an exponential race over the kept tokens, argmax (x - m) / T - log E
+              with E ~ Exp(1) from Philox (kernels/random.py), which picks a token
+              with its processed probability; ties go to the lowest index.
+
+The bisections take up to 32 probes (64 for float64 logits), each a pass over
+the row; rows of the canonical sizes stay in L2 between probes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .random import exponential_variate, philox4x32_10
+
+_MAX_BLOCK_V = 4096
+
+
+def _launch_config(vocab: int) -> tuple[int, int]:
+    block = min(triton.next_power_of_2(vocab), _MAX_BLOCK_V)
+    return block, 8 if block >= 2048 else 4
+
+
+def _acc(logits: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
+    return (torch.float64, tl.float64) if logits.dtype == torch.float64 else (torch.float32, tl.float32)
+
+
+@triton.jit
+def _order_key(x):
+    """Integer keys ordered as the logits (int32 for fp32, int64 for fp64);
+    -0.0 and +0.0 share a key. The map is its own inverse on the bits."""
+    if x.dtype == tl.float64:
+        b = (x + 0.0).to(tl.int64, bitcast=True)
+        return b ^ ((b >> 63) & 0x7FFFFFFFFFFFFFFF)
+    else:
+        b = (x + 0.0).to(tl.int32, bitcast=True)
+        return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _key_to_value(key, ACC: tl.constexpr):
+    if ACC == tl.float64:
+        return (key ^ ((key >> 63) & 0x7FFFFFFFFFFFFFFF)).to(tl.float64, bitcast=True)
+    else:
+        k = key.to(tl.int32)
+        return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _row_param(ptr, scalar, row, PER_ROW: tl.constexpr, DTYPE: tl.constexpr):
+    if PER_ROW:
+        return tl.load(ptr + row).to(DTYPE)
+    else:
+        return tl.full([], scalar, DTYPE)
+
+
+@triton.jit
+def _select(row_ptr, V, t, k, p, min_p, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
+    """Everything about one row's processed distribution: (bad, greedy, m, first
+    argmax, number of maxima, 1/T, log s, threshold key, log min_p, log s_kept)
+    with s = sum_j e_j over the row, e_j = exp((x_j - m) / T), and s_kept over
+    the kept tokens (key >= threshold and (x - m) / T >= log min_p)."""
+    neg_inf = float("-inf")
+    m = tl.full([], neg_inf, ACC)
+    arg = tl.full([], 0, tl.int64)
+    n_max = tl.zeros([], tl.int64)
+    has_nan = tl.zeros([], tl.int1)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
+        has_nan |= tl.max((x != x).to(tl.int32), axis=0) > 0
+        b_max = tl.max(x, axis=0)
+        b_arg = tl.min(tl.where(x == b_max, offs, V), axis=0).to(tl.int64)
+        b_cnt = tl.sum((x == b_max).to(tl.int64), axis=0)
+        n_max = tl.where(b_max > m, b_cnt, tl.where(b_max == m, n_max + b_cnt, n_max))
+        arg = tl.where(b_max > m, b_arg, arg)
+        m = tl.maximum(m, b_max)
+    valid = (t >= 0) & (t < float("inf")) & (k >= 0) & (p > 0) & (p <= 1) & (min_p >= 0) & (min_p <= 1)
+    bad = has_nan | (m == neg_inf) | (~valid)
+    greedy = t == 0
+    inv_t = tl.where(greedy | bad, 1.0, 1.0 / t).to(ACC)
+    m_safe = tl.where(bad, 0.0, m).to(ACC)
+
+    s = tl.zeros([], ACC)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
+        s += tl.sum(tl.exp((x - m_safe) * inv_t), axis=0)
+
+    # top-k: the largest v with #{key >= v} >= k.
+    key_hi = _order_key(m_safe).to(tl.int64)
+    lo = _order_key(tl.full([], neg_inf, ACC)).to(tl.int64)
+    hi = tl.where((k > 0) & (k < V) & (~bad) & (~greedy), key_hi, lo)
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        count = tl.zeros([], tl.int64)
+        for start in range(0, V, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
+            count += tl.sum(((_order_key(x) >= mid) & (offs < V)).to(tl.int64), axis=0)
+        lo = tl.where(count >= k, mid, lo)
+        hi = tl.where(count >= k, hi, mid - 1)
+    threshold = lo
+
+    # top-p: the smallest v >= threshold with mass(key > v) < p * mass(key >= threshold).
+    top_k_mass = tl.zeros([], ACC)
+    if p < 1:
+        for start in range(0, V, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
+            top_k_mass += tl.sum(tl.where(_order_key(x) >= threshold, tl.exp((x - m_safe) * inv_t), 0.0), axis=0)
+    target = p.to(ACC) * top_k_mass
+    lo = threshold
+    hi = tl.where((p < 1) & (~bad) & (~greedy), key_hi, threshold)
+    while lo < hi:
+        mid = lo + (hi - lo) // 2
+        above = tl.zeros([], ACC)
+        for start in range(0, V, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
+            key = _order_key(x)
+            e = tl.exp((x - m_safe) * inv_t)
+            above += tl.sum(tl.where((key > mid) & (key >= threshold), e, 0.0), axis=0)
+        hi = tl.where(above < target, mid, hi)
+        lo = tl.where(above < target, lo, mid + 1)
+    threshold = lo
+
+    log_min_p = tl.where(min_p > 0, tl.log(min_p.to(ACC)), neg_inf).to(ACC)
+    s_kept = tl.zeros([], ACC)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
+        d = (x - m_safe) * inv_t
+        kept = (_order_key(x) >= threshold) & (d >= log_min_p)
+        s_kept += tl.sum(tl.where(kept, tl.exp(d), 0.0), axis=0)
+    return bad, greedy, m_safe, arg, n_max, inv_t, tl.log(s), threshold, log_min_p, tl.log(s_kept)
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, row_stride, V,
+    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+    seeds_ptr, seed, offset_ptr, offset,
+    tokens_ptr, logprobs_ptr, raw_ptr,
+    PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
+    PER_ROW_SEED: tl.constexpr, OFFSET_FROM_PTR: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    t = _row_param(temps_ptr, temp, row, PER_ROW_T, ACC)
+    k = _row_param(top_k_ptr, top_k, row, PER_ROW_K, tl.int64)
+    p = _row_param(top_p_ptr, top_p, row, PER_ROW_P, ACC)
+    mp = _row_param(min_p_ptr, min_p, row, PER_ROW_MIN_P, ACC)
+    bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept = _select(
+        row_ptr, V, t, k, p, mp, BLOCK_V, ACC
+    )
+
+    # Philox key = the row's seed; counter = (vocab index, salt, offset).
+    row_seed = _row_param(seeds_ptr, seed, row, PER_ROW_SEED, tl.int64)
+    k0 = (row_seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((row_seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    salt = tl.where(PER_ROW_SEED, 0, row).to(tl.uint32)
+    off = _row_param(offset_ptr, offset, 0, OFFSET_FROM_PTR, tl.int64)
+    c2 = (off & 0xFFFFFFFF).to(tl.uint32)
+    c3 = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    best = tl.full([], float("-inf"), ACC)
+    winner = arg  # only if every kept draw lost (E = inf, ~2^-25 each)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(ACC)
+        d = (x - m) * inv_t
+        kept = (_order_key(x) >= threshold) & (d >= log_min_p) & (offs < V)
+        zeros = tl.zeros([BLOCK_V], tl.uint32)
+        w0, w1, _, _ = philox4x32_10(offs.to(tl.uint32), zeros + salt, zeros + c2, zeros + c3, zeros + k0, zeros + k1)
+        race = tl.where(kept, d - tl.log(exponential_variate(w0, w1).to(ACC)), float("-inf"))
+        b_best = tl.max(race, axis=0)
+        b_arg = tl.min(tl.where(race == b_best, offs, V), axis=0).to(tl.int64)
+        winner = tl.where(b_best > best, b_arg, winner)
+        best = tl.maximum(best, b_best)
+    winner = tl.where(greedy, arg, winner)
+    d_win = (tl.load(row_ptr + winner).to(ACC) - m) * inv_t
+    logprob = tl.where(greedy, 0.0, d_win - log_s_kept)
+    raw = tl.where(greedy, -tl.log(n_max.to(ACC)), d_win - log_s)
+    tl.store(tokens_ptr + row, tl.where(bad, -1, winner))
+    tl.store(logprobs_ptr + row, tl.where(bad, float("nan"), logprob))
+    tl.store(raw_ptr + row, tl.where(bad, float("nan"), raw))
+
+
+@triton.jit
+def _truncated_fwd_kernel(
+    logits_ptr, row_stride, V, labels_ptr,
+    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+    out_ptr, stats_ptr,
+    PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
+    WITH_STATS: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    t = _row_param(temps_ptr, temp, row, PER_ROW_T, ACC)
+    k = _row_param(top_k_ptr, top_k, row, PER_ROW_K, tl.int64)
+    p = _row_param(top_p_ptr, top_p, row, PER_ROW_P, ACC)
+    mp = _row_param(min_p_ptr, min_p, row, PER_ROW_MIN_P, ACC)
+    bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept = _select(
+        row_ptr, V, t, k, p, mp, BLOCK_V, ACC
+    )
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    in_range = (label >= 0) & (label < V)
+    x = tl.load(row_ptr + label, mask=in_range, other=0.0).to(ACC)
+    d = (x - m) * inv_t
+    kept = (_order_key(x) >= threshold) & (d >= log_min_p)
+    lp = tl.where(kept, d - log_s_kept, float("-inf"))
+    lp = tl.where(greedy, tl.where(label == arg, 0.0, float("-inf")), lp)
+    tl.store(out_ptr + row, tl.where(bad | (~in_range), float("nan"), lp))
+    if WITH_STATS:
+        tl.store(stats_ptr + 3 * row, m)
+        tl.store(stats_ptr + 3 * row + 1, tl.where(bad, float("nan"), log_s_kept))
+        tl.store(stats_ptr + 3 * row + 2, _key_to_value(threshold, ACC))
+
+
+@triton.jit
+def _truncated_bwd_kernel(
+    logits_ptr, row_stride, V, labels_ptr, stats_ptr, grad_logprob_ptr, grad_ptr, grad_row_stride,
+    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+    PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * row_stride
+    grad_row_ptr = grad_ptr + row * grad_row_stride
+    t = _row_param(temps_ptr, temp, row, PER_ROW_T, ACC)
+    k = _row_param(top_k_ptr, top_k, row, PER_ROW_K, tl.int64)
+    p = _row_param(top_p_ptr, top_p, row, PER_ROW_P, ACC)
+    mp = _row_param(min_p_ptr, min_p, row, PER_ROW_MIN_P, ACC)
+    valid = (t >= 0) & (t < float("inf")) & (k >= 0) & (p > 0) & (p <= 1) & (mp >= 0) & (mp <= 1)
+    m = tl.load(stats_ptr + 3 * row).to(ACC)
+    log_s_kept = tl.load(stats_ptr + 3 * row + 1).to(ACC)
+    threshold = _order_key(tl.load(stats_ptr + 3 * row + 2).to(ACC))
+    inv_t = tl.where(t > 0, 1.0 / t, 0.0).to(ACC)
+    log_min_p = tl.where(mp > 0, tl.log(mp), float("-inf")).to(ACC)
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    in_range = (label >= 0) & (label < V)
+    x_label = tl.load(row_ptr + label, mask=in_range, other=0.0).to(ACC)
+    label_kept = in_range & (_order_key(x_label) >= threshold) & ((x_label - m) * inv_t >= log_min_p) & (t > 0)
+    g = tl.load(grad_logprob_ptr + row).to(ACC)
+    # Zero where the log-prob is a constant (greedy rows, labels outside the
+    # kept set); NaN rows stay NaN.
+    scale = tl.where(label_kept, g * inv_t, 0.0)
+    scale = tl.where((m != m) | (log_s_kept != log_s_kept) | (~valid), float("nan"), scale)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        mask = offs < V
+        x = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(ACC)
+        d = (x - m) * inv_t
+        kept = (_order_key(x) >= threshold) & (d >= log_min_p)
+        q = tl.where(kept, tl.exp(d - log_s_kept), 0.0)
+        grad = scale * (tl.where(offs == label, 1.0, 0.0) - q)
+        grad = tl.where(scale == 0, 0.0, grad)
+        tl.store(grad_row_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+def _params(temperature, top_k, top_p, min_p) -> tuple[list, dict]:
+    """Kernel arguments (pointer-or-None, scalar) per parameter, and the PER_ROW_* flags."""
+    args, flags = [], {}
+    for value, flag in ((temperature, "PER_ROW_T"), (top_k, "PER_ROW_K"), (top_p, "PER_ROW_P"), (min_p, "PER_ROW_MIN_P")):
+        per_row = isinstance(value, torch.Tensor)
+        args += [value if per_row else None, 0 if per_row else value]
+        flags[flag] = per_row
+    return args, flags
+
+
+def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
+    """One draw per row of ``logits [N, V]`` (unit stride in V): (tokens int64
+    [N], log-probs under the processed distribution [N], raw log-probs [N]).
+    Parameters are scalars or flat per-row tensors (accumulation dtype, int64
+    for top_k); ``seed`` an int64 or int64 [N] per-row seeds; ``offset`` an int
+    or a one-element int64 tensor read on the device."""
+    n_rows, vocab = logits.shape
+    acc, acc_tl = _acc(logits)
+    tokens = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(n_rows, dtype=acc, device=logits.device)
+    raw = torch.empty(n_rows, dtype=acc, device=logits.device)
+    args, flags = _params(temperature, top_k, top_p, min_p)
+    per_row_seed, offset_from_ptr = isinstance(seed, torch.Tensor), isinstance(offset, torch.Tensor)
+    block, num_warps = _launch_config(vocab)
+    _sample_kernel[(n_rows,)](
+        logits, logits.stride(0), vocab, *args,
+        seed if per_row_seed else None, 0 if per_row_seed else seed,
+        offset if offset_from_ptr else None, 0 if offset_from_ptr else offset,
+        tokens, logprobs, raw, **flags, PER_ROW_SEED=per_row_seed, OFFSET_FROM_PTR=offset_from_ptr,
+        BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
+    )  # fmt: skip
+    return tokens, logprobs, raw
+
+
+def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_stats):
+    """(log-prob of ``labels`` under the processed distribution [N], stats [N, 3]
+    = per row (max logit, log kept mass, threshold logit) for the backward, or None)."""
+    n_rows, vocab = logits.shape
+    acc, acc_tl = _acc(logits)
+    out = torch.empty(n_rows, dtype=acc, device=logits.device)
+    stats = torch.empty(n_rows, 3, dtype=acc, device=logits.device) if with_stats else None
+    args, flags = _params(temperature, top_k, top_p, min_p)
+    block, num_warps = _launch_config(vocab)
+    _truncated_fwd_kernel[(n_rows,)](
+        logits, logits.stride(0), vocab, labels, *args, out, stats, **flags,
+        WITH_STATS=with_stats, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
+    )  # fmt: skip
+    return out, stats
+
+
+def truncated_backward(logits, labels, stats, grad_logprob, grad_out, *, temperature, top_k, top_p, min_p):
+    """Writes dL/dlogits into ``grad_out [N, V]`` with the kept set held fixed."""
+    n_rows, vocab = logits.shape
+    _, acc_tl = _acc(logits)
+    args, flags = _params(temperature, top_k, top_p, min_p)
+    block, num_warps = _launch_config(vocab)
+    _truncated_bwd_kernel[(n_rows,)](
+        logits, logits.stride(0), vocab, labels, stats, grad_logprob, grad_out, grad_out.stride(0),
+        *args, **flags, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
+    )  # fmt: skip
