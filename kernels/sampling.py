@@ -4,19 +4,21 @@ One program per row; the processed distribution is the spec's
 (fastrl/reference.py, truncated_log_distribution). Every filter keeps the tokens
 at or above a threshold logit, and the thresholds are found without sorting:
 
-    keys      order-preserving integers of the logits (key(a) < key(b) iff a < b),
-    top-k     the k-th largest key by bisection on the key: the largest v with
-              #{key >= v} >= k, one counting pass over the row per probe;
-    top-p     the smallest v >= the top-k threshold with mass(key > v) < p * (top-k
-              mass), by bisection with one weighted pass per probe (the mass is a
-              step function of v, so the kept set equals the spec's);
+    keys      unsigned order-preserving integers of the logits (key(a) < key(b)
+              iff a < b), the same keys as csrc/sampling.cpp;
+    top-k     the largest key u with #{key >= u} >= k (the k-th largest key);
+    top-p     the largest key u with mass(key >= u) >= p * (top-k mass), among the
+              top-k keys; the kept set {key >= u} is exactly the tokens whose mass
+              strictly above is < p * (top-k mass);
     min-p     kept iff (x - m) / T >= log(min_p), per token;
     sample    an exponential race over the kept tokens, argmax (x - m) / T - log E
               with E ~ Exp(1) from Philox (kernels/random.py), which picks a token
               with its processed probability; ties go to the lowest index.
 
-The bisections take up to 32 probes (64 for float64 logits), each a pass over
-the row; rows of the canonical sizes stay in L2 between probes.
+Both searches are one routine (``_largest_key_reaching``): a 16-way descent on
+the key, 4 bits per pass, each pass testing 16 pivots against the row at once
+(8 passes for 32-bit keys, 16 for float64). Rows of the canonical sizes stay in
+L2 between passes.
 """
 
 from __future__ import annotations
@@ -41,23 +43,57 @@ def _acc(logits: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
 
 @triton.jit
 def _order_key(x):
-    """Integer keys ordered as the logits (int32 for fp32, int64 for fp64);
-    -0.0 and +0.0 share a key. The map is its own inverse on the bits."""
+    """Unsigned integer keys ordered as the logits (uint64; 32 significant bits
+    for fp32, 64 for fp64); -0.0 and +0.0 share a key."""
     if x.dtype == tl.float64:
-        b = (x + 0.0).to(tl.int64, bitcast=True)
-        return b ^ ((b >> 63) & 0x7FFFFFFFFFFFFFFF)
+        b = (x + 0.0).to(tl.uint64, bitcast=True)
+        return tl.where((b >> 63) == 1, ~b, b | 0x8000000000000000)
     else:
-        b = (x + 0.0).to(tl.int32, bitcast=True)
-        return b ^ ((b >> 31) & 0x7FFFFFFF)
+        b = (x + 0.0).to(tl.uint32, bitcast=True)
+        return tl.where((b >> 31) == 1, ~b, b | 0x80000000).to(tl.uint64)
 
 
 @triton.jit
 def _key_to_value(key, ACC: tl.constexpr):
+    """The logit whose key is ``key`` (the inverse of _order_key)."""
     if ACC == tl.float64:
-        return (key ^ ((key >> 63) & 0x7FFFFFFFFFFFFFFF)).to(tl.float64, bitcast=True)
+        return tl.where((key >> 63) == 1, key & 0x7FFFFFFFFFFFFFFF, ~key).to(tl.float64, bitcast=True)
     else:
-        k = key.to(tl.int32)
-        return (k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        k = key.to(tl.uint32)
+        return tl.where((k >> 31) == 1, k & 0x7FFFFFFF, ~k).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _largest_key_reaching(row_ptr, V, m, inv_t, floor_key, target, WEIGHTED: tl.constexpr,
+                          BLOCK_V: tl.constexpr, ACC: tl.constexpr):
+    """The largest key u with F(u) >= target, where F(u) counts (or, WEIGHTED,
+    sums e_j = exp((x_j - m) / T) over) the tokens with key >= max(u, floor_key).
+    F is non-increasing, so a descent digit by digit (16 pivots per pass, most
+    significant first) keeps the largest pivot that still reaches the target."""
+    KEY_BITS: tl.constexpr = 64 if ACC == tl.float64 else 32
+    digits = tl.arange(0, 16).to(tl.uint64)
+    prefix = tl.zeros([], tl.uint64)
+    for level in tl.static_range(KEY_BITS // 4):
+        shift: tl.constexpr = KEY_BITS - 4 * (level + 1)
+        pivots = prefix + (digits << shift)
+        if WEIGHTED:
+            reach = tl.zeros([16], ACC)
+        else:
+            reach = tl.zeros([16], tl.int64)
+        for start in range(0, V, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(ACC)
+            key = _order_key(x)
+            live = (offs < V) & (key >= floor_key)
+            above = (key[:, None] >= pivots[None, :]) & live[:, None]
+            if WEIGHTED:
+                e = tl.exp((x - m) * inv_t)
+                reach += tl.sum(tl.where(above, e[:, None], 0.0), axis=0)
+            else:
+                reach += tl.sum(above.to(tl.int64), axis=0)
+        best = tl.max(tl.where(reach >= target, digits, 0), axis=0)
+        prefix = prefix + (best << shift)
+    return prefix
 
 
 @triton.jit
@@ -101,43 +137,18 @@ def _select(row_ptr, V, t, k, p, min_p, BLOCK_V: tl.constexpr, ACC: tl.constexpr
         x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
         s += tl.sum(tl.exp((x - m_safe) * inv_t), axis=0)
 
-    # top-k: the largest v with #{key >= v} >= k.
-    key_hi = _order_key(m_safe).to(tl.int64)
-    lo = _order_key(tl.full([], neg_inf, ACC)).to(tl.int64)
-    hi = tl.where((k > 0) & (k < V) & (~bad) & (~greedy), key_hi, lo)
-    while lo < hi:
-        mid = lo + (hi - lo + 1) // 2
-        count = tl.zeros([], tl.int64)
-        for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
-            count += tl.sum(((_order_key(x) >= mid) & (offs < V)).to(tl.int64), axis=0)
-        lo = tl.where(count >= k, mid, lo)
-        hi = tl.where(count >= k, hi, mid - 1)
-    threshold = lo
-
-    # top-p: the smallest v >= threshold with mass(key > v) < p * mass(key >= threshold).
-    top_k_mass = tl.zeros([], ACC)
-    if p < 1:
+    active = (~bad) & (~greedy)
+    threshold = _order_key(tl.full([], neg_inf, ACC))  # keeps every non-NaN logit
+    if active & (k > 0) & (k < V):
+        threshold = _largest_key_reaching(row_ptr, V, m_safe, inv_t, threshold, k, False, BLOCK_V, ACC)
+    if active & (p < 1):
+        top_k_mass = tl.zeros([], ACC)
         for start in range(0, V, BLOCK_V):
             offs = start + tl.arange(0, BLOCK_V)
             x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
             top_k_mass += tl.sum(tl.where(_order_key(x) >= threshold, tl.exp((x - m_safe) * inv_t), 0.0), axis=0)
-    target = p.to(ACC) * top_k_mass
-    lo = threshold
-    hi = tl.where((p < 1) & (~bad) & (~greedy), key_hi, threshold)
-    while lo < hi:
-        mid = lo + (hi - lo) // 2
-        above = tl.zeros([], ACC)
-        for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
-            key = _order_key(x)
-            e = tl.exp((x - m_safe) * inv_t)
-            above += tl.sum(tl.where((key > mid) & (key >= threshold), e, 0.0), axis=0)
-        hi = tl.where(above < target, mid, hi)
-        lo = tl.where(above < target, lo, mid + 1)
-    threshold = lo
+        target = p.to(ACC) * top_k_mass
+        threshold = _largest_key_reaching(row_ptr, V, m_safe, inv_t, threshold, target, True, BLOCK_V, ACC)
 
     log_min_p = tl.where(min_p > 0, tl.log(min_p.to(ACC)), neg_inf).to(ACC)
     s_kept = tl.zeros([], ACC)

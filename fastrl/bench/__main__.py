@@ -16,8 +16,9 @@ import torch
 
 from . import copy_bandwidth, device_slug, environment, format_table, run_cases, write_json
 from . import logprobs as logprobs_cases
+from . import sampling as sampling_cases
 
-OPS = {"logprobs": logprobs_cases}
+OPS = {"logprobs": logprobs_cases, "sampling": sampling_cases}
 MAX_REFERENCE_ERROR = 1e-4
 
 
@@ -30,7 +31,7 @@ def _parse_shape(text: str) -> tuple[int, int, torch.dtype]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastrl.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--op", choices=sorted(OPS), action="append", help="op family (default: all)")
-    parser.add_argument("--shape", type=_parse_shape, action="append", help="N,V,dtype (repeatable)")
+    parser.add_argument("--shape", type=_parse_shape, action="append", help="N,V,dtype (repeatable; N = rows or batch)")
     parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions (CI)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per row")

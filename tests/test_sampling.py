@@ -1,0 +1,386 @@
+"""fastrl.sample and fastrl.truncated_logprobs: statistical exactness against the
+float64 processed distribution, the kept set on every draw, determinism and
+batch invariance, per-row parameters, edge rows, gradients and bad input, on
+every backend (native C++, Triton through the interpreter or compiled, reference)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from conftest import assert_close_to_reference, backend_params
+from scipy import stats
+
+import fastrl
+from fastrl import reference
+from fastrl.kernels.random import philox4x32_10
+
+BACKENDS = backend_params()
+KERNEL_BACKENDS = backend_params(include_reference=False)
+
+# (name, filter arguments) of the statistical tests; T is crossed with these.
+CONFIGS = [
+    ("top-k", dict(top_k=12)),
+    ("top-p", dict(top_p=0.85)),
+    ("min-p", dict(min_p=0.02)),
+    ("combined", dict(top_k=40, top_p=0.9, min_p=0.005)),
+]
+# Draws per configuration: enough on native to see a 5% relative error on a
+# token of probability 1% (expected 4000 +- 63 at n = 400k: 5% is 3 sigma), a
+# few hundred on the Triton interpreter (about 40 ms a row there) and the
+# reference (full [n, V] temporaries).
+DRAWS = {"native": 400_000, "triton": 200, "reference": 100_000}
+
+
+def _rows(device, backend, n):
+    """``n`` rows, or a tenth of that on the Triton interpreter (~40 ms a row)."""
+    return max(n // 10, 8) if backend == "triton" and device == "cpu" else n
+
+
+def _test_logits(vocab=64, device="cpu"):
+    """One row with a realistic spread of probabilities: a leading token, a long
+    tail with tokens near 1% in every configuration below, and masked (-inf)
+    entries."""
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(vocab, generator=g, dtype=torch.float64) * 0.8
+    x[[5, 17]] = float("-inf")
+    return x.float().to(device)
+
+
+def _chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit of counts to n * probs, pooling bins expected below 5."""
+    n = int(counts.sum())
+    expected = probs.double() * n
+    order = torch.argsort(expected, descending=True)
+    obs, exp = [], []
+    pool_o = pool_e = 0.0
+    for i in order.tolist():
+        if expected[i] >= 5:
+            obs.append(float(counts[i]))
+            exp.append(float(expected[i]))
+        else:
+            pool_o += float(counts[i])
+            pool_e += float(expected[i])
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    return float(stats.chi2.sf(chi2, df=max(len(obs) - 1, 1)))
+
+
+def _statistical_cases() -> list:
+    """Every filter at every temperature on each backend, except the Triton
+    interpreter, which affords one temperature per filter: it rotates through
+    all three across the four filters."""
+    cases = []
+    for param in BACKENDS:
+        device, backend = param.values
+        interpreted = backend == "triton" and device == "cpu"
+        for i, (name, filters) in enumerate(CONFIGS):
+            temps = [(0.5, 1.0, 2.0, 1.0)[i]] if interpreted else [0.5, 1.0, 2.0]
+            for t in temps:
+                cases.append(pytest.param(device, backend, name, filters, t, marks=param.marks,
+                                          id=f"{device}-{backend}-{name}-T{t}"))  # fmt: skip
+    return cases
+
+
+@pytest.mark.parametrize("device,backend,name,filters,temperature", _statistical_cases())
+def test_draws_follow_the_truncated_distribution(device, backend, name, filters, temperature):
+    x = _test_logits(device=device)
+    n = DRAWS[backend] if device == "cpu" else 400_000
+    logq = reference.truncated_log_distribution(x.double(), temperature=temperature, **filters)
+    q = logq.exp()
+    assert 0.005 < float(q.max()) < 0.9 and int((q > 0).sum()) >= 5, "the case must leave a real choice"
+    with fastrl.use_backend(backend):
+        out = fastrl.sample(x.expand(n, -1), temperature=temperature, seed=torch.seed() % 2**62, **filters)
+    kept = q > 0
+    assert bool(kept[out.tokens].all()), f"{int((~kept[out.tokens]).sum())} draws outside the kept set"
+    counts = torch.bincount(out.tokens.cpu(), minlength=x.numel()).double()
+    pvalue = _chi_square_pvalue(counts, q.cpu())
+    assert pvalue > 1e-5, f"chi-square p = {pvalue:.2e} for {name} at T = {temperature} ({n} draws)"
+    # And the returned log-probs are those of the drawn tokens, to fp32 accuracy.
+    assert_close_to_reference(out.logprobs, logq[out.tokens], 1e-5, what="logprobs")
+    raw = torch.log_softmax(x.double() / temperature, dim=-1)[out.tokens]
+    assert_close_to_reference(out.raw_logprobs, raw, 1e-5, what="raw_logprobs")
+
+
+@pytest.mark.parametrize("device,backend", [p for p in BACKENDS if p.values[1] != "triton" or p.values[0] == "cuda"])
+def test_a_1e_5_tail_token_appears_at_its_rate(device, backend):
+    """No clipping of the noise: a token of probability 1e-5 appears in 2M draws
+    about 20 times (Poisson), not never."""
+    probs = torch.tensor([0.5, 0.3, 0.2 - 1e-5, 1e-5], dtype=torch.float64)
+    x = probs.log().float().to(device)
+    n = 2_000_000 if backend != "reference" else 500_000
+    with fastrl.use_backend(backend):
+        tokens = fastrl.sample(x.expand(n, -1), seed=torch.seed() % 2**62).tokens
+    q_tail = float(reference.truncated_log_distribution(x.double())[3].exp())
+    count = int((tokens == 3).sum())
+    lam = n * q_tail
+    p_two_sided = 2 * min(stats.poisson.cdf(count, lam), stats.poisson.sf(count - 1, lam))
+    assert p_two_sided > 1e-4, f"tail token drawn {count} times, expected {lam:.1f}"
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_same_tokens_as_the_reference_sampler(device, backend):
+    """The kernels run the spec's race with the spec's Philox noise: the same
+    seed and offset give the same tokens as fastrl.reference.sample."""
+    x = torch.randn(40, 300, device=device) * 2
+    kw = dict(temperature=0.8, top_k=50, top_p=0.95, min_p=0.01, seed=987654321, offset=3)
+    expected = reference.sample(x, **kw)
+    with fastrl.use_backend(backend):
+        out = fastrl.sample(x, **kw)
+    assert torch.equal(out.tokens, expected[0])
+    torch.testing.assert_close(out.logprobs, expected[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.raw_logprobs, expected[2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_per_row_parameters_and_seeds(device, backend):
+    """Different T / k / p / min-p / seed per row in one call; each row equals
+    that row sampled alone with its own scalars and seed, wherever it sits."""
+    rows = 6
+    x = torch.randn(rows, 200, device=device) * 3
+    temperature = torch.tensor([0.5, 1.0, 0.0, 2.0, 0.7, 1.3], device=device)
+    top_k = torch.tensor([0, 5, 3, 100, 1, 20], device=device)
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.3, 1.0, 0.99], device=device)
+    min_p = torch.tensor([0.0, 0.1, 0.0, 0.05, 0.0, 0.2], device=device)
+    seeds = torch.tensor([11, 22, 33, 44, 55, -66], device=device)
+    with fastrl.use_backend(backend):
+        out = fastrl.sample(x, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seeds, offset=7)
+        for r in range(rows):
+            alone = fastrl.sample(
+                x[r : r + 1], temperature=float(temperature[r]), top_k=int(top_k[r]), top_p=float(top_p[r]),
+                min_p=float(min_p[r]), seed=seeds[r : r + 1], offset=7,
+            )  # fmt: skip
+            assert alone.tokens[0] == out.tokens[r], f"row {r}"
+            assert alone.logprobs[0] == out.logprobs[r] and alone.raw_logprobs[0] == out.raw_logprobs[r]
+        shuffled = torch.tensor([4, 0, 5, 2, 3, 1])
+        again = fastrl.sample(
+            x[shuffled], temperature=temperature[shuffled], top_k=top_k[shuffled], top_p=top_p[shuffled],
+            min_p=min_p[shuffled], seed=seeds[shuffled], offset=7,
+        )  # fmt: skip
+    assert torch.equal(again.tokens, out.tokens[shuffled])
+    logq = reference.truncated_log_distribution(
+        x.double(), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+    )
+    assert bool((logq.gather(-1, out.tokens[:, None]) > float("-inf")).all()), "a draw outside its row's kept set"
+    assert out.tokens[2] == x[2].argmax() and out.logprobs[2] == 0, "T = 0 is greedy"
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_deterministic_and_offset_changes_the_draw(device, backend):
+    x = torch.randn(_rows(device, backend, 64), 100, device=device)
+    with fastrl.use_backend(backend):
+        a = fastrl.sample(x, top_p=0.9, seed=5, offset=2)
+        b = fastrl.sample(x, top_p=0.9, seed=5, offset=2)
+        c = fastrl.sample(x, top_p=0.9, seed=5, offset=torch.tensor([2], device=device))
+        d = fastrl.sample(x, top_p=0.9, seed=5, offset=3)
+        e = fastrl.sample(x, top_p=0.9, seed=6, offset=2)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+    assert torch.equal(a.tokens, c.tokens), "an offset tensor is the same offset"
+    assert not torch.equal(a.tokens, d.tokens) and not torch.equal(a.tokens, e.tokens)
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_edge_rows(device, backend):
+    """Greedy ties, all-equal logits, V = 1, -inf entries."""
+    with fastrl.use_backend(backend):
+        ties = torch.tensor([[1.0, 3.0, 3.0, 0.0]], device=device)
+        g = fastrl.sample(ties, temperature=0.0, seed=1)
+        assert g.tokens.item() == 1 and g.logprobs.item() == 0
+        assert g.raw_logprobs.item() == pytest.approx(-math.log(2)), "T -> 0 limit: -log(number of maxima)"
+
+        n = _rows(device, backend, 2000)
+        flat = torch.zeros(n, 10, device=device)
+        out = fastrl.sample(flat, top_k=3, top_p=0.5, seed=2)  # ties at the threshold: all ten kept
+        assert set(out.tokens.tolist()) == set(range(10))
+        torch.testing.assert_close(out.logprobs, torch.full((n,), -math.log(10), device=device))
+
+        one = fastrl.sample(torch.randn(3, 1, device=device), temperature=0.7, top_p=0.3, seed=3)
+        assert one.tokens.tolist() == [0, 0, 0] and one.logprobs.abs().max() == 0 and one.raw_logprobs.abs().max() == 0
+
+        masked = torch.full((_rows(device, backend, 500), 8), float("-inf"), device=device)
+        masked[:, [2, 6]] = torch.tensor([0.0, 1.0], device=device)
+        out = fastrl.sample(masked, seed=4)
+        assert set(out.tokens.tolist()) <= {2, 6}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_truncated_logprobs_match_sample_and_reference(device, backend, dtype):
+    x = (torch.randn(12, 500, device=device) * 2).to(dtype)
+    kw = dict(temperature=torch.linspace(0.3, 1.5, 12, device=device), top_k=64, top_p=0.9, min_p=0.01)
+    with fastrl.use_backend(backend):
+        out = fastrl.sample(x, seed=77, **kw)
+        again = fastrl.truncated_logprobs(x, out.tokens, **kw)
+        others = fastrl.truncated_logprobs(x, torch.randint(500, (12,), device=device), **kw)
+    assert torch.equal(again, out.logprobs), "trainer and rollout must agree exactly"
+    expected = reference.truncated_logprobs(x.double(), out.tokens, **{**kw, "temperature": kw["temperature"].double()})
+    assert_close_to_reference(out.logprobs, expected, 1e-5)
+    assert (others == float("-inf")).any(), "labels outside the kept set give -inf"
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_truncated_logprobs_gradient(device, backend):
+    """Against the float64 reference's autograd, and gradcheck on each
+    backend's own backward (kept set held fixed)."""
+    x = torch.randn(5, 40, device=device, dtype=torch.float64) * 2
+    kw = dict(temperature=torch.tensor([0.7, 1.0, 1.3, 0.0, 0.9], device=device, dtype=torch.float64), top_k=15, top_p=0.9)
+    labels = x.argsort(dim=-1, descending=True)[:, 2]  # inside the kept set
+    labels[4] = x[4].argmin()  # outside it: -inf, zero gradient
+    w = torch.randn(5, device=device, dtype=torch.float64)
+
+    def loss(z, fn):
+        lp = fn(z, labels, **kw)
+        return (torch.where(torch.isfinite(lp), lp, 0.0) * w).sum()
+
+    expected = torch.func.grad(lambda z: loss(z, reference.truncated_logprobs))(x)
+    with fastrl.use_backend(backend):
+        xg = x.clone().requires_grad_(True)
+        loss(xg, fastrl.truncated_logprobs).backward()
+        assert_close_to_reference(xg.grad, expected, 1e-10, atol=1e-12, what="grad")
+        assert xg.grad[4].abs().max() == 0 and xg.grad[3].abs().max() == 0
+        x32 = x.float().requires_grad_(True)
+        kw32 = {**kw, "temperature": kw["temperature"].float()}
+        (fastrl.truncated_logprobs(x32, labels, **kw32)[:3] * w[:3].float()).sum().backward()
+        assert_close_to_reference(x32.grad, expected, 1e-5, atol=1e-6, what="fp32 grad")
+        assert torch.autograd.gradcheck(
+            lambda z: fastrl.truncated_logprobs(z, labels[:3], **{**kw, "temperature": kw["temperature"][:3]}),
+            (x[:3].clone().requires_grad_(True),), eps=1e-7, atol=1e-6, fast_mode=True,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_kernels_mark_bad_rows(device, backend):
+    """What CUDA relies on (no host sync there): an all -inf row, a NaN row or an
+    invalid per-row parameter gives token -1 and NaN log-probs, never a crash."""
+    from fastrl.sampling import _kernels
+
+    x = torch.randn(4, 30, device=device)
+    x[1] = float("-inf")
+    x[2, 7] = float("nan")
+    top_p = torch.tensor([0.9, 0.9, 0.9, -1.0], device=device)  # row 3: unchecked bad value
+    tokens, logprobs, raw = _kernels(backend).sample_forward(
+        x, temperature=1.0, top_k=0, top_p=top_p, min_p=0.0, seed=1, offset=0
+    )
+    assert tokens.tolist()[1:] == [-1, -1, -1] and 0 <= tokens[0] < 30
+    assert logprobs[1:].isnan().all() and raw[1:].isnan().all() and torch.isfinite(logprobs[0])
+    labels = torch.nan_to_num(x, nan=0.0).argmax(dim=-1)  # row 0's label is kept
+    out, _ = _kernels(backend).truncated_forward(
+        x, labels, temperature=1.0, top_k=0, top_p=top_p, min_p=0.0, with_stats=False
+    )
+    assert out[1:].isnan().all() and torch.isfinite(out[0])
+
+
+@pytest.mark.parametrize("backend", ["native", "triton", "reference"])
+def test_bad_rows_raise_on_cpu(backend):
+    x = torch.randn(3, 10)
+    x[1] = float("-inf")
+    with fastrl.use_backend(backend), pytest.raises(ValueError, match=r"rows \[\[1\]\] are all -inf or contain NaN"):
+        fastrl.sample(x, seed=0)
+    x[1] = 0.0
+    x[2, 4] = float("nan")
+    with fastrl.use_backend(backend), pytest.raises(ValueError, match=r"rows \[\[2\]\]"):
+        fastrl.truncated_logprobs(x, torch.zeros(3, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(top_k=-1), ValueError, "top_k must be an int >= 0"),
+        (dict(top_k=2.5), TypeError, "top_k must be an int"),
+        (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\]"),
+        (dict(min_p=-0.1), ValueError, r"min_p must be in \[0, 1\]"),
+        (dict(min_p=1.1), ValueError, r"min_p must be in \[0, 1\]"),
+        (dict(temperature=-1.0), ValueError, "temperature must be non-negative and finite"),
+        (dict(temperature=float("nan")), ValueError, "temperature must be non-negative and finite"),
+        (dict(temperature=torch.tensor([1.0, -1.0])), ValueError, r"temperature must be non-negative and finite \(0 is greedy\) in every row"),
+        (dict(top_k=torch.tensor([1, 2, 3])), ValueError, "top_k must broadcast to the per-token shape"),
+        (dict(top_p=torch.tensor([0.5, 0.5], device="meta")), ValueError, "top_p is on meta"),
+        (dict(top_k=torch.tensor([1.0, 2.0])), TypeError, "top_k must be an int or an integer tensor"),
+        (dict(seed=1.5), TypeError, "seed must be an int"),
+        (dict(seed=torch.tensor([1, 2, 3])), ValueError, "seed must broadcast"),
+        (dict(offset=-1), ValueError, "offset must be an int >= 0"),
+        (dict(offset=torch.tensor([1.0])), TypeError, "offset must be an int or a one-element integer tensor"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        fastrl.sample(torch.randn(2, 5), **kwargs)
+    if not {"seed", "offset"} & set(kwargs):
+        with pytest.raises(error, match=match):
+            fastrl.truncated_logprobs(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), **kwargs)
+
+
+def test_bad_logits_and_labels():
+    with pytest.raises(TypeError, match="logits must have a floating dtype"):
+        fastrl.sample(torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 5\); found 5"):
+        fastrl.truncated_logprobs(torch.randn(2, 5), torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="labels must have shape"):
+        fastrl.truncated_logprobs(torch.randn(2, 5), torch.tensor([0]))
+
+
+def test_empty_and_shapes():
+    out = fastrl.sample(torch.randn(0, 3, 7))
+    assert out.tokens.shape == (0, 3) and out.tokens.dtype == torch.int64 and out.logprobs.dtype == torch.float32
+    out = fastrl.sample(torch.randn(2, 3, 7), top_k=2, seed=1)
+    assert out.tokens.shape == out.logprobs.shape == out.raw_logprobs.shape == (2, 3)
+    assert isinstance(out, fastrl.SampleOutput)
+
+
+def test_philox_known_answers_on_every_implementation():
+    """Random123's known-answer vectors for Philox4x32-10, on the C++, Triton
+    and reference implementations."""
+    vectors = [
+        ((0, 0, 0, 0, 0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((0xFFFFFFFF,) * 6, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344, 0xA4093822, 0x299F31D0),
+         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    ]  # fmt: skip
+    from fastrl._backend import native_module
+
+    for args, expected in vectors:
+        assert native_module().philox4x32_10(*args) == expected
+        assert tuple(int(w) for w in reference.philox4x32_10(*args)) == expected
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inp = torch.tensor([a for a, _ in vectors] + [vectors[0][0]], dtype=torch.int64, device=device)
+    out = torch.zeros(4, 4, dtype=torch.int64, device=device)
+    _philox_kat_kernel[(1,)](inp, out)
+    assert [tuple(row) for row in out.tolist()[:3]] == [e for _, e in vectors]
+
+
+@triton.jit
+def _philox_kat_kernel(inp, out):
+    """Four Philox calls, counter and key words read from ``inp [4, 6]``."""
+    i = tl.arange(0, 4)
+    r0, r1, r2, r3 = philox4x32_10(
+        tl.load(inp + i * 6).to(tl.uint32), tl.load(inp + i * 6 + 1).to(tl.uint32),
+        tl.load(inp + i * 6 + 2).to(tl.uint32), tl.load(inp + i * 6 + 3).to(tl.uint32),
+        tl.load(inp + i * 6 + 4).to(tl.uint32), tl.load(inp + i * 6 + 5).to(tl.uint32),
+    )  # fmt: skip
+    tl.store(out + i * 4, r0.to(tl.int64))
+    tl.store(out + i * 4 + 1, r1.to(tl.int64))
+    tl.store(out + i * 4 + 2, r2.to(tl.int64))
+    tl.store(out + i * 4 + 3, r3.to(tl.int64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_capture_with_device_seed_and_offset():
+    x = torch.randn(8, 1000, device="cuda")
+    seeds = torch.arange(8, device="cuda")
+    offset = torch.zeros(1, dtype=torch.int64, device="cuda")
+    fastrl.sample(x, top_k=50, seed=seeds, offset=offset)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fastrl.sample(x, top_k=50, seed=seeds, offset=offset)
+    for step in range(3):
+        offset.fill_(step)
+        graph.replay()
+        expected = fastrl.sample(x, top_k=50, seed=seeds, offset=step)
+        assert torch.equal(out.tokens, expected.tokens)
