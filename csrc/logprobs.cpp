@@ -9,10 +9,8 @@
 // no absolute accuracy when T != 1, and keeping w relative to the max avoids
 // cancelling two numbers of size |x| when the entropy is small.
 //
-// Forward reads the row once: it goes through the row in chunks that fit in L1,
-// takes the chunk's max, rescales (s, w) when the max grows, then adds the
-// chunk's exponentials (the second look at the chunk hits L1, not memory).
-// The backward gets each row's (m, log s) from the forward.
+// Forward reads the row once (row_stats, softmax_stats.h). The backward gets
+// each row's (m, log s) from the forward.
 //
 // Backward, with g = dL/dlogprob and h = dL/dentropy of the row:
 //   dL/dx_j = inv_t * ( g * ([j == label] - p_j)  -  h * p_j * (log p_j + entropy) )
@@ -27,59 +25,12 @@
 #include <algorithm>
 
 #include "common.h"
+#include "softmax_stats.h"
 
 namespace fastrl {
 namespace {
 
 constexpr int64_t kChunk = 2048;
-
-template <typename Acc>
-struct RowStats {
-  Acc m, s, w;
-};
-
-template <typename In, typename Acc>
-FASTRL_ISA_CLONES RowStats<Acc> row_stats(const In* x, int64_t vocab, Acc inv_t, bool want_w) {
-  Acc m = neg_inf<Acc>(), s = 0, w = 0;
-  Acc xs[kChunk];
-  for (int64_t start = 0; start < vocab; start += kChunk) {
-    const int64_t n = std::min(kChunk, vocab - start);
-    Acc chunk_max = neg_inf<Acc>();
-#pragma omp simd reduction(max : chunk_max)
-    for (int64_t i = 0; i < n; ++i) {
-      xs[i] = load_as<Acc>(x, start + i);
-      chunk_max = xs[i] > chunk_max ? xs[i] : chunk_max;
-    }
-    if (chunk_max > m) {
-      // Move (s, w) to the new reference point m' = chunk_max:
-      //   s' = a s,  w' = a (w + c s),  c = (m - m') inv_t,  a = exp(c).
-      if (m != neg_inf<Acc>()) {
-        const Acc c = (m - chunk_max) * inv_t;
-        const Acc a = std::exp(c);
-        w = a * (w + c * s);
-        s = a * s;
-      }
-      m = chunk_max;
-    }
-    if (m == neg_inf<Acc>()) continue;  // every logit so far is -inf
-    Acc chunk_s = 0, chunk_w = 0;
-    if (want_w) {
-#pragma omp simd reduction(+ : chunk_s, chunk_w)
-      for (int64_t i = 0; i < n; ++i) {
-        const Acc d = (xs[i] - m) * inv_t;
-        const Acc e = exp_approx(d);
-        chunk_s += e;
-        chunk_w += xs[i] == neg_inf<Acc>() ? Acc(0) : e * d;
-      }
-    } else {
-#pragma omp simd reduction(+ : chunk_s)
-      for (int64_t i = 0; i < n; ++i) chunk_s += exp_approx((xs[i] - m) * inv_t);
-    }
-    s += chunk_s;
-    w += chunk_w;
-  }
-  return {m, s, w};
-}
 
 template <typename In, typename Acc>
 FASTRL_ISA_CLONES void row_grad(const In* x, In* grad, int64_t vocab, Acc inv_t, Acc m,

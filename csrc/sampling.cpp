@@ -2,18 +2,18 @@
 //
 // Every filter of the processed distribution keeps the tokens at or above a
 // threshold logit (fastrl/reference.py, truncated_log_distribution), so a row
-// is handled without sorting:
-//   1. one pass: max m, first argmax, NaN check, each logit's order-preserving
-//      integer key (so comparisons of keys are comparisons of logits), and
-//      e_j = exp((x_j - m) / T) with s = sum e (for the raw log-probs);
-//   2. top-k: the k-th largest key by radix select (8-bit digits, one
-//      histogram pass per digit over the row's keys);
-//   3. top-p: radix search again, with each bucket weighted by its mass, for the
-//      smallest logit whose mass strictly above is < p * (mass of the top-k set);
-//   4. min-p: kept iff (x_j - m) / T >= log(min_p), tested per token;
-//   5. one pass over the kept tokens: their mass s_kept, and the exponential
-//      race argmax_j (x_j - m) / T - log E_j with E_j ~ Exp(1) from Philox,
-//      which picks j with probability e_j / s_kept.
+// is handled without sorting, on a shrinking list of candidate tokens:
+//   1. row_stats (softmax_stats.h): max m and s = sum_j e_j, e_j = exp((x_j - m) / T),
+//      in one vectorised read; a scan for the first argmax and the number of maxima;
+//   2. top-k: the k-th largest order-preserving key by radix select, 8 bits per
+//      pass; after each digit only the bucket holding the answer is kept, so
+//      later passes see a few candidates; then the candidates shrink to key >= it;
+//   3. top-p: the same descent with each bucket weighted by its mass, for the
+//      smallest logit whose mass strictly above is < p * (mass of the candidates);
+//   4. min-p: candidates with (x_j - m) / T >= log(min_p);
+//   5. over the kept candidates: their mass s_kept, and the exponential race
+//      argmax_j (x_j - m) / T - log E_j with E_j ~ Exp(1) from Philox, which picks
+//      j with probability e_j / s_kept.
 // Each row is handled by one thread in a fixed order: deterministic, and
 // independent of the other rows.
 #include "sampling.h"
@@ -24,6 +24,7 @@
 
 #include "common.h"
 #include "philox.h"
+#include "softmax_stats.h"
 
 namespace fastrl {
 namespace {
@@ -43,44 +44,85 @@ FASTRL_INLINE uint64_t order_key(double v) {
 template <typename Acc>
 using KeyOf = std::conditional_t<sizeof(Acc) == 8, uint64_t, uint32_t>;
 
-// The k-th largest key (1 <= k <= n), most significant digit first: at each
-// digit keep the bucket in which the k-th largest lies, counting down from the top.
+// Candidate tokens of a row: their keys, indices and (once known) weights e_j.
+// Filters shrink the list in place, keeping the order of the row. One set of
+// buffers per thread lives across calls (grown, never shrunk), so a call pays
+// no allocation or page faults for them.
+template <typename Acc>
+struct Candidates {
+  std::vector<KeyOf<Acc>> keys, key_scratch;
+  std::vector<int64_t> index;
+  std::vector<Acc> weight, weight_scratch;
+  int64_t n = 0;
+
+  static Candidates& for_this_thread(int64_t vocab) {
+    static thread_local Candidates c;
+    if (int64_t(c.keys.size()) < vocab) {
+      for (auto* v : {&c.keys, &c.key_scratch}) v->resize(vocab);
+      c.index.resize(vocab);
+      for (auto* v : {&c.weight, &c.weight_scratch}) v->resize(vocab);
+    }
+    return c;
+  }
+
+  template <typename Keep>
+  void filter(Keep keep) {  // keep(j) -> bool for candidate j
+    int64_t out = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      if (!keep(j)) continue;
+      keys[out] = keys[j];
+      index[out] = index[j];
+      weight[out] = weight[j];
+      ++out;
+    }
+    n = out;
+  }
+};
+
+// The k-th largest of n keys (1 <= k <= n), most significant digit first: at
+// each digit keep the bucket in which the k-th largest lies, counting down from
+// the top, and carry only that bucket's keys (in `scratch`) to the next digit.
 template <typename Key>
-Key kth_largest_key(const Key* keys, int64_t n, int64_t k) {
-  Key prefix = 0, mask = 0;
+Key kth_largest_key(const Key* keys, int64_t n, int64_t k, Key* scratch) {
+  Key prefix = 0;
   int64_t need = k;
+  const Key* cur = keys;
   for (int shift = int(sizeof(Key)) * 8 - 8; shift >= 0; shift -= 8) {
     int64_t hist[256] = {};
-    for (int64_t i = 0; i < n; ++i)
-      if ((keys[i] & mask) == prefix) ++hist[(keys[i] >> shift) & 0xff];
+    for (int64_t i = 0; i < n; ++i) ++hist[(cur[i] >> shift) & 0xff];
     int b = 255;
     for (; b > 0; --b) {
       if (hist[b] >= need) break;
       need -= hist[b];
     }
     prefix |= Key(b) << shift;
-    mask |= Key(0xff) << shift;
+    int64_t kept = 0;
+    for (int64_t i = 0; i < n; ++i)
+      if (int((cur[i] >> shift) & 0xff) == b) scratch[kept++] = cur[i];
+    cur = scratch;
+    n = kept;
   }
   return prefix;
 }
 
-// The smallest key v among keys >= floor with mass(keys > v) < target (the
-// lowest key present when rounding leaves every mass below the target). At each
-// digit, walk the buckets from the top adding their mass until the bucket that
-// reaches the target: the boundary token lies in it.
+// The smallest of n keys with mass(keys > it) < target (the smallest key when
+// rounding leaves every mass below the target). At each digit, walk the buckets
+// from the top adding their mass until the bucket that reaches the target: the
+// boundary lies in it, and only its keys go on to the next digit.
 template <typename Key, typename Acc>
-Key mass_threshold_key(const Key* keys, const Acc* weights, int64_t n, Key floor, double target) {
-  Key prefix = 0, mask = 0;
+Key mass_threshold_key(const Key* keys, const Acc* weights, int64_t n, double target, Key* scratch_keys,
+                       Acc* scratch_weights) {
+  Key prefix = 0;
   double above = 0;  // mass strictly above the current bucket
+  const Key* cur = keys;
+  const Acc* w = weights;
   for (int shift = int(sizeof(Key)) * 8 - 8; shift >= 0; shift -= 8) {
     double hist[256] = {};
     bool present[256] = {};
     for (int64_t i = 0; i < n; ++i) {
-      if (keys[i] >= floor && (keys[i] & mask) == prefix) {
-        const int b = (keys[i] >> shift) & 0xff;
-        hist[b] += weights[i];
-        present[b] = true;
-      }
+      const int b = (cur[i] >> shift) & 0xff;
+      hist[b] += w[i];
+      present[b] = true;
     }
     int chosen = -1, lowest = -1;
     for (int b = 255; b >= 0; --b) {
@@ -97,7 +139,16 @@ Key mass_threshold_key(const Key* keys, const Acc* weights, int64_t n, Key floor
       above -= hist[lowest];
     }
     prefix |= Key(chosen) << shift;
-    mask |= Key(0xff) << shift;
+    int64_t kept = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (int((cur[i] >> shift) & 0xff) != chosen) continue;
+      scratch_keys[kept] = cur[i];
+      scratch_weights[kept] = w[i];
+      ++kept;
+    }
+    cur = scratch_keys;
+    w = scratch_weights;
+    n = kept;
   }
   return prefix;
 }
@@ -120,7 +171,8 @@ RowParams<Acc> row_params(const TruncationArgs& a, int64_t r) {
           a.top_k ? a.top_k[r] : a.top_k_scalar};
 }
 
-// Everything the three entry points need to know about one row.
+// Everything the three entry points need to know about one row. After
+// select_row, the candidates are exactly the kept tokens.
 template <typename Acc>
 struct Selection {
   bool bad = false, greedy = false;
@@ -129,60 +181,50 @@ struct Selection {
   KeyOf<Acc> threshold = 0;  // kept: key >= threshold and (x - m) / T >= log_min_p
 };
 
-// Per-thread scratch for one row: keys and weights, reused across rows.
-template <typename Acc>
-struct Scratch {
-  std::vector<KeyOf<Acc>> keys;
-  std::vector<Acc> weights;
-  explicit Scratch(int64_t vocab) : keys(vocab), weights(vocab) {}
-};
-
 template <typename In, typename Acc>
-Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm, Scratch<Acc>& scratch) {
+Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm, Candidates<Acc>& cand) {
+  using Key = KeyOf<Acc>;
   Selection<Acc> sel;
-  KeyOf<Acc>* keys = scratch.keys.data();
-  Acc* e = scratch.weights.data();
-  bool has_nan = false;
-  Acc m = neg_inf<Acc>();
+  sel.greedy = prm.t == 0;
+  sel.inv_t = prm.t > 0 ? Acc(1) / prm.t : Acc(1);
+  const RowStats<Acc> st = row_stats<In, Acc>(x, vocab, sel.inv_t, false);
+  sel.m = st.m;
+  // NaN anywhere reaches s; a row of only -inf has m = -inf.
+  sel.bad = st.s != st.s || st.m == neg_inf<Acc>() || !prm.valid();
+  if (sel.bad) return sel;
   for (int64_t i = 0; i < vocab; ++i) {
-    const Acc v = load_as<Acc>(x, i);
-    has_nan |= v != v;
-    keys[i] = order_key(v);
-    if (v > m) {
-      m = v;
-      sel.argmax = i;
-      sel.n_max = 1;
-    } else if (v == m) {
+    if (load_as<Acc>(x, i) == st.m) {
+      if (sel.argmax < 0) sel.argmax = i;
       ++sel.n_max;
     }
   }
-  sel.m = m;
-  sel.bad = has_nan || m == neg_inf<Acc>() || !prm.valid();
-  sel.greedy = prm.t == 0;
-  if (sel.bad || sel.greedy) return sel;
+  if (sel.greedy) return sel;
+  sel.log_s = std::log(st.s);
 
-  sel.inv_t = Acc(1) / prm.t;
-  Acc s = 0;
+  cand.n = vocab;
   for (int64_t i = 0; i < vocab; ++i) {
-    e[i] = exp_approx((load_as<Acc>(x, i) - m) * sel.inv_t);
-    s += e[i];
+    cand.keys[i] = order_key(load_as<Acc>(x, i));
+    cand.index[i] = i;
   }
-  sel.log_s = std::log(s);
-
-  using Key = KeyOf<Acc>;
   Key threshold = order_key(neg_inf<Acc>());  // keeps every non-NaN logit
-  if (prm.top_k > 0 && prm.top_k < vocab) threshold = kth_largest_key(keys, vocab, prm.top_k);
+  if (prm.top_k > 0 && prm.top_k < vocab) {
+    threshold = kth_largest_key(cand.keys.data(), cand.n, prm.top_k, cand.key_scratch.data());
+    cand.filter([&](int64_t j) { return cand.keys[j] >= threshold; });
+  }
+  for (int64_t j = 0; j < cand.n; ++j) cand.weight[j] = exp_approx((load_as<Acc>(x, cand.index[j]) - st.m) * sel.inv_t);
   if (prm.top_p < 1) {
-    double s_top_k = 0;
-    for (int64_t i = 0; i < vocab; ++i)
-      if (keys[i] >= threshold) s_top_k += e[i];
-    threshold = std::max(threshold, mass_threshold_key(keys, e, vocab, threshold, prm.top_p * s_top_k));
+    double mass = 0;
+    for (int64_t j = 0; j < cand.n; ++j) mass += cand.weight[j];
+    threshold = mass_threshold_key(cand.keys.data(), cand.weight.data(), cand.n, prm.top_p * mass,
+                                   cand.key_scratch.data(), cand.weight_scratch.data());
+    cand.filter([&](int64_t j) { return cand.keys[j] >= threshold; });
   }
   sel.threshold = threshold;
   sel.log_min_p = prm.min_p > 0 ? std::log(prm.min_p) : neg_inf<Acc>();
+  if (prm.min_p > 0)
+    cand.filter([&](int64_t j) { return (load_as<Acc>(x, cand.index[j]) - st.m) * sel.inv_t >= sel.log_min_p; });
   Acc s_kept = 0;
-  for (int64_t i = 0; i < vocab; ++i)
-    if (keys[i] >= threshold && (load_as<Acc>(x, i) - m) * sel.inv_t >= sel.log_min_p) s_kept += e[i];
+  for (int64_t j = 0; j < cand.n; ++j) s_kept += cand.weight[j];
   sel.log_s_kept = std::log(s_kept);
   return sel;
 }
@@ -192,20 +234,21 @@ FASTRL_INLINE bool is_kept(const Selection<Acc>& sel, Acc x) {
   return order_key(x) >= sel.threshold && (x - sel.m) * sel.inv_t >= sel.log_min_p;
 }
 
-// The exponential race over the kept tokens: the winner of argmax_j d_j - log E_j
-// is j with probability e^{d_j} / sum_kept e^{d}; ties go to the lowest index.
+// The exponential race over the kept tokens (the candidates left by
+// select_row, in row order): the winner of argmax_j d_j - log E_j is j with
+// probability e^{d_j} / sum_kept e^{d}; ties go to the lowest index.
 template <typename In, typename Acc>
-int64_t race(const In* x, int64_t vocab, const Selection<Acc>& sel, uint64_t seed, uint32_t salt,
-             uint64_t offset) {
+int64_t race(const In* x, const Selection<Acc>& sel, const Candidates<Acc>& cand, uint64_t seed,
+             uint32_t salt, uint64_t offset) {
   const uint32_t k0 = uint32_t(seed), k1 = uint32_t(seed >> 32);
   const uint32_t c2 = uint32_t(offset), c3 = uint32_t(offset >> 32);
   Acc best = neg_inf<Acc>();
   int64_t winner = sel.argmax;  // only if every kept draw lost (E = inf, ~2^-25 each)
-  for (int64_t i = 0; i < vocab; ++i) {
-    const Acc v = load_as<Acc>(x, i);
-    if (!is_kept(sel, v)) continue;
+  for (int64_t j = 0; j < cand.n; ++j) {
+    const int64_t i = cand.index[j];
     const Words4 r = philox4x32_10(uint32_t(i), salt, c2, c3, k0, k1);
-    const Acc key = (v - sel.m) * sel.inv_t - std::log(Acc(exponential_variate(r.w[0], r.w[1])));
+    const Acc d = (load_as<Acc>(x, i) - sel.m) * sel.inv_t;
+    const Acc key = d - std::log(Acc(exponential_variate(r.w[0], r.w[1])));
     if (key > best) {
       best = key;
       winner = i;
@@ -220,11 +263,11 @@ void sample_impl(const TruncationArgs& a, const RandomArgs& rng, int64_t* tokens
   const uint64_t offset = uint64_t(rng.offset_ptr ? *rng.offset_ptr : rng.offset);
 #pragma omp parallel if (a.n_rows > 1)
   {
-    Scratch<Acc> scratch(a.vocab);
+    Candidates<Acc>& cand = Candidates<Acc>::for_this_thread(a.vocab);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < a.n_rows; ++r) {
       const In* x = static_cast<const In*>(a.logits) + r * a.row_stride;
-      const Selection<Acc> sel = select_row<In, Acc>(x, a.vocab, row_params<Acc>(a, r), scratch);
+      const Selection<Acc> sel = select_row<In, Acc>(x, a.vocab, row_params<Acc>(a, r), cand);
       if (sel.bad) {
         tokens[r] = -1;
         logprobs[r] = raw_logprobs[r] = quiet_nan<Acc>();
@@ -235,7 +278,7 @@ void sample_impl(const TruncationArgs& a, const RandomArgs& rng, int64_t* tokens
       } else {
         const uint64_t seed = uint64_t(rng.per_row_seeds ? rng.seeds[r] : rng.seed);
         const uint32_t salt = rng.per_row_seeds ? 0u : uint32_t(r);
-        const int64_t tok = race<In, Acc>(x, a.vocab, sel, seed, salt, offset);
+        const int64_t tok = race<In, Acc>(x, sel, cand, seed, salt, offset);
         const Acc d = (load_as<Acc>(x, tok) - sel.m) * sel.inv_t;
         tokens[r] = tok;
         logprobs[r] = d - sel.log_s_kept;
@@ -250,11 +293,11 @@ void truncated_forward_impl(const TruncationArgs& a, const void* labels, int lab
                             Acc* out, Acc* stats) {
 #pragma omp parallel if (a.n_rows > 1)
   {
-    Scratch<Acc> scratch(a.vocab);
+    Candidates<Acc>& cand = Candidates<Acc>::for_this_thread(a.vocab);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < a.n_rows; ++r) {
       const In* x = static_cast<const In*>(a.logits) + r * a.row_stride;
-      const Selection<Acc> sel = select_row<In, Acc>(x, a.vocab, row_params<Acc>(a, r), scratch);
+      const Selection<Acc> sel = select_row<In, Acc>(x, a.vocab, row_params<Acc>(a, r), cand);
       const int64_t y = load_label(labels, label_dtype, r);
       Acc lp;
       if (sel.bad || y < 0 || y >= a.vocab) {

@@ -8,6 +8,7 @@ without it the kernels never read out of bounds and return NaN for a bad row.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -78,8 +79,9 @@ def check_row_param(
 ) -> int | float | torch.Tensor:
     """A per-row parameter: a Python number, or a tensor of numbers that
     broadcasts to ``shape`` (one value per row) on ``device``. ``ok(t)`` tells
-    which values are accepted (``accepted`` says so in words); tensors are
-    checked where that needs no host sync (CPU, or FASTRL_CHECKS=1)."""
+    which values are accepted, elementwise on a tensor or on a Python number
+    (so write it with operators only; ``accepted`` says it in words); tensors
+    are checked where that needs no host sync (CPU, or FASTRL_CHECKS=1)."""
     kind = "an int" if integer else "a float"
     tensor_kind = "an integer" if integer else "a floating"
     if isinstance(value, torch.Tensor):
@@ -102,7 +104,7 @@ def check_row_param(
     if isinstance(value, bool) or not isinstance(value, number_type):
         raise TypeError(f"{name} must be {kind} or a tensor; got {type(value).__name__}")
     value = int(value) if integer else float(value)
-    if not bool(ok(torch.tensor(value, dtype=torch.float64))):
+    if not bool(ok(value)):
         raise ValueError(f"{name} must be {accepted}; got {value}")
     return value
 
@@ -112,7 +114,7 @@ def check_temperature(temperature: object, shape: torch.Size, device: torch.devi
     broadcasts to ``shape`` (one temperature per row) on ``device``."""
     return check_row_param(
         temperature, "temperature", shape, device, integer=False,
-        ok=lambda t: torch.isfinite(t) & (t > 0), accepted="positive and finite",
+        ok=lambda t: (t > 0) & (t < math.inf), accepted="positive and finite",
     )  # fmt: skip
 
 

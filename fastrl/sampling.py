@@ -21,6 +21,7 @@ or in any batch. The same inputs, seeds and offset give bitwise the same tokens.
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 from typing import NamedTuple
 
@@ -66,7 +67,7 @@ def _truncation(logits, temperature, top_k, top_p, min_p) -> dict:
         return value
 
     return {
-        "temperature": row(temperature, "temperature", False, lambda t: torch.isfinite(t) & (t >= 0),
+        "temperature": row(temperature, "temperature", False, lambda t: (t >= 0) & (t < math.inf),
                            "non-negative and finite (0 is greedy)"),
         "top_k": row(0 if top_k is None else top_k, "top_k", True, lambda t: t >= 0, "an int >= 0 (0 is off)"),
         "top_p": row(1.0 if top_p is None else top_p, "top_p", False, lambda t: (t > 0) & (t <= 1),
