@@ -44,6 +44,16 @@ FASTRL_INLINE uint64_t order_key(double v) {
 template <typename Acc>
 using KeyOf = std::conditional_t<sizeof(Acc) == 8, uint64_t, uint32_t>;
 
+// The logit whose key is `key` (order_key's inverse).
+template <typename Acc>
+Acc key_to_value(KeyOf<Acc> key) {
+  constexpr KeyOf<Acc> top = KeyOf<Acc>(1) << (sizeof(Acc) * 8 - 1);
+  const KeyOf<Acc> bits = (key & top) ? (key & ~top) : ~key;
+  Acc value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
 // Candidate tokens of a row: their keys, indices and (once known) weights e_j.
 // Filters shrink the list in place, keeping the order of the row. One set of
 // buffers per thread lives across calls (grown, never shrunk), so a call pays
@@ -257,71 +267,70 @@ int64_t race(const In* x, const Selection<Acc>& sel, const Candidates<Acc>& cand
   return winner;
 }
 
-template <typename In, typename Acc>
-void sample_impl(const TruncationArgs& a, const RandomArgs& rng, int64_t* tokens, Acc* logprobs,
-                 Acc* raw_logprobs) {
-  const uint64_t offset = uint64_t(rng.offset_ptr ? *rng.offset_ptr : rng.offset);
+// Runs fn(r, x, sel, cand) for every row after select_row, rows spread over
+// the OpenMP threads, each with its own candidate buffers.
+template <typename In, typename Acc, typename Fn>
+void for_each_selected_row(const TruncationArgs& a, Fn fn) {
 #pragma omp parallel if (a.n_rows > 1)
   {
     Candidates<Acc>& cand = Candidates<Acc>::for_this_thread(a.vocab);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < a.n_rows; ++r) {
       const In* x = static_cast<const In*>(a.logits) + r * a.row_stride;
-      const Selection<Acc> sel = select_row<In, Acc>(x, a.vocab, row_params<Acc>(a, r), cand);
-      if (sel.bad) {
-        tokens[r] = -1;
-        logprobs[r] = raw_logprobs[r] = quiet_nan<Acc>();
-      } else if (sel.greedy) {  // T -> 0: a point mass on the first argmax
-        tokens[r] = sel.argmax;
-        logprobs[r] = 0;
-        raw_logprobs[r] = -std::log(Acc(sel.n_max));
-      } else {
-        const uint64_t seed = uint64_t(rng.per_row_seeds ? rng.seeds[r] : rng.seed);
-        const uint32_t salt = rng.per_row_seeds ? 0u : uint32_t(r);
-        const int64_t tok = race<In, Acc>(x, sel, cand, seed, salt, offset);
-        const Acc d = (load_as<Acc>(x, tok) - sel.m) * sel.inv_t;
-        tokens[r] = tok;
-        logprobs[r] = d - sel.log_s_kept;
-        raw_logprobs[r] = d - sel.log_s;
-      }
+      fn(r, x, select_row<In, Acc>(x, a.vocab, row_params<Acc>(a, r), cand), cand);
     }
   }
 }
 
 template <typename In, typename Acc>
+void sample_impl(const TruncationArgs& a, const RandomArgs& rng, int64_t* tokens, Acc* logprobs,
+                 Acc* raw_logprobs) {
+  const uint64_t offset = uint64_t(rng.offset_ptr ? *rng.offset_ptr : rng.offset);
+  for_each_selected_row<In, Acc>(a, [&](int64_t r, const In* x, const Selection<Acc>& sel,
+                                        const Candidates<Acc>& cand) {
+    if (sel.bad) {
+      tokens[r] = -1;
+      logprobs[r] = raw_logprobs[r] = quiet_nan<Acc>();
+    } else if (sel.greedy) {  // T -> 0: a point mass on the first argmax
+      tokens[r] = sel.argmax;
+      logprobs[r] = 0;
+      raw_logprobs[r] = -std::log(Acc(sel.n_max));
+    } else {
+      const uint64_t seed = uint64_t(rng.per_row_seeds ? rng.seeds[r] : rng.seed);
+      const uint32_t salt = rng.per_row_seeds ? 0u : uint32_t(r);
+      const int64_t tok = race<In, Acc>(x, sel, cand, seed, salt, offset);
+      const Acc d = (load_as<Acc>(x, tok) - sel.m) * sel.inv_t;
+      tokens[r] = tok;
+      logprobs[r] = d - sel.log_s_kept;
+      raw_logprobs[r] = d - sel.log_s;
+    }
+  });
+}
+
+template <typename In, typename Acc>
 void truncated_forward_impl(const TruncationArgs& a, const void* labels, int label_dtype,
                             Acc* out, Acc* stats) {
-#pragma omp parallel if (a.n_rows > 1)
-  {
-    Candidates<Acc>& cand = Candidates<Acc>::for_this_thread(a.vocab);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < a.n_rows; ++r) {
-      const In* x = static_cast<const In*>(a.logits) + r * a.row_stride;
-      const Selection<Acc> sel = select_row<In, Acc>(x, a.vocab, row_params<Acc>(a, r), cand);
-      const int64_t y = load_label(labels, label_dtype, r);
-      Acc lp;
-      if (sel.bad || y < 0 || y >= a.vocab) {
-        lp = quiet_nan<Acc>();
-      } else if (sel.greedy) {
-        lp = y == sel.argmax ? Acc(0) : neg_inf<Acc>();
-      } else {
-        const Acc v = load_as<Acc>(x, y);
-        lp = is_kept(sel, v) ? (v - sel.m) * sel.inv_t - sel.log_s_kept : neg_inf<Acc>();
-      }
-      out[r] = lp;
-      if (stats) {
-        // The threshold as a logit value; keys compare like logits, so the
-        // backward rebuilds the same kept set from it.
-        const auto t = sel.threshold;
-        const auto u = (t >> (sizeof(t) * 8 - 1)) ? (t & ~(decltype(t)(1) << (sizeof(t) * 8 - 1))) : ~t;
-        Acc threshold_value;
-        std::memcpy(&threshold_value, &u, sizeof threshold_value);
-        stats[3 * r] = sel.m;
-        stats[3 * r + 1] = sel.log_s_kept;
-        stats[3 * r + 2] = threshold_value;
-      }
+  for_each_selected_row<In, Acc>(a, [&](int64_t r, const In* x, const Selection<Acc>& sel,
+                                        const Candidates<Acc>&) {
+    const int64_t y = load_label(labels, label_dtype, r);
+    Acc lp;
+    if (sel.bad || y < 0 || y >= a.vocab) {
+      lp = quiet_nan<Acc>();
+    } else if (sel.greedy) {
+      lp = y == sel.argmax ? Acc(0) : neg_inf<Acc>();
+    } else {
+      const Acc v = load_as<Acc>(x, y);
+      lp = is_kept(sel, v) ? (v - sel.m) * sel.inv_t - sel.log_s_kept : neg_inf<Acc>();
     }
-  }
+    out[r] = lp;
+    if (stats) {
+      // The threshold as a logit value; keys compare like logits, so the
+      // backward rebuilds the same kept set from it.
+      stats[3 * r] = sel.m;
+      stats[3 * r + 1] = sel.log_s_kept;
+      stats[3 * r + 2] = key_to_value<Acc>(sel.threshold);
+    }
+  });
 }
 
 template <typename In, typename Acc>

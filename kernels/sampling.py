@@ -105,7 +105,20 @@ def _row_param(ptr, scalar, row, PER_ROW: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _select(row_ptr, V, t, k, p, min_p, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
+def _row_params(row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+                PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr,
+                PER_ROW_MIN_P: tl.constexpr, ACC: tl.constexpr):
+    """This row's (T, top_k, top_p, min_p, whether they are all valid)."""
+    t = _row_param(temps_ptr, temp, row, PER_ROW_T, ACC)
+    k = _row_param(top_k_ptr, top_k, row, PER_ROW_K, tl.int64)
+    p = _row_param(top_p_ptr, top_p, row, PER_ROW_P, ACC)
+    mp = _row_param(min_p_ptr, min_p, row, PER_ROW_MIN_P, ACC)
+    valid = (t >= 0) & (t < float("inf")) & (k >= 0) & (p > 0) & (p <= 1) & (mp >= 0) & (mp <= 1)
+    return t, k, p, mp, valid
+
+
+@triton.jit
+def _select(row_ptr, V, t, k, p, min_p, valid, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
     """Everything about one row's processed distribution: (bad, greedy, m, first
     argmax, number of maxima, 1/T, log s, threshold key, log min_p, log s_kept)
     with s = sum_j e_j over the row, e_j = exp((x_j - m) / T), and s_kept over
@@ -125,7 +138,6 @@ def _select(row_ptr, V, t, k, p, min_p, BLOCK_V: tl.constexpr, ACC: tl.constexpr
         n_max = tl.where(b_max > m, b_cnt, tl.where(b_max == m, n_max + b_cnt, n_max))
         arg = tl.where(b_max > m, b_arg, arg)
         m = tl.maximum(m, b_max)
-    valid = (t >= 0) & (t < float("inf")) & (k >= 0) & (p > 0) & (p <= 1) & (min_p >= 0) & (min_p <= 1)
     bad = has_nan | (m == neg_inf) | (~valid)
     greedy = t == 0
     inv_t = tl.where(greedy | bad, 1.0, 1.0 / t).to(ACC)
@@ -172,12 +184,12 @@ def _sample_kernel(
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
-    t = _row_param(temps_ptr, temp, row, PER_ROW_T, ACC)
-    k = _row_param(top_k_ptr, top_k, row, PER_ROW_K, tl.int64)
-    p = _row_param(top_p_ptr, top_p, row, PER_ROW_P, ACC)
-    mp = _row_param(min_p_ptr, min_p, row, PER_ROW_MIN_P, ACC)
+    t, k, p, mp, valid = _row_params(
+        row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+        PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
+    )  # fmt: skip
     bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept = _select(
-        row_ptr, V, t, k, p, mp, BLOCK_V, ACC
+        row_ptr, V, t, k, p, mp, valid, BLOCK_V, ACC
     )
 
     # Philox key = the row's seed; counter = (vocab index, salt, offset).
@@ -221,12 +233,12 @@ def _truncated_fwd_kernel(
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
-    t = _row_param(temps_ptr, temp, row, PER_ROW_T, ACC)
-    k = _row_param(top_k_ptr, top_k, row, PER_ROW_K, tl.int64)
-    p = _row_param(top_p_ptr, top_p, row, PER_ROW_P, ACC)
-    mp = _row_param(min_p_ptr, min_p, row, PER_ROW_MIN_P, ACC)
+    t, k, p, mp, valid = _row_params(
+        row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+        PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
+    )  # fmt: skip
     bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept = _select(
-        row_ptr, V, t, k, p, mp, BLOCK_V, ACC
+        row_ptr, V, t, k, p, mp, valid, BLOCK_V, ACC
     )
     label = tl.load(labels_ptr + row).to(tl.int64)
     in_range = (label >= 0) & (label < V)
@@ -252,11 +264,10 @@ def _truncated_bwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
     grad_row_ptr = grad_ptr + row * grad_row_stride
-    t = _row_param(temps_ptr, temp, row, PER_ROW_T, ACC)
-    k = _row_param(top_k_ptr, top_k, row, PER_ROW_K, tl.int64)
-    p = _row_param(top_p_ptr, top_p, row, PER_ROW_P, ACC)
-    mp = _row_param(min_p_ptr, min_p, row, PER_ROW_MIN_P, ACC)
-    valid = (t >= 0) & (t < float("inf")) & (k >= 0) & (p > 0) & (p <= 1) & (mp >= 0) & (mp <= 1)
+    t, k, p, mp, valid = _row_params(
+        row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+        PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
+    )  # fmt: skip
     m = tl.load(stats_ptr + 3 * row).to(ACC)
     log_s_kept = tl.load(stats_ptr + 3 * row + 1).to(ACC)
     threshold = _order_key(tl.load(stats_ptr + 3 * row + 2).to(ACC))
