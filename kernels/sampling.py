@@ -30,11 +30,15 @@ import triton.language as tl
 from .random import exponential_variate, philox4x32_10
 
 _MAX_BLOCK_V = 4096
+# The digit search tests 16 pivots per element, a [block, 16] tile: a smaller
+# block keeps it in registers.
+_MAX_SEARCH_BLOCK = 512
 
 
-def _launch_config(vocab: int) -> tuple[int, int]:
+def _launch_config(vocab: int) -> dict:
+    """Block sizes and warps for a row of ``vocab`` logits (V only, never the batch)."""
     block = min(triton.next_power_of_2(vocab), _MAX_BLOCK_V)
-    return block, 8 if block >= 2048 else 4
+    return {"BLOCK_V": block, "SEARCH_BLOCK": min(block, _MAX_SEARCH_BLOCK), "num_warps": 8 if block >= 2048 else 4}
 
 
 def _acc(logits: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
@@ -65,7 +69,7 @@ def _key_to_value(key, ACC: tl.constexpr):
 
 @triton.jit
 def _largest_key_reaching(row_ptr, V, m, inv_t, floor_key, target, WEIGHTED: tl.constexpr,
-                          BLOCK_V: tl.constexpr, ACC: tl.constexpr):
+                          BLOCK: tl.constexpr, ACC: tl.constexpr):
     """The largest key u with F(u) >= target, where F(u) counts (or, WEIGHTED,
     sums e_j = exp((x_j - m) / T) over) the tokens with key >= max(u, floor_key).
     F is non-increasing, so a descent digit by digit (16 pivots per pass, most
@@ -80,8 +84,8 @@ def _largest_key_reaching(row_ptr, V, m, inv_t, floor_key, target, WEIGHTED: tl.
             reach = tl.zeros([16], ACC)
         else:
             reach = tl.zeros([16], tl.int64)
-        for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
+        for start in range(0, V, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
             x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(ACC)
             key = _order_key(x)
             live = (offs < V) & (key >= floor_key)
@@ -118,7 +122,8 @@ def _row_params(row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_
 
 
 @triton.jit
-def _select(row_ptr, V, t, k, p, min_p, valid, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
+def _select(row_ptr, V, t, k, p, min_p, valid, BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+            ACC: tl.constexpr):
     """Everything about one row's processed distribution: (bad, greedy, m, first
     argmax, number of maxima, 1/T, log s, threshold key, log min_p, log s_kept)
     with s = sum_j e_j over the row, e_j = exp((x_j - m) / T), and s_kept over
@@ -152,7 +157,7 @@ def _select(row_ptr, V, t, k, p, min_p, valid, BLOCK_V: tl.constexpr, ACC: tl.co
     active = (~bad) & (~greedy)
     threshold = _order_key(tl.full([], neg_inf, ACC))  # keeps every non-NaN logit
     if active & (k > 0) & (k < V):
-        threshold = _largest_key_reaching(row_ptr, V, m_safe, inv_t, threshold, k, False, BLOCK_V, ACC)
+        threshold = _largest_key_reaching(row_ptr, V, m_safe, inv_t, threshold, k, False, SEARCH_BLOCK, ACC)
     if active & (p < 1):
         top_k_mass = tl.zeros([], ACC)
         for start in range(0, V, BLOCK_V):
@@ -160,7 +165,7 @@ def _select(row_ptr, V, t, k, p, min_p, valid, BLOCK_V: tl.constexpr, ACC: tl.co
             x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
             top_k_mass += tl.sum(tl.where(_order_key(x) >= threshold, tl.exp((x - m_safe) * inv_t), 0.0), axis=0)
         target = p.to(ACC) * top_k_mass
-        threshold = _largest_key_reaching(row_ptr, V, m_safe, inv_t, threshold, target, True, BLOCK_V, ACC)
+        threshold = _largest_key_reaching(row_ptr, V, m_safe, inv_t, threshold, target, True, SEARCH_BLOCK, ACC)
 
     log_min_p = tl.where(min_p > 0, tl.log(min_p.to(ACC)), neg_inf).to(ACC)
     s_kept = tl.zeros([], ACC)
@@ -180,7 +185,8 @@ def _sample_kernel(
     seeds_ptr, seed, offset_ptr, offset,
     tokens_ptr, logprobs_ptr, raw_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
-    PER_ROW_SEED: tl.constexpr, OFFSET_FROM_PTR: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    PER_ROW_SEED: tl.constexpr, OFFSET_FROM_PTR: tl.constexpr, BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+    ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
@@ -189,7 +195,7 @@ def _sample_kernel(
         PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
     )  # fmt: skip
     bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept = _select(
-        row_ptr, V, t, k, p, mp, valid, BLOCK_V, ACC
+        row_ptr, V, t, k, p, mp, valid, BLOCK_V, SEARCH_BLOCK, ACC
     )
 
     # Philox key = the row's seed; counter = (vocab index, salt, offset).
@@ -229,7 +235,7 @@ def _truncated_fwd_kernel(
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
     out_ptr, stats_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
-    WITH_STATS: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    WITH_STATS: tl.constexpr, BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
@@ -238,7 +244,7 @@ def _truncated_fwd_kernel(
         PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
     )  # fmt: skip
     bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept = _select(
-        row_ptr, V, t, k, p, mp, valid, BLOCK_V, ACC
+        row_ptr, V, t, k, p, mp, valid, BLOCK_V, SEARCH_BLOCK, ACC
     )
     label = tl.load(labels_ptr + row).to(tl.int64)
     in_range = (label >= 0) & (label < V)
@@ -317,13 +323,12 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
     raw = torch.empty(n_rows, dtype=acc, device=logits.device)
     args, flags = _params(temperature, top_k, top_p, min_p)
     per_row_seed, offset_from_ptr = isinstance(seed, torch.Tensor), isinstance(offset, torch.Tensor)
-    block, num_warps = _launch_config(vocab)
     _sample_kernel[(n_rows,)](
         logits, logits.stride(0), vocab, *args,
         seed if per_row_seed else None, 0 if per_row_seed else seed,
         offset if offset_from_ptr else None, 0 if offset_from_ptr else offset,
         tokens, logprobs, raw, **flags, PER_ROW_SEED=per_row_seed, OFFSET_FROM_PTR=offset_from_ptr,
-        BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
+        ACC=acc_tl, **_launch_config(vocab),
     )  # fmt: skip
     return tokens, logprobs, raw
 
@@ -336,10 +341,9 @@ def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_
     out = torch.empty(n_rows, dtype=acc, device=logits.device)
     stats = torch.empty(n_rows, 3, dtype=acc, device=logits.device) if with_stats else None
     args, flags = _params(temperature, top_k, top_p, min_p)
-    block, num_warps = _launch_config(vocab)
     _truncated_fwd_kernel[(n_rows,)](
         logits, logits.stride(0), vocab, labels, *args, out, stats, **flags,
-        WITH_STATS=with_stats, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
+        WITH_STATS=with_stats, ACC=acc_tl, **_launch_config(vocab),
     )  # fmt: skip
     return out, stats
 
@@ -349,8 +353,8 @@ def truncated_backward(logits, labels, stats, grad_logprob, grad_out, *, tempera
     n_rows, vocab = logits.shape
     _, acc_tl = _acc(logits)
     args, flags = _params(temperature, top_k, top_p, min_p)
-    block, num_warps = _launch_config(vocab)
+    config = _launch_config(vocab)
     _truncated_bwd_kernel[(n_rows,)](
         logits, logits.stride(0), vocab, labels, stats, grad_logprob, grad_out, grad_out.stride(0),
-        *args, **flags, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
+        *args, **flags, ACC=acc_tl, BLOCK_V=config["BLOCK_V"], num_warps=config["num_warps"],
     )  # fmt: skip
