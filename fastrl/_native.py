@@ -37,11 +37,11 @@ def _entry(name: str, device: torch.device):
     return getattr(mod, name)
 
 
-def _temperature_args(temperature: float | torch.Tensor) -> tuple[int, float]:
-    """(pointer to per-row temperatures or 0, scalar temperature)."""
-    if isinstance(temperature, torch.Tensor):
-        return temperature.data_ptr(), 1.0
-    return 0, float(temperature)
+def _row_param(value: float | int | torch.Tensor) -> tuple[int, float | int]:
+    """(pointer to per-row values or 0, the scalar value) of a per-row parameter."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr(), 0
+    return 0, value
 
 
 def logprobs_forward(
@@ -62,7 +62,7 @@ def logprobs_forward(
     logprob = new() if labels is not None else None
     entropy = new() if with_entropy else None
     stats = torch.empty(n_rows, 2, dtype=acc, device=logits.device) if with_stats else None
-    temps_ptr, temp_scalar = _temperature_args(temperature)
+    temps_ptr, temp_scalar = _row_param(temperature)
     _entry("logprobs_forward", logits.device)(
         logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, logits.stride(0),
         _ptr(labels), DTYPE_CODES[labels.dtype] if labels is not None else -1, ignore_index,
@@ -84,20 +84,13 @@ def logprobs_backward(
 ) -> None:
     """The contract of ``fastrl.kernels.logprobs.logprobs_backward``, on the C++ kernels."""
     n_rows, vocab = logits.shape
-    temps_ptr, temp_scalar = _temperature_args(temperature)
+    temps_ptr, temp_scalar = _row_param(temperature)
     _entry("logprobs_backward", logits.device)(
         logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, logits.stride(0),
         _ptr(labels), DTYPE_CODES[labels.dtype] if labels is not None else -1, ignore_index,
         temps_ptr, temp_scalar, stats.data_ptr(), _ptr(entropy), _ptr(grad_logprob),
         _ptr(grad_entropy), grad_out.data_ptr(), grad_out.stride(0),
     )  # fmt: skip
-
-
-def _row_param(value: float | int | torch.Tensor) -> tuple[int, float | int]:
-    """(pointer to per-row values or 0, the scalar value) of a per-row parameter."""
-    if isinstance(value, torch.Tensor):
-        return value.data_ptr(), 0
-    return 0, value
 
 
 def _truncation(logits, temperature, top_k, top_p, min_p) -> tuple:

@@ -190,13 +190,12 @@ def _sample_kernel(
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
-    t, k, p, mp, valid = _row_params(
-        row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
-        PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
-    )  # fmt: skip
     bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept = _select(
-        row_ptr, V, t, k, p, mp, valid, BLOCK_V, SEARCH_BLOCK, ACC
-    )
+        row_ptr, V, *_row_params(
+            row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+            PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
+        ), BLOCK_V, SEARCH_BLOCK, ACC,
+    )  # fmt: skip
 
     # Philox key = the row's seed; counter = (vocab index, salt, offset).
     row_seed = _row_param(seeds_ptr, seed, row, PER_ROW_SEED, tl.int64)
@@ -239,13 +238,12 @@ def _truncated_fwd_kernel(
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
-    t, k, p, mp, valid = _row_params(
-        row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
-        PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
-    )  # fmt: skip
     bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept = _select(
-        row_ptr, V, t, k, p, mp, valid, BLOCK_V, SEARCH_BLOCK, ACC
-    )
+        row_ptr, V, *_row_params(
+            row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+            PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
+        ), BLOCK_V, SEARCH_BLOCK, ACC,
+    )  # fmt: skip
     label = tl.load(labels_ptr + row).to(tl.int64)
     in_range = (label >= 0) & (label < V)
     x = tl.load(row_ptr + label, mask=in_range, other=0.0).to(ACC)
