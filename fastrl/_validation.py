@@ -74,14 +74,15 @@ def check_row_param(
     device: torch.device,
     *,
     integer: bool,
-    ok,
-    accepted: str,
+    ok=None,
+    accepted: str = "",
 ) -> int | float | torch.Tensor:
     """A per-row parameter: a Python number, or a tensor of numbers that
     broadcasts to ``shape`` (one value per row) on ``device``. ``ok(t)`` tells
     which values are accepted, elementwise on a tensor or on a Python number
     (so write it with operators only; ``accepted`` says it in words); tensors
-    are checked where that needs no host sync (CPU, or FASTRL_CHECKS=1)."""
+    are checked where that needs no host sync (CPU, or FASTRL_CHECKS=1).
+    ``ok=None`` accepts every value of the right type."""
     kind = "an int" if integer else "a float"
     tensor_kind = "an integer" if integer else "a floating"
     if isinstance(value, torch.Tensor):
@@ -95,7 +96,7 @@ def check_row_param(
             broadcast_ok = False
         if not broadcast_ok:
             raise ValueError(f"{name} must broadcast to the per-token shape {tuple(shape)}; got shape {tuple(value.shape)}")
-        if value.numel() and _host_checks(device):
+        if ok is not None and value.numel() and _host_checks(device):
             good = ok(value)
             if not bool(good.all()):
                 raise ValueError(f"{name} must be {accepted} in every row; found {value[~good].flatten()[0].item()}")
@@ -104,8 +105,16 @@ def check_row_param(
     if isinstance(value, bool) or not isinstance(value, number_type):
         raise TypeError(f"{name} must be {kind} or a tensor; got {type(value).__name__}")
     value = int(value) if integer else float(value)
-    if not bool(ok(value)):
+    if ok is not None and not bool(ok(value)):
         raise ValueError(f"{name} must be {accepted}; got {value}")
+    return value
+
+
+def flat_per_row(value: int | float | torch.Tensor, rows: torch.Size, dtype: torch.dtype) -> int | float | torch.Tensor:
+    """A checked per-row parameter as the kernels take it: a Python number
+    unchanged, a tensor broadcast to ``rows`` as a contiguous [N] of ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype).expand(rows).reshape(-1).contiguous()
     return value
 
 

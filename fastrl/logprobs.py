@@ -111,8 +111,7 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entro
 
     kernels = _kernels(backend)
     acc = reference.compute_dtype(logits)
-    if isinstance(temperature, torch.Tensor):
-        temperature = temperature.to(acc).expand(token_shape).reshape(-1).contiguous()
+    temperature = _validation.flat_per_row(temperature, token_shape, acc)
     flat_labels = labels.reshape(-1).contiguous() if labels is not None else None
 
     if torch.is_grad_enabled() and logits.requires_grad:

@@ -17,6 +17,12 @@ def compute_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
+def _per_row(value, rows_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A scalar or a tensor broadcastable to the row shape, as a [..., 1] tensor."""
+    t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    return t.to(dtype=dtype, device=device).expand(rows_shape).unsqueeze(-1)
+
+
 def scaled_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
     """d = (logits - max(logits)) / T per row, in the compute dtype.
 
@@ -28,7 +34,7 @@ def scaled_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0)
     x = logits.to(compute_dtype(logits))
     d = x - x.amax(dim=-1, keepdim=True).detach()  # the shift has zero gradient anyway
     if isinstance(temperature, torch.Tensor):
-        return d / temperature.to(d.dtype).expand(logits.shape[:-1]).unsqueeze(-1)
+        return d / _per_row(temperature, logits.shape[:-1], d.dtype, d.device)
     return d / temperature
 
 
@@ -84,12 +90,6 @@ def logprobs_and_entropy(
 
 
 # ---- sampling -------------------------------------------------------------------------------
-
-
-def _per_row(value, rows_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A scalar or a tensor broadcastable to the row shape, as a [..., 1] tensor."""
-    t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
-    return t.to(dtype=dtype, device=device).expand(rows_shape).unsqueeze(-1)
 
 
 def truncated_log_distribution(

@@ -62,9 +62,7 @@ def _truncation(logits, temperature, top_k, top_p, min_p) -> dict:
 
     def row(value, name, integer, ok, accepted):
         value = _validation.check_row_param(value, name, rows, dev, integer=integer, ok=ok, accepted=accepted)
-        if isinstance(value, torch.Tensor):
-            value = value.to(torch.int64 if integer else acc).expand(rows).reshape(-1).contiguous()
-        return value
+        return _validation.flat_per_row(value, rows, torch.int64 if integer else acc)
 
     return {
         "temperature": row(temperature, "temperature", False, lambda t: (t >= 0) & (t < math.inf),
@@ -83,8 +81,8 @@ def _seed_and_offset(seed, offset, rows: torch.Size, device: torch.device):
     if seed is None:  # one draw from torch's default (CPU) generator: no device sync
         seed = int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64).item())
     if isinstance(seed, torch.Tensor):
-        seed = _validation.check_row_param(seed, "seed", rows, device, integer=True, ok=lambda t: t == t, accepted="an int")
-        seed = seed.to(torch.int64).expand(rows).reshape(-1).contiguous()
+        seed = _validation.check_row_param(seed, "seed", rows, device, integer=True)
+        seed = _validation.flat_per_row(seed, rows, torch.int64)
     elif isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int, an int64 tensor of per-row seeds, or None; got {type(seed).__name__}")
     else:
@@ -108,6 +106,15 @@ def _reject_bad_rows(bad: torch.Tensor, rows: torch.Size) -> None:
     if bool(bad.any()):
         where = torch.nonzero(bad.reshape(rows)).tolist()[:5]
         raise ValueError(f"logits rows {where} are all -inf or contain NaN: there is nothing to sample from")
+
+
+def _reference_args(logits: torch.Tensor, params: dict) -> dict:
+    """The reference backend's view of the checked parameters (per-row tensors
+    back in the row shape), after rejecting unsampleable rows on CPU."""
+    rows = logits.shape[:-1]
+    if logits.device.type == "cpu" and logits.numel():
+        _reject_bad_rows(logits.isnan().any(-1) | torch.isneginf(logits).all(-1), rows)
+    return {k: v.view(rows) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
 
 
 def sample(
@@ -141,11 +148,8 @@ def sample(
         empty = lambda dt: torch.empty(rows, dtype=dt, device=logits.device)  # noqa: E731
         return SampleOutput(empty(torch.int64), empty(acc), empty(acc))
     if backend == "reference":
-        if logits.device.type == "cpu":
-            _reject_bad_rows(logits.isnan().any(-1) | torch.isneginf(logits).all(-1), rows)
-        flat = {k: v.view(rows) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
-        seed_arg = seed.view(rows) if isinstance(seed, torch.Tensor) else seed
-        return SampleOutput(*reference.sample(logits, **flat, seed=seed_arg, offset=offset))
+        args = _reference_args(logits, {**params, "seed": seed})
+        return SampleOutput(*reference.sample(logits, **args, offset=offset))
     tokens, logprobs, raw = _kernels(backend).sample_forward(_as_rows(logits), **params, seed=seed, offset=offset)
     if logits.device.type == "cpu":
         _reject_bad_rows(tokens < 0, rows)
@@ -200,10 +204,7 @@ def truncated_logprobs(
     rows = logits.shape[:-1]
     backend = select_backend(logits.device, has_cuda_kernel=False)
     if backend == "reference" or logits.numel() == 0:
-        if logits.device.type == "cpu" and logits.numel():
-            _reject_bad_rows(logits.isnan().any(-1) | torch.isneginf(logits).all(-1), rows)
-        flat = {k: v.view(rows) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
-        return reference.truncated_logprobs(logits, labels, **flat)
+        return reference.truncated_logprobs(logits, labels, **_reference_args(logits, params))
     kernels = _kernels(backend)
     flat_labels = labels.reshape(-1).contiguous()
     if torch.is_grad_enabled() and logits.requires_grad:
