@@ -101,13 +101,75 @@ def check_row_param(
             if not bool(good.all()):
                 raise ValueError(f"{name} must be {accepted} in every row; found {value[~good].flatten()[0].item()}")
         return value
+    return check_scalar(value, name, integer=integer, ok=ok, accepted=accepted, also="or a tensor")
+
+
+def check_scalar(value: object, name: str, *, integer: bool = False, ok=None, accepted: str = "", also: str = ""):
+    """A Python number (an int when ``integer``; bools are refused) for which
+    ``ok(value)`` holds (``accepted`` says it in words), as int or float."""
     number_type = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, number_type):
-        raise TypeError(f"{name} must be {kind} or a tensor; got {type(value).__name__}")
+        kind = "an int" if integer else "a float"
+        raise TypeError(f"{name} must be {kind}{' ' + also if also else ''}; got {type(value).__name__}")
     value = int(value) if integer else float(value)
     if ok is not None and not bool(ok(value)):
         raise ValueError(f"{name} must be {accepted}; got {value}")
     return value
+
+
+def check_choice(value: object, name: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
+    return value
+
+
+def check_per_token(values: object, name: str, like: torch.Tensor | None = None) -> torch.Tensor:
+    """A floating tensor of per-token values ``[..., L]``; with ``like``, of its
+    shape and on its device."""
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(values).__name__}")
+    if values.dtype not in LOGIT_DTYPES:
+        raise TypeError(f"{name} must have a floating dtype ({_names(LOGIT_DTYPES)}); got {values.dtype}")
+    if like is None:
+        if values.dim() == 0:
+            raise ValueError(f"{name} must have shape [..., L] with at least one dimension; got a 0-d tensor")
+        return values
+    if values.shape != like.shape:
+        raise ValueError(f"{name} must have the shape of the log-probs {tuple(like.shape)}; got {tuple(values.shape)}")
+    if values.device != like.device:
+        raise ValueError(f"{name} is on {values.device} but the log-probs are on {like.device}; they must share a device")
+    return values
+
+
+def check_mask(mask: object, name: str, like: torch.Tensor) -> torch.Tensor:
+    """A mask of ``like``'s shape and device: bool, or numbers that are all 0 or 1
+    (checked where that needs no host sync: CPU, or FASTRL_CHECKS=1)."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(mask).__name__}")
+    if mask.is_complex():
+        raise TypeError(f"{name} must be bool or hold 0 / 1; got a tensor of {mask.dtype}")
+    if mask.shape != like.shape:
+        raise ValueError(f"{name} must have the shape of the log-probs {tuple(like.shape)}; got {tuple(mask.shape)}")
+    if mask.device != like.device:
+        raise ValueError(f"{name} is on {mask.device} but the log-probs are on {like.device}; they must share a device")
+    if mask.dtype != torch.bool and mask.numel() and _host_checks(mask.device):
+        bad = (mask != 0) & (mask != 1)
+        if bool(bad.any()):
+            raise ValueError(f"{name} must be bool or hold only 0 and 1; found {mask[bad].flatten()[0].item()}")
+    return mask
+
+
+def check_count(value: object, name: str, device: torch.device) -> int | float | torch.Tensor | None:
+    """None, a non-negative number, or a one-element tensor (a global token or
+    sequence count, perhaps all-reduced on the device)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"{name} must be a number or a one-element real tensor; got shape {tuple(value.shape)}")
+        return value.reshape(()).to(device=device, dtype=torch.float64)
+    return check_scalar(value, name, ok=lambda v: (v >= 0) & (v < math.inf), accepted="non-negative and finite",
+                        also="or a one-element tensor")  # fmt: skip
 
 
 def flat_per_row(value: int | float | torch.Tensor, rows: torch.Size, dtype: torch.dtype) -> int | float | torch.Tensor:

@@ -9,6 +9,8 @@ backend. They assume validated arguments (the public API checks them).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -256,3 +258,295 @@ def sample(
     tokens = torch.where(t == 0, logits.argmax(dim=-1), tokens)
     logprobs = logq.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, logprobs, raw_logprobs(logits, tokens, temperature)
+
+
+# ---- KL and policy loss ---------------------------------------------------------------------
+#
+# Per-token tensors are [..., L]: the last dimension is a sequence's tokens, the
+# leading ones index sequences. A token outside the mask is ignored entirely: its
+# inputs may hold anything (NaN included), it adds nothing to any sum and gets
+# zero gradient. Every division whose denominator counts tokens or sequences
+# gives 0 when that count is 0, so an all-zero mask gives a loss of 0, never NaN.
+
+KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+RATIO_LEVELS = ("token", "sequence")
+CORRECTION_MODES = ("truncate", "mask")
+
+# Clamps, as veRL applies them: the token log-ratio of the PPO ratio, the
+# sequence log-ratio of GSPO (above only), the k3 estimator's log-ratio and its
+# result, and the log of a rollout-correction weight.
+LOG_RATIO_CLAMP = 20.0
+SEQ_LOG_RATIO_MAX = 10.0
+K3_LOG_RATIO_CLAMP = 20.0
+K3_VALUE_CLAMP = 10.0
+CORRECTION_LOG_CLAMP = 20.0
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    return t.to(compute_dtype(t))
+
+
+def _safe_div(num: torch.Tensor, den) -> torch.Tensor:
+    """num / den with x / 0 := 0 (den counts tokens or sequences)."""
+    den = torch.as_tensor(den, dtype=num.dtype, device=num.device)
+    return torch.where(den == 0, torch.zeros_like(num), num / torch.where(den == 0, 1.0, den))
+
+
+def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """values where mask, else 0 (NaN outside the mask cannot leak, even into gradients)."""
+    return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return _safe_div(_masked(values, mask).sum(), mask.sum())
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "low_var_kl") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' log-probs,
+    with d = log_probs - ref_log_probs (J. Schulman, "Approximating KL divergence"):
+
+        "kl" / "k1"          d
+        "abs"                |d|
+        "mse" / "k2"         d^2 / 2
+        "low_var_kl" / "k3"  clamp(e^c - c - 1, -10, 10),  c = clamp(-d, -20, 20)
+
+    A trailing "+" (e.g. "k3+") is the straight-through variant: the value of the
+    named estimator with the gradient of k2 (whose expected gradient is the true
+    KL gradient). Elementwise, no mask; fp32 (fp64 for fp64 input)."""
+    straight_through = estimator.endswith("+")
+    base = estimator[:-1] if straight_through else estimator
+    d = _acc(log_probs) - _acc(ref_log_probs)
+    if base in ("kl", "k1"):
+        value = d
+    elif base == "abs":
+        value = d.abs()
+    elif base in ("mse", "k2"):
+        value = 0.5 * d.square()
+    else:
+        c = (-d).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+        value = (c.exp() - c - 1).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
+    if not straight_through or base in ("mse", "k2"):
+        return value
+    k2 = 0.5 * d.square()
+    return k2 - k2.detach() + value.detach()
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    *,
+    dp_size: int = 1,
+    batch_num_tokens: int | float | torch.Tensor | None = None,
+    global_batch_size: int | float | torch.Tensor | None = None,
+    loss_scale_factor: int | float | None = None,
+) -> torch.Tensor:
+    """Aggregates a [..., L] per-token loss over the valid tokens to a 0-d tensor,
+    as veRL's ``core_algos.agg_loss`` does (S = the masked sum):
+
+        token-mean               S / N * dp        N = batch_num_tokens, default: valid tokens here
+        token-sum                S * dp
+        seq-mean-token-sum       sum_i S_i / G * dp        S_i: sequence i's masked sum
+        seq-mean-token-mean      sum_i (S_i / n_i) / G * dp    n_i: its valid tokens
+        seq-mean-token-sum-norm  seq-mean-token-sum / loss_scale_factor (default L)
+
+    G = global_batch_size, default: the sequences here with a valid token; dp =
+    dp_size (the global N and G are then required, as in veRL). Sequences with
+    no valid token add nothing; a zero N or G gives 0."""
+    mask = loss_mask.bool()
+    values = _masked(_acc(loss_mat), mask)
+    if loss_agg_mode == "token-mean":
+        n = mask.sum() if batch_num_tokens is None else batch_num_tokens
+        return _safe_div(values.sum(), n) * dp_size
+    if loss_agg_mode == "token-sum":
+        return values.sum() * dp_size
+    seq_tokens = mask.sum(dim=-1)
+    seq_sums = values.sum(dim=-1)
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_sums = _safe_div(seq_sums, seq_tokens)
+    g = (seq_tokens > 0).sum() if global_batch_size is None else global_batch_size
+    loss = _safe_div(seq_sums.sum(), g) * dp_size
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        loss = loss / (loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    return loss
+
+
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    ratio_level: str = "token",
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    ref_log_probs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "low_var_kl",
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    dp_size: int = 1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The PPO / GRPO / GSPO policy loss of veRL's ``compute_policy_loss_vanilla``
+    (``ratio_level="token"``) or ``compute_policy_loss_gspo`` (``"sequence"``),
+    aggregated by :func:`agg_loss`, plus the KL and entropy terms veRL's actor adds:
+
+        u     = log_probs - old_log_probs
+        token:     log r = clamp(u, -20, 20)
+        sequence:  log r = min(log_probs - sg[log_probs] + sg[mean_i(u)], 10)
+                   (mean_i over sequence i's valid tokens; sg = stop-gradient)
+        l1 = -A r,  l2 = -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high),  l = max(l1, l2)
+        dual clip (clip_ratio_c given, A < 0):  l = min(l, -A clip_ratio_c)
+        l *= rollout_is_weights (when given)
+        loss = agg(l) + kl_coef agg(kl_penalty(log_probs, ref_log_probs)) - entropy_coef agg(entropy)
+
+    Gradients reach ``log_probs`` and ``entropy``; the other inputs are constants.
+    Metrics (0-d fp32, detached): pg_loss = agg(l); pg_clipfrac = mean(l2 > l1);
+    pg_clipfrac_lower = mean(A < 0 and max(l1, l2) > -A clip_ratio_c) (0 without
+    dual clip); ppo_kl = mean(-log r) at token level, mean(-u) at sequence level;
+    kl = agg(kl_penalty) and entropy = agg(entropy) when given. Means are over
+    the valid tokens."""
+    mask = response_mask.bool()
+    dtype = compute_dtype(log_probs)
+    take = lambda t: _masked(t.to(dtype), mask)  # noqa: E731
+    logp, old, adv = take(log_probs), take(old_log_probs), take(advantages)
+    u = logp - old
+    if ratio_level == "token":
+        log_ratio = u.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        ppo_kl = _masked_mean(-log_ratio, mask)
+    else:
+        seq_mean = _safe_div(u.sum(dim=-1, keepdim=True), mask.sum(dim=-1, keepdim=True))
+        # logp - sg[logp] is exactly 0: the value is the sequence's mean log-ratio.
+        log_ratio = (logp - logp.detach() + seq_mean.detach()).clamp(max=SEQ_LOG_RATIO_MAX)
+        ppo_kl = _masked_mean(-u, mask)
+    ratio = log_ratio.exp()
+    l1 = -adv * ratio
+    l2 = -adv * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    loss_tok = torch.maximum(l1, l2)
+    clipfrac = _masked_mean((l2 > l1).to(dtype), mask)
+    clipfrac_lower = torch.zeros((), dtype=dtype, device=logp.device)
+    if clip_ratio_c is not None:
+        l3 = -adv * clip_ratio_c
+        clipfrac_lower = _masked_mean(((loss_tok > l3) & (adv < 0)).to(dtype), mask)
+        loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, l3), loss_tok)
+    if rollout_is_weights is not None:
+        loss_tok = loss_tok * take(rollout_is_weights)
+
+    def agg(values):
+        return agg_loss(
+            values, mask, loss_agg_mode, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
+            global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor,
+        )  # fmt: skip
+
+    pg_loss = agg(loss_tok)
+    loss = pg_loss
+    metrics = {"pg_loss": pg_loss, "pg_clipfrac": clipfrac, "pg_clipfrac_lower": clipfrac_lower, "ppo_kl": ppo_kl}
+    if ref_log_probs is not None:
+        kl = agg(kl_penalty(logp, take(ref_log_probs), kl_estimator))
+        loss = loss + kl_coef * kl
+        metrics["kl"] = kl
+    if entropy is not None:
+        ent = agg(take(entropy))
+        loss = loss - entropy_coef * ent
+        metrics["entropy"] = ent
+    return loss, {name: value.detach().float() for name, value in metrics.items()}
+
+
+def rollout_correction(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    level: str = "token",
+    mode: str = "truncate",
+    clip_max: float = 2.0,
+    clip_min: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Importance weights pi_old / pi_rollout that correct for the rollout engine's
+    mismatch with the trainer (veRL's ``compute_rollout_correction_weights``):
+
+        token:     w = exp(clamp(u, -20, 20)),        u = old_log_probs - rollout_log_probs
+        sequence:  w = exp(clamp(sum_i u, -20, 20))   on every valid token of sequence i
+        truncate:  w = clamp(w, clip_min, clip_max)   (TIS; no lower bound when clip_min is None)
+        mask:      w = w if clip_min <= w <= clip_max else 0   (IcePop; clip_min None: no lower bound)
+
+    and 0 outside the mask. Returns (weights fp32 detached, metrics of 0-d fp32
+    tensors over the valid tokens): rollout_is_mean / _max / _min / _std (of the
+    applied weights), rollout_is_eff_sample_size = mean(w)^2 / mean(w^2),
+    rollout_is_ratio_fraction_high / _low (raw weight above clip_max / below
+    clip_min, or 1 / clip_max when clip_min is None), and for mode "mask"
+    rollout_is_masked_fraction (weights set to 0)."""
+    mask = response_mask.bool()
+    dtype = compute_dtype(old_log_probs)
+    u = _masked(old_log_probs.to(dtype) - rollout_log_probs.to(dtype), mask)
+    log_w = u if level == "token" else u.sum(dim=-1, keepdim=True).expand_as(u)
+    raw = log_w.clamp(-CORRECTION_LOG_CLAMP, CORRECTION_LOG_CLAMP).exp()
+    lower = 0.0 if clip_min is None else clip_min
+    if mode == "truncate":
+        weights = raw.clamp(lower, clip_max)
+    else:
+        kept = (raw >= lower) & (raw <= clip_max)
+        weights = torch.where(kept, raw, 0.0)
+    weights = _masked(weights, mask)
+    mean = _masked_mean(weights, mask)
+    mean_sq = _masked_mean(weights.square(), mask)
+    valid = mask.any()
+    zero = torch.zeros((), dtype=dtype, device=weights.device)
+    metrics = {
+        "rollout_is_mean": mean,
+        "rollout_is_max": torch.where(valid, weights.masked_fill(~mask, -math.inf).max(), zero),
+        "rollout_is_min": torch.where(valid, weights.masked_fill(~mask, math.inf).min(), zero),
+        "rollout_is_std": (mean_sq - mean.square()).clamp(min=0).sqrt(),
+        "rollout_is_eff_sample_size": _safe_div(mean.square(), mean_sq),
+        "rollout_is_ratio_fraction_high": _masked_mean((raw > clip_max).to(dtype), mask),
+        "rollout_is_ratio_fraction_low": _masked_mean(
+            (raw < (1.0 / clip_max if clip_min is None else clip_min)).to(dtype), mask
+        ),
+    }
+    if mode == "mask":
+        metrics["rollout_is_masked_fraction"] = _masked_mean((~kept).to(dtype), mask)
+    return weights.detach().float(), {name: value.float() for name, value in metrics.items()}
+
+
+def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, *, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Exact KL(p || p_ref) = sum_v p(v) (log p(v) - log p_ref(v)) per token, with
+    p = softmax(logits / T) and p_ref = softmax(ref_logits / T) (the same T).
+    Differentiable w.r.t. ``logits``; ``ref_logits`` is a constant. A token with
+    p(v) = 0 adds nothing; one with p(v) > 0 = p_ref(v) makes the KL +inf."""
+    logp = torch.log_softmax(scaled_logits(logits, temperature), dim=-1)
+    logq = torch.log_softmax(scaled_logits(ref_logits.detach(), temperature), dim=-1)
+    p = logp.exp()
+    # masked_fill (not where) keeps the gradient finite where p = 0 and log p = -inf.
+    diff = (logp - logq).masked_fill(p == 0, 0.0)
+    return (p * diff).sum(dim=-1)
+
+
+def policy_loss_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    ignore_index: int = -100,
+    with_entropy: bool | None = None,
+    **options,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`policy_loss` on the log-probs (and, when ``entropy_coef != 0`` or
+    ``with_entropy``, the entropy) of ``logits`` at temperature T."""
+    if with_entropy is None:
+        with_entropy = options.get("entropy_coef", 0.0) != 0
+    if with_entropy:
+        log_probs, entropy = logprobs_and_entropy(logits, labels, temperature=temperature, ignore_index=ignore_index)
+    else:
+        log_probs = logprobs_from_logits(logits, labels, temperature=temperature, ignore_index=ignore_index)
+        entropy = None
+    return policy_loss(log_probs, old_log_probs, advantages, response_mask, entropy=entropy, **options)
