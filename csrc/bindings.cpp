@@ -12,8 +12,10 @@
 #include <tuple>
 
 #include "common.h"
+#include "kl.h"
 #include "logprobs.h"
 #include "philox.h"
+#include "policy.h"
 #include "sampling.h"
 
 namespace py = pybind11;
@@ -42,6 +44,26 @@ fastrl::TruncationArgs truncation_args(const TruncationTuple& t) {
           row_stride,   cptr(temps), temp,     reinterpret_cast<const int64_t*>(top_k),
           top_k_scalar, cptr(top_p), top_p_scalar, cptr(min_p),
           min_p_scalar};
+}
+
+fastrl::FullKLArgs full_kl_args(std::uintptr_t logits, std::uintptr_t ref_logits, int dtype, int64_t n_rows,
+                                int64_t vocab, int64_t row_stride, int64_t ref_row_stride,
+                                std::uintptr_t temps, double temp_scalar) {
+  return {cptr(logits), cptr(ref_logits), dtype,       n_rows,     vocab,
+          row_stride,   ref_row_stride,   cptr(temps), temp_scalar};
+}
+
+// The policy-loss arguments, in the order fastrl/_native.py passes them.
+using PolicyTuple = std::tuple<std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t,
+                               std::uintptr_t, std::uintptr_t, int, int64_t, int64_t, int, double,
+                               double, bool, double, bool, bool>;
+
+fastrl::PolicyArgs policy_args(const PolicyTuple& t) {
+  const auto& [log_probs, old_log_probs, advantages, mask, weights, ref_log_probs, dtype, n_rows,
+               length, estimator, clip_low, clip_high, dual_clip, clip_c, sequence, with_pg] = t;
+  return {cptr(log_probs), cptr(old_log_probs), cptr(advantages),
+          static_cast<const uint8_t*>(cptr(mask)), cptr(weights), cptr(ref_log_probs),
+          dtype, n_rows, length, estimator, clip_low, clip_high, dual_clip, clip_c, sequence, with_pg};
 }
 
 const char* cpu_isa() {
@@ -114,6 +136,108 @@ PYBIND11_MODULE(_C, m) {
         fastrl::truncated_logprobs_backward(truncation_args(t), cptr(labels), label_dtype,
                                             cptr(stats), cptr(grad_logprob), mptr(grad_out),
                                             grad_row_stride);
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "kl_penalty_forward",
+      [](std::uintptr_t log_probs, std::uintptr_t ref_log_probs, int dtype, int64_t n, int estimator,
+         std::uintptr_t out) {
+        fastrl::kl_penalty_forward(cptr(log_probs), cptr(ref_log_probs), dtype, n, estimator, mptr(out));
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "kl_penalty_backward",
+      [](std::uintptr_t log_probs, std::uintptr_t ref_log_probs, std::uintptr_t grad, int dtype, int64_t n,
+         int estimator, bool straight_through, std::uintptr_t grad_logp) {
+        fastrl::kl_penalty_backward(cptr(log_probs), cptr(ref_log_probs), cptr(grad), dtype, n, estimator,
+                                    straight_through, mptr(grad_logp));
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "full_kl_forward",
+      [](std::uintptr_t logits, std::uintptr_t ref_logits, int dtype, int64_t n_rows, int64_t vocab,
+         int64_t row_stride, int64_t ref_row_stride, std::uintptr_t temps, double temp_scalar,
+         std::uintptr_t out_kl, std::uintptr_t out_stats) {
+        fastrl::full_kl_forward(full_kl_args(logits, ref_logits, dtype, n_rows, vocab, row_stride,
+                                             ref_row_stride, temps, temp_scalar),
+                                mptr(out_kl), mptr(out_stats));
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "full_kl_backward",
+      [](std::uintptr_t logits, std::uintptr_t ref_logits, int dtype, int64_t n_rows, int64_t vocab,
+         int64_t row_stride, int64_t ref_row_stride, std::uintptr_t temps, double temp_scalar,
+         std::uintptr_t stats, std::uintptr_t kl, std::uintptr_t grad_kl, std::uintptr_t grad_out,
+         int64_t grad_row_stride) {
+        fastrl::full_kl_backward(full_kl_args(logits, ref_logits, dtype, n_rows, vocab, row_stride,
+                                              ref_row_stride, temps, temp_scalar),
+                                 cptr(stats), cptr(kl), cptr(grad_kl), mptr(grad_out), grad_row_stride);
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "policy_forward",
+      [](const PolicyTuple& t, std::uintptr_t values, std::uintptr_t stats) {
+        fastrl::policy_forward(policy_args(t), cptr(values), static_cast<double*>(mptr(stats)));
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "policy_backward",
+      [](const PolicyTuple& t, std::uintptr_t stats, std::uintptr_t row_weights, std::uintptr_t grad_loss,
+         bool straight_through, double kl_coef, double value_coef, std::uintptr_t grad_logp,
+         std::uintptr_t grad_values) {
+        fastrl::policy_backward(policy_args(t), static_cast<const double*>(cptr(stats)),
+                                static_cast<const double*>(cptr(row_weights)), cptr(grad_loss),
+                                straight_through, kl_coef, value_coef, mptr(grad_logp), mptr(grad_values));
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  // batch_num_tokens and global_batch_size each arrive as (pointer to a float64
+  // scalar or 0, scalar value, given).
+  m.def(
+      "policy_finalize",
+      [](std::uintptr_t stats, int64_t n_rows, int mode, double dp_size, std::uintptr_t batch_num_tokens_ptr,
+         double batch_num_tokens, bool batch_num_tokens_given, std::uintptr_t global_batch_size_ptr,
+         double global_batch_size, bool global_batch_size_given, double norm, double kl_coef,
+         double value_coef, int loss_dtype, std::uintptr_t loss, std::uintptr_t metrics,
+         std::uintptr_t row_weights) {
+        const fastrl::PolicyFinalizeArgs args{
+            mode,
+            dp_size,
+            {static_cast<const double*>(cptr(batch_num_tokens_ptr)), batch_num_tokens, batch_num_tokens_given},
+            {static_cast<const double*>(cptr(global_batch_size_ptr)), global_batch_size, global_batch_size_given},
+            norm,
+            kl_coef,
+            value_coef};
+        fastrl::policy_finalize(static_cast<const double*>(cptr(stats)), n_rows, args, loss_dtype, mptr(loss),
+                                static_cast<float*>(mptr(metrics)), static_cast<double*>(mptr(row_weights)));
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "rollout_correction_forward",
+      [](std::uintptr_t old_log_probs, std::uintptr_t rollout_log_probs, std::uintptr_t mask, int dtype,
+         int64_t n_rows, int64_t length, bool sequence, bool truncate, double clip_min, double clip_max,
+         double low_threshold, std::uintptr_t weights, std::uintptr_t stats) {
+        const fastrl::RolloutCorrectionArgs args{cptr(old_log_probs), cptr(rollout_log_probs),
+                                                 static_cast<const uint8_t*>(cptr(mask)), dtype, n_rows,
+                                                 length, sequence, truncate, clip_min, clip_max,
+                                                 low_threshold};
+        fastrl::rollout_correction_forward(args, static_cast<float*>(mptr(weights)),
+                                           static_cast<double*>(mptr(stats)));
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "rollout_finalize",
+      [](std::uintptr_t stats, int64_t n_rows, std::uintptr_t metrics) {
+        fastrl::rollout_finalize(static_cast<const double*>(cptr(stats)), n_rows,
+                                 static_cast<float*>(mptr(metrics)));
       },
       py::call_guard<py::gil_scoped_release>());
 

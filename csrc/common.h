@@ -1,5 +1,5 @@
 // Shared pieces of fastrl's native CPU kernels: dtype codes, element loads and
-// stores, a vectorisable exp, and the ISA-clone attribute.
+// stores, a vectorisable exp, the ISA-clone attribute, and the dtype dispatch.
 //
 // The extension does not link libtorch. Python passes raw data pointers, sizes,
 // strides and a dtype code (dtypes.h), and each kernel switches on the code once
@@ -117,5 +117,24 @@ FASTRL_INLINE int64_t load_label(const void* labels, int label_dtype, int64_t i)
 }
 
 [[noreturn]] inline void fail(const std::string& what) { throw std::invalid_argument(what); }
+
+// Runs CALL with In (the logits' element type) and Acc (its accumulation type)
+// bound from a logits dtype code; WHAT names the entry point in the error.
+#define FASTRL_DISPATCH_LOGITS(DTYPE, WHAT, CALL)                                         \
+  switch (DTYPE) {                                                                        \
+    case kFloat32: { using In = float; using Acc = float; CALL; break; }                  \
+    case kFloat16: { using In = F16; using Acc = float; CALL; break; }                    \
+    case kBFloat16: { using In = BF16; using Acc = float; CALL; break; }                  \
+    case kFloat64: { using In = double; using Acc = double; CALL; break; }                \
+    default: fail(std::string(WHAT) + ": unsupported logits dtype code " + std::to_string(DTYPE)); \
+  }
+
+// The same for per-token tensors, which arrive in the accumulation type itself.
+#define FASTRL_DISPATCH_ACC(DTYPE, WHAT, CALL)                                            \
+  switch (DTYPE) {                                                                        \
+    case kFloat32: { using Acc = float; CALL; break; }                                    \
+    case kFloat64: { using Acc = double; CALL; break; }                                   \
+    default: fail(std::string(WHAT) + ": unsupported dtype code " + std::to_string(DTYPE)); \
+  }
 
 }  // namespace fastrl

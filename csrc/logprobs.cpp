@@ -61,18 +61,6 @@ FASTRL_ISA_CLONES void row_grad(const In* x, In* grad, int64_t vocab, Acc inv_t,
   }
 }
 
-template <typename Acc>
-Acc row_temperature(const void* temps, double temp_scalar, int64_t r) {
-  return temps ? static_cast<const Acc*>(temps)[r] : static_cast<Acc>(temp_scalar);
-}
-
-// A temperature that is not a positive finite number poisons its row with NaN
-// (the Python layer rejects it before this on CPU; this keeps the kernel total).
-template <typename Acc>
-bool usable_temperature(Acc t) {
-  return t > 0 && t < std::numeric_limits<Acc>::infinity();
-}
-
 template <typename In, typename Acc>
 void forward_impl(const LogprobsArgs& a, void* out_logprob, void* out_entropy, void* out_stats) {
   const In* logits = static_cast<const In*>(a.logits);

@@ -372,15 +372,6 @@ void truncated_backward_impl(const TruncationArgs& a, const void* labels, int la
 
 }  // namespace
 
-#define FASTRL_DISPATCH_LOGITS(DTYPE, WHAT, CALL)                                         \
-  switch (DTYPE) {                                                                        \
-    case kFloat32: { using In = float; using Acc = float; CALL; break; }                  \
-    case kFloat16: { using In = F16; using Acc = float; CALL; break; }                    \
-    case kBFloat16: { using In = BF16; using Acc = float; CALL; break; }                  \
-    case kFloat64: { using In = double; using Acc = double; CALL; break; }                \
-    default: fail(std::string(WHAT) + ": unsupported logits dtype code " + std::to_string(DTYPE)); \
-  }
-
 void sample_forward(const TruncationArgs& a, const RandomArgs& rng, int64_t* tokens, void* logprobs,
                     void* raw_logprobs) {
   FASTRL_DISPATCH_LOGITS(a.dtype, "sample_forward",
@@ -405,7 +396,5 @@ void truncated_logprobs_backward(const TruncationArgs& a, const void* labels, in
                                                            static_cast<const Acc*>(grad_logprob),
                                                            static_cast<In*>(grad_out), grad_row_stride)))
 }
-
-#undef FASTRL_DISPATCH_LOGITS
 
 }  // namespace fastrl

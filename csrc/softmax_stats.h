@@ -5,6 +5,7 @@
 // The row is read once in L1-sized chunks: each chunk's max is taken first and
 // (s, w) rescaled when the max grows, then the chunk's exponentials are added.
 // -inf logits add exactly nothing; a row of only -inf gives s = 0; NaN reaches s.
+// Also here: each row's temperature, as every kernel on softmax rows reads it.
 #pragma once
 
 #include <algorithm>
@@ -14,6 +15,20 @@
 namespace fastrl {
 
 constexpr int64_t kStatsChunk = 2048;
+
+// Row r's temperature: temps[r] (of the accumulation type) when per-row
+// temperatures are given, else the scalar.
+template <typename Acc>
+Acc row_temperature(const void* temps, double temp_scalar, int64_t r) {
+  return temps ? static_cast<const Acc*>(temps)[r] : static_cast<Acc>(temp_scalar);
+}
+
+// A temperature that is not a positive finite number poisons its row with NaN
+// (the Python layer rejects it before this on CPU; this keeps the kernel total).
+template <typename Acc>
+bool usable_temperature(Acc t) {
+  return t > 0 && t < std::numeric_limits<Acc>::infinity();
+}
 
 template <typename Acc>
 struct RowStats {

@@ -44,6 +44,14 @@ def _row_param(value: float | int | torch.Tensor) -> tuple[int, float | int]:
     return 0, value
 
 
+def _optional_count(value: float | torch.Tensor | None) -> tuple[int, float, bool]:
+    """(pointer to a 0-d float64 tensor or 0, the scalar value, whether given) of
+    an optional count; the kernel reads a tensor itself, so it costs no host sync."""
+    if value is None:
+        return 0, 0.0, False
+    return (*_row_param(value), True)
+
+
 def logprobs_forward(
     logits: torch.Tensor,
     labels: torch.Tensor | None,
@@ -138,3 +146,146 @@ def truncated_backward(logits, labels, stats, grad_logprob, grad_out, *, tempera
         labels.data_ptr(), DTYPE_CODES[labels.dtype], stats.data_ptr(), grad_logprob.data_ptr(),
         grad_out.data_ptr(), grad_out.stride(0),
     )  # fmt: skip
+
+
+def kl_penalty_forward(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, *, estimator: int) -> torch.Tensor:
+    """The contract of ``fastrl.kernels.kl.kl_penalty_forward``, on the C++ kernels."""
+    kl = torch.empty(log_probs.shape, dtype=log_probs.dtype, device=log_probs.device)
+    native_module().kl_penalty_forward(
+        log_probs.data_ptr(), ref_log_probs.data_ptr(), DTYPE_CODES[log_probs.dtype], log_probs.numel(),
+        estimator, kl.data_ptr(),
+    )  # fmt: skip
+    return kl
+
+
+def kl_penalty_backward(
+    log_probs: torch.Tensor, ref_log_probs: torch.Tensor, grad: torch.Tensor, *, estimator: int, straight_through: bool
+) -> torch.Tensor:
+    """The contract of ``fastrl.kernels.kl.kl_penalty_backward``, on the C++ kernels."""
+    grad_logp = torch.empty(log_probs.shape, dtype=log_probs.dtype, device=log_probs.device)
+    native_module().kl_penalty_backward(
+        log_probs.data_ptr(), ref_log_probs.data_ptr(), grad.data_ptr(), DTYPE_CODES[log_probs.dtype],
+        log_probs.numel(), estimator, straight_through, grad_logp.data_ptr(),
+    )  # fmt: skip
+    return grad_logp
+
+
+def _full_kl(logits, ref_logits, temperature) -> tuple:
+    """The full-KL arguments of csrc/kl.h, in binding order."""
+    n_rows, vocab = logits.shape
+    return (
+        logits.data_ptr(), ref_logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab,
+        logits.stride(0), ref_logits.stride(0), *_row_param(temperature),
+    )  # fmt: skip
+
+
+def full_kl_forward(
+    logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float | torch.Tensor, *, with_stats: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The contract of ``fastrl.kernels.kl.full_kl_forward``, on the C++ kernels."""
+    n_rows = logits.shape[0]
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    kl = torch.empty(n_rows, dtype=acc, device=logits.device)
+    stats = torch.empty(n_rows, 4, dtype=acc, device=logits.device) if with_stats else None
+    native_module().full_kl_forward(*_full_kl(logits, ref_logits, temperature), kl.data_ptr(), _ptr(stats))
+    return kl, stats
+
+
+def full_kl_backward(
+    logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    temperature: float | torch.Tensor,
+    stats: torch.Tensor,
+    kl: torch.Tensor,
+    grad_kl: torch.Tensor,
+    grad_out: torch.Tensor,
+) -> None:
+    """The contract of ``fastrl.kernels.kl.full_kl_backward``, on the C++ kernels."""
+    native_module().full_kl_backward(
+        *_full_kl(logits, ref_logits, temperature), stats.data_ptr(), kl.data_ptr(), grad_kl.data_ptr(),
+        grad_out.data_ptr(), grad_out.stride(0),
+    )  # fmt: skip
+
+
+def _policy(
+    log_probs, old_log_probs, advantages, mask, weights, ref_log_probs,
+    estimator, clip_low, clip_high, clip_c, sequence, with_pg,
+) -> tuple:  # fmt: skip
+    """The policy-loss arguments of csrc/policy.h, in binding order."""
+    n_rows, length = log_probs.shape
+    return (
+        log_probs.data_ptr(), _ptr(old_log_probs), _ptr(advantages), mask.data_ptr(), _ptr(weights),
+        _ptr(ref_log_probs), DTYPE_CODES[log_probs.dtype], n_rows, length, estimator, clip_low, clip_high,
+        clip_c is not None, 0.0 if clip_c is None else clip_c, sequence, with_pg,
+    )  # fmt: skip
+
+
+def policy_forward(
+    log_probs, old_log_probs, advantages, mask, weights, ref_log_probs, values,
+    *, estimator: int, clip_low: float, clip_high: float, clip_c: float | None, sequence: bool, with_pg: bool,
+) -> torch.Tensor:  # fmt: skip
+    """The contract of ``fastrl.kernels.policy.policy_forward``, on the C++ kernels."""
+    stats = torch.empty(log_probs.shape[0], 8, dtype=torch.float64, device=log_probs.device)
+    native_module().policy_forward(
+        _policy(log_probs, old_log_probs, advantages, mask, weights, ref_log_probs,
+                estimator, clip_low, clip_high, clip_c, sequence, with_pg),
+        _ptr(values), stats.data_ptr(),
+    )  # fmt: skip
+    return stats
+
+
+def policy_backward(
+    log_probs, old_log_probs, advantages, mask, weights, ref_log_probs, stats, row_weights, grad_loss,
+    *, estimator: int, straight_through: bool, kl_coef: float, value_coef: float, clip_low: float,
+    clip_high: float, clip_c: float | None, sequence: bool, with_pg: bool,
+    grad_logp: torch.Tensor | None, grad_values: torch.Tensor | None,
+) -> None:  # fmt: skip
+    """The contract of ``fastrl.kernels.policy.policy_backward``, on the C++ kernels."""
+    native_module().policy_backward(
+        _policy(log_probs, old_log_probs, advantages, mask, weights, ref_log_probs,
+                estimator, clip_low, clip_high, clip_c, sequence, with_pg),
+        stats.data_ptr(), row_weights.data_ptr(), grad_loss.data_ptr(), straight_through, kl_coef, value_coef,
+        _ptr(grad_logp), _ptr(grad_values),
+    )  # fmt: skip
+
+
+def policy_finalize(
+    stats: torch.Tensor,
+    *, mode: int, dp_size: float, batch_num_tokens: float | torch.Tensor | None,
+    global_batch_size: float | torch.Tensor | None, norm: float, kl_coef: float, value_coef: float,
+    loss_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The contract of ``fastrl.kernels.policy.policy_finalize``, on the C++ kernels."""
+    n_rows = stats.shape[0]
+    loss = torch.empty((), dtype=loss_dtype, device=stats.device)
+    metrics = torch.empty(6, dtype=torch.float32, device=stats.device)
+    row_weights = torch.empty(n_rows, dtype=torch.float64, device=stats.device)
+    native_module().policy_finalize(
+        stats.data_ptr(), n_rows, mode, dp_size, *_optional_count(batch_num_tokens),
+        *_optional_count(global_batch_size), norm, kl_coef, value_coef, DTYPE_CODES[loss_dtype], loss.data_ptr(),
+        metrics.data_ptr(), row_weights.data_ptr(),
+    )  # fmt: skip
+    return loss, metrics, row_weights
+
+
+def rollout_correction_forward(
+    old_log_probs, rollout_log_probs, mask,
+    *, sequence: bool, truncate: bool, clip_min: float, clip_max: float, low_threshold: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The contract of ``fastrl.kernels.policy.rollout_correction_forward``, on the C++ kernels."""
+    n_rows, length = old_log_probs.shape
+    weights = torch.empty(n_rows, length, dtype=torch.float32, device=old_log_probs.device)
+    stats = torch.empty(n_rows, 8, dtype=torch.float64, device=old_log_probs.device)
+    native_module().rollout_correction_forward(
+        old_log_probs.data_ptr(), rollout_log_probs.data_ptr(), mask.data_ptr(), DTYPE_CODES[old_log_probs.dtype],
+        n_rows, length, sequence, truncate, clip_min, clip_max, low_threshold, weights.data_ptr(),
+        stats.data_ptr(),
+    )  # fmt: skip
+    return weights, stats
+
+
+def rollout_finalize(stats: torch.Tensor) -> torch.Tensor:
+    """The contract of ``fastrl.kernels.policy.rollout_finalize``, on the C++ kernels."""
+    metrics = torch.empty(8, dtype=torch.float32, device=stats.device)
+    native_module().rollout_finalize(stats.data_ptr(), stats.shape[0], metrics.data_ptr())
+    return metrics

@@ -1,0 +1,220 @@
+// KL between the policy and a reference policy, CPU kernels.
+//
+// kl_penalty: the sampled-token estimators of kl.h (kl_estimate), elementwise.
+//
+// full_kl: the exact KL(p || q) per row, p = softmax(x / T), q = softmax(y / T),
+// for logits x and reference logits y at inv_t = 1/T > 0:
+//   m = max_v x_v,  d_v = (x_v - m) inv_t,  e_v = exp(d_v),  s = sum_v e_v
+//   m' = max_v y_v, d'_v = (y_v - m') inv_t,                s' = sum_v exp(d'_v)
+//   t = sum_v e_v (d_v - d'_v)
+//   KL = sum_v p_v (log p_v - log q_v) = t / s - log s + log s'
+// (log p_v = d_v - log s, log q_v = d'_v - log s'). A term with e_v = 0 adds
+// nothing, also where y_v = -inf (no 0 * inf); e_v > 0 where y_v = -inf makes
+// the KL +inf, as it should. Taking d - d' on the raw logits keeps the KL of
+// two close distributions free of the cancellation of two entropies.
+//
+// The forward reads each row once in L1-sized chunks, online as row_stats
+// (softmax_stats.h) does. When a chunk raises the logits' max m to M, every d_v
+// so far grows by c = (m - M) inv_t and every e_v is scaled by a = exp(c):
+//   s <- a s,   t <- a (t + c s)
+// When it raises the reference max m' to M', every d'_v grows by c' = (m' - M') inv_t:
+//   s' <- exp(c') s',   t <- t - c' s
+// While a running max is still -inf every value so far is -inf: there is
+// nothing to rescale, and the chunk is measured from 0 instead (d = -inf, not
+// -inf - -inf = NaN).
+//
+// Backward (the reference logits are constants), with g = dL/dKL of the row:
+//   dKL/dx_j = inv_t p_j (log p_j - log q_j - KL),   0 where p_j = 0
+// One read of each row and one write of the gradient, which may alias the
+// logits: each element is read before it is written.
+//
+// Each row is reduced by one thread in a fixed order, so results are bitwise
+// reproducible and independent of the other rows in the batch.
+#include "kl.h"
+
+#include <algorithm>
+
+#include "common.h"
+#include "softmax_stats.h"
+
+namespace fastrl {
+namespace {
+
+// kl_penalty works on spans of this many tokens, one span per OpenMP task.
+constexpr int64_t kSpan = 4096;
+
+template <typename Acc>
+FASTRL_ISA_CLONES void kl_penalty_span(const Acc* logp, const Acc* ref, int64_t n, int estimator,
+                                       Acc* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = kl_estimate(estimator, false, logp[i] - ref[i]).value;
+}
+
+template <typename Acc>
+FASTRL_ISA_CLONES void kl_penalty_grad_span(const Acc* logp, const Acc* ref, const Acc* grad, int64_t n,
+                                            int estimator, bool straight_through, Acc* grad_logp) {
+  for (int64_t i = 0; i < n; ++i)
+    grad_logp[i] = grad[i] * kl_estimate(estimator, straight_through, logp[i] - ref[i]).grad;
+}
+
+template <typename Acc>
+void kl_penalty_forward_impl(const Acc* logp, const Acc* ref, int64_t n, int estimator, Acc* out) {
+#pragma omp parallel for schedule(static) if (n > 32768)
+  for (int64_t start = 0; start < n; start += kSpan) {
+    kl_penalty_span<Acc>(logp + start, ref + start, std::min(kSpan, n - start), estimator, out + start);
+  }
+}
+
+template <typename Acc>
+void kl_penalty_backward_impl(const Acc* logp, const Acc* ref, const Acc* grad, int64_t n, int estimator,
+                              bool straight_through, Acc* grad_logp) {
+#pragma omp parallel for schedule(static) if (n > 32768)
+  for (int64_t start = 0; start < n; start += kSpan) {
+    kl_penalty_grad_span<Acc>(logp + start, ref + start, grad + start, std::min(kSpan, n - start),
+                              estimator, straight_through, grad_logp + start);
+  }
+}
+
+template <typename Acc>
+struct KLRowStats {
+  Acc m, s, m_ref, s_ref, t;
+};
+
+template <typename In, typename Acc>
+FASTRL_ISA_CLONES KLRowStats<Acc> full_kl_row(const In* x, const In* y, int64_t vocab, Acc inv_t) {
+  Acc m = neg_inf<Acc>(), s = 0, m_ref = neg_inf<Acc>(), s_ref = 0, t = 0;
+  Acc xs[kStatsChunk], ys[kStatsChunk];
+  for (int64_t start = 0; start < vocab; start += kStatsChunk) {
+    const int64_t n = std::min(kStatsChunk, vocab - start);
+    Acc chunk_max = neg_inf<Acc>(), chunk_max_ref = neg_inf<Acc>();
+#pragma omp simd reduction(max : chunk_max, chunk_max_ref)
+    for (int64_t i = 0; i < n; ++i) {
+      xs[i] = load_as<Acc>(x, start + i);
+      ys[i] = load_as<Acc>(y, start + i);
+      chunk_max = xs[i] > chunk_max ? xs[i] : chunk_max;
+      chunk_max_ref = ys[i] > chunk_max_ref ? ys[i] : chunk_max_ref;
+    }
+    if (chunk_max > m) {
+      if (m != neg_inf<Acc>()) {
+        const Acc c = (m - chunk_max) * inv_t;
+        const Acc a = std::exp(c);
+        t = a * (t + c * s);
+        s = a * s;
+      }
+      m = chunk_max;
+    }
+    if (chunk_max_ref > m_ref) {
+      if (m_ref != neg_inf<Acc>()) {
+        const Acc c = (m_ref - chunk_max_ref) * inv_t;
+        s_ref = std::exp(c) * s_ref;
+        t = t - c * s;
+      }
+      m_ref = chunk_max_ref;
+    }
+    const Acc origin = m == neg_inf<Acc>() ? Acc(0) : m;
+    const Acc origin_ref = m_ref == neg_inf<Acc>() ? Acc(0) : m_ref;
+    Acc chunk_s = 0, chunk_s_ref = 0, chunk_t = 0;
+#pragma omp simd reduction(+ : chunk_s, chunk_s_ref, chunk_t)
+    for (int64_t i = 0; i < n; ++i) {
+      const Acc d = (xs[i] - origin) * inv_t;
+      const Acc d_ref = (ys[i] - origin_ref) * inv_t;
+      const Acc e = exp_approx(d);
+      chunk_s += e;
+      chunk_s_ref += exp_approx(d_ref);
+      chunk_t += e == 0 ? Acc(0) : e * (d - d_ref);
+    }
+    s += chunk_s;
+    s_ref += chunk_s_ref;
+    t += chunk_t;
+  }
+  return {m, s, m_ref, s_ref, t};
+}
+
+template <typename In, typename Acc>
+FASTRL_ISA_CLONES void full_kl_row_grad(const In* x, const In* y, In* grad, int64_t vocab, Acc inv_t,
+                                        Acc m, Acc log_s, Acc m_ref, Acc log_s_ref, Acc kl, Acc g) {
+  const Acc scale = g * inv_t;
+#pragma omp simd
+  for (int64_t i = 0; i < vocab; ++i) {
+    const Acc logp = (load_as<Acc>(x, i) - m) * inv_t - log_s;
+    const Acc logq = (load_as<Acc>(y, i) - m_ref) * inv_t - log_s_ref;
+    const Acc p = exp_approx(logp);
+    store_from(grad, i, p == 0 ? Acc(0) : scale * p * (logp - logq - kl));
+  }
+}
+
+template <typename In, typename Acc>
+void full_kl_forward_impl(const FullKLArgs& a, Acc* kl, Acc* stats) {
+  const In* logits = static_cast<const In*>(a.logits);
+  const In* ref_logits = static_cast<const In*>(a.ref_logits);
+#pragma omp parallel for schedule(static) if (a.n_rows * a.vocab > 32768)
+  for (int64_t r = 0; r < a.n_rows; ++r) {
+    const Acc temp = row_temperature<Acc>(a.temps, a.temp_scalar, r);
+    if (!usable_temperature(temp)) {
+      kl[r] = quiet_nan<Acc>();
+      if (stats) std::fill(stats + 4 * r, stats + 4 * r + 4, quiet_nan<Acc>());
+      continue;
+    }
+    const KLRowStats<Acc> st = full_kl_row<In, Acc>(logits + r * a.row_stride,
+                                                    ref_logits + r * a.ref_row_stride, a.vocab,
+                                                    Acc(1) / temp);
+    const Acc log_s = std::log(st.s), log_s_ref = std::log(st.s_ref);
+    kl[r] = st.t / st.s - log_s + log_s_ref;
+    if (stats) {
+      stats[4 * r] = st.m;
+      stats[4 * r + 1] = log_s;
+      stats[4 * r + 2] = st.m_ref;
+      stats[4 * r + 3] = log_s_ref;
+    }
+  }
+}
+
+template <typename In, typename Acc>
+void full_kl_backward_impl(const FullKLArgs& a, const Acc* stats, const Acc* kl, const Acc* grad_kl,
+                           In* grad_out, int64_t grad_row_stride) {
+  const In* logits = static_cast<const In*>(a.logits);
+  const In* ref_logits = static_cast<const In*>(a.ref_logits);
+#pragma omp parallel for schedule(static) if (a.n_rows * a.vocab > 32768)
+  for (int64_t r = 0; r < a.n_rows; ++r) {
+    const Acc temp = row_temperature<Acc>(a.temps, a.temp_scalar, r);
+    const Acc inv_t = usable_temperature(temp) ? Acc(1) / temp : quiet_nan<Acc>();
+    full_kl_row_grad<In, Acc>(logits + r * a.row_stride, ref_logits + r * a.ref_row_stride,
+                              grad_out + r * grad_row_stride, a.vocab, inv_t, stats[4 * r],
+                              stats[4 * r + 1], stats[4 * r + 2], stats[4 * r + 3], kl[r], grad_kl[r]);
+  }
+}
+
+}  // namespace
+
+void kl_penalty_forward(const void* log_probs, const void* ref_log_probs, int dtype, int64_t n,
+                        int estimator, void* out) {
+  FASTRL_DISPATCH_ACC(dtype, "kl_penalty_forward",
+                      (kl_penalty_forward_impl<Acc>(static_cast<const Acc*>(log_probs),
+                                                    static_cast<const Acc*>(ref_log_probs), n,
+                                                    estimator, static_cast<Acc*>(out))))
+}
+
+void kl_penalty_backward(const void* log_probs, const void* ref_log_probs, const void* grad, int dtype,
+                         int64_t n, int estimator, bool straight_through, void* grad_logp) {
+  FASTRL_DISPATCH_ACC(dtype, "kl_penalty_backward",
+                      (kl_penalty_backward_impl<Acc>(static_cast<const Acc*>(log_probs),
+                                                     static_cast<const Acc*>(ref_log_probs),
+                                                     static_cast<const Acc*>(grad), n, estimator,
+                                                     straight_through, static_cast<Acc*>(grad_logp))))
+}
+
+void full_kl_forward(const FullKLArgs& a, void* out_kl, void* out_stats) {
+  FASTRL_DISPATCH_LOGITS(a.dtype, "full_kl_forward",
+                         (full_kl_forward_impl<In, Acc>(a, static_cast<Acc*>(out_kl),
+                                                        static_cast<Acc*>(out_stats))))
+}
+
+void full_kl_backward(const FullKLArgs& a, const void* stats, const void* kl, const void* grad_kl,
+                      void* grad_out, int64_t grad_row_stride) {
+  FASTRL_DISPATCH_LOGITS(a.dtype, "full_kl_backward",
+                         (full_kl_backward_impl<In, Acc>(a, static_cast<const Acc*>(stats),
+                                                         static_cast<const Acc*>(kl),
+                                                         static_cast<const Acc*>(grad_kl),
+                                                         static_cast<In*>(grad_out), grad_row_stride)))
+}
+
+}  // namespace fastrl

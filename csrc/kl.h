@@ -1,0 +1,103 @@
+// KL between the policy and a reference policy: the CPU kernels' interface, and
+// the per-token estimator that the policy-loss kernels (policy.cpp) share.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "common.h"
+
+namespace fastrl {
+
+// Estimator codes, mirrored in fastrl/kl.py (ESTIMATOR_CODES) and kernels/kl.py.
+enum KLEstimator : int {
+  kKL = 0,        // "kl" / "k1"
+  kAbs = 1,       // "abs"
+  kMSE = 2,       // "mse" / "k2"
+  kLowVarKL = 3,  // "low_var_kl" / "k3"
+};
+
+// veRL's clamps of the k3 estimator: its log-ratio and its value.
+constexpr double kK3LogRatioClamp = 20.0;
+constexpr double kK3ValueClamp = 10.0;
+
+template <typename Acc>
+struct KLTerm {
+  Acc value, grad;  // the estimate and its derivative d value / d logp
+};
+
+// The sampled-token estimate of KL(pi || pi_ref) at d = logp - ref_logp
+// (J. Schulman, "Approximating KL divergence"), with the derivative torch
+// autograd gives for fastrl.reference.kl_penalty:
+//   kl / k1          v = d                        dv/dlogp = 1
+//   abs              v = |d|                      sign(d), 0 at d = 0
+//   mse / k2         v = d^2 / 2                  d
+//   low_var_kl / k3  c = clamp(-d, -20, 20), k = e^c - c - 1, v = clamp(k, -10, 10)
+//                    dv/dlogp = -(e^c - 1) where neither clamp is active, else 0
+// (a clamp passes its gradient on the closed interval). straight_through keeps
+// the value and takes k2's derivative d, whose expectation is the true KL
+// gradient. std::clamp keeps NaN, as torch.clamp does. e^c needs std::exp:
+// c reaches +20.
+template <typename Acc>
+FASTRL_INLINE KLTerm<Acc> kl_estimate(int estimator, bool straight_through, Acc d) {
+  KLTerm<Acc> k;
+  switch (estimator) {
+    case kKL:
+      k = {d, Acc(1)};
+      break;
+    case kAbs:
+      k = {std::abs(d), d > 0 ? Acc(1) : d < 0 ? Acc(-1) : Acc(0)};
+      break;
+    case kMSE:
+      k = {Acc(0.5) * d * d, d};
+      break;
+    default: {  // kLowVarKL
+      const Acc c_lim = Acc(kK3LogRatioClamp), v_lim = Acc(kK3ValueClamp);
+      const Acc c = std::clamp(-d, -c_lim, c_lim);
+      const Acc e = std::exp(c);
+      const Acc raw = e - c - Acc(1);
+      const bool passes = -d >= -c_lim && -d <= c_lim && raw >= -v_lim && raw <= v_lim;
+      k = {std::clamp(raw, -v_lim, v_lim), passes ? Acc(1) - e : Acc(0)};
+    }
+  }
+  if (straight_through) k.grad = d;
+  return k;
+}
+
+// kl_penalty over n tokens: log_probs, ref_log_probs, grad and the outputs are
+// contiguous arrays of the accumulation type `dtype` (float32 / float64).
+//   forward:  out[i] = v(d_i)
+//   backward: grad_logp[i] = grad[i] * dv/dlogp(d_i)   (the reference's is its negative)
+void kl_penalty_forward(const void* log_probs, const void* ref_log_probs, int dtype, int64_t n,
+                        int estimator, void* out);
+void kl_penalty_backward(const void* log_probs, const void* ref_log_probs, const void* grad, int dtype,
+                         int64_t n, int estimator, bool straight_through, void* grad_logp);
+
+// What both full-KL passes read. logits and ref_logits: n_rows rows of `vocab`
+// elements of the same dtype with unit stride, each with its own row stride.
+// temps: per-row temperatures of the accumulation type, or null to use
+// temp_scalar for every row (the same T for both distributions).
+struct FullKLArgs {
+  const void* logits;
+  const void* ref_logits;
+  int dtype;
+  int64_t n_rows;
+  int64_t vocab;
+  int64_t row_stride;
+  int64_t ref_row_stride;
+  const void* temps;
+  double temp_scalar;
+};
+
+// Writes KL(softmax(x / T) || softmax(y / T)) per row into out_kl and, when
+// out_stats is non-null, the row's (m, log s, m', log s') ([n_rows, 4]) that
+// the backward needs; both of the accumulation type.
+void full_kl_forward(const FullKLArgs& args, void* out_kl, void* out_stats);
+
+// Writes grad_kl[r] * dKL/dx (logits' dtype, row stride grad_row_stride; may
+// alias the logits) from the forward's stats and KL.
+void full_kl_backward(const FullKLArgs& args, const void* stats, const void* kl, const void* grad_kl,
+                      void* grad_out, int64_t grad_row_stride);
+
+}  // namespace fastrl
