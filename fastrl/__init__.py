@@ -3,6 +3,8 @@
 Ops (see each module's docstring for the exact math):
     logprobs_from_logits, logprobs_and_entropy, entropy_from_logits   (fastrl.logprobs)
     sample, truncated_logprobs                                         (fastrl.sampling)
+    policy_loss, policy_loss_from_logits, agg_loss, rollout_correction (fastrl.policy)
+    kl_penalty, full_kl                                                (fastrl.kl)
 
 Backends are picked per call by the tensors' device (see fastrl._backend);
 ``use_backend(name)`` or ``FASTRL_BACKEND`` forces one. ``fastrl.reference``
@@ -10,7 +12,9 @@ holds the PyTorch specification of every op.
 """
 
 from ._backend import BACKENDS, use_backend
+from .kl import full_kl, kl_penalty
 from .logprobs import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
+from .policy import agg_loss, policy_loss, policy_loss_from_logits, rollout_correction
 from .sampling import SampleOutput, sample, truncated_logprobs
 
 __version__ = "0.1.0"
@@ -19,9 +23,15 @@ __all__ = [
     "BACKENDS",
     "SampleOutput",
     "__version__",
+    "agg_loss",
     "entropy_from_logits",
+    "full_kl",
+    "kl_penalty",
     "logprobs_and_entropy",
     "logprobs_from_logits",
+    "policy_loss",
+    "policy_loss_from_logits",
+    "rollout_correction",
     "sample",
     "truncated_logprobs",
     "use_backend",

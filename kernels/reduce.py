@@ -26,6 +26,21 @@ import triton.language as tl
 
 
 @triton.jit
+def rebase(m, block_max, inv_t, ACC: tl.constexpr):
+    """A running max m meeting a block's max: (m', ref, c, a) with m' the new max,
+    ref the reference point the block's terms are taken from (m', or 0 while the
+    row is all -inf so far, so that no -inf - -inf appears), c = (m - ref) inv_t
+    the shift of the old terms' exponents and a = exp(c) their scale (both 0
+    while m is -inf: there is nothing to rescale)."""
+    neg_inf = float("-inf")
+    m_new = tl.maximum(m, block_max)
+    ref = tl.where(m_new == neg_inf, 0.0, m_new).to(ACC)
+    c = tl.where(m == neg_inf, 0.0, (m - ref) * inv_t).to(ACC)
+    a = tl.where(m == neg_inf, 0.0, tl.exp(c)).to(ACC)
+    return m_new, ref, c, a
+
+
+@triton.jit
 def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
     """(m, s, w) of the row as defined above; w is 0 unless WITH_W."""
     neg_inf = float("-inf")
@@ -35,12 +50,7 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, BLOCK_V: tl.constexpr
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        # While every logit so far is -inf, use 0 as the reference point so that
-        # no -inf - -inf appears; exp(-inf) = 0 is then exact.
-        ref = tl.where(m_new == neg_inf, 0.0, m_new).to(ACC)
-        c = tl.where(m == neg_inf, 0.0, (m - ref) * inv_t).to(ACC)
-        a = tl.where(m == neg_inf, 0.0, tl.exp(c)).to(ACC)
+        m_new, ref, c, a = rebase(m, tl.max(x, axis=0), inv_t, ACC)
         d = (x - ref) * inv_t
         e = tl.exp(d)
         if WITH_W:

@@ -1,0 +1,233 @@
+"""KL between the policy and a reference policy: Triton kernels and launchers.
+
+Sampled-token estimators (``kl_penalty``), elementwise on log-probs, with
+d = logp - ref (J. Schulman, "Approximating KL divergence", 2020):
+
+    code 0  "kl" / "k1"          v = d                       dv/dlogp = 1
+    code 1  "abs"                v = |d|                     sign(d)
+    code 2  "mse" / "k2"         v = d^2 / 2                 d
+    code 3  "low_var_kl" / "k3"  v = clamp(e^c - c - 1, +-10),  c = clamp(-d, +-20)
+                                 dv/dlogp = (1 - e^c) where neither clamp is active, else 0
+
+A straight-through variant ("k3+") keeps the value and takes k2's gradient d.
+The gradients are the ones autograd gives for fastrl.reference.kl_penalty
+(a clamp passes its gradient on the closed interval).
+
+Full-vocabulary KL (``full_kl``), per row of logits x and reference logits y at
+inverse temperature inv_t = 1/T, read once each:
+
+    d_v = (x_v - m) inv_t,  d'_v = (y_v - m') inv_t    (m, m' the row maxima)
+    s = sum e^{d_v},  s' = sum e^{d'_v},  t = sum e^{d_v} (d_v - d'_v)
+    KL = sum p_v (log p_v - log q_v) = t / s - log s + log s'
+
+Online over blocks: when the logits' running max grows (c = (m - M) inv_t <= 0,
+a = e^c) every d_v grows by c and every e^{d_v} is scaled by a; when the
+reference max grows (c' likewise) every d'_v grows by c'. Hence
+    s <- a s,   t <- a (t + (c - c') s),   s' <- e^{c'} s'.
+Taking the differences on the raw logits keeps KL ~ 0 accurate (no cancellation
+of two entropies), and a token with e^{d_v} = 0 adds nothing (no 0 * inf).
+
+Backward (reference logits constant), one read of each row and one write:
+    dKL/dx_j = inv_t p_j (log p_j - log q_j - KL),   0 where p_j = 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .logprobs import _acc_dtypes, _launch_config, _row_inv_temperature, _temperature_args
+from .reduce import rebase
+
+# veRL's clamps of the k3 estimator: its log-ratio and its value.
+K3_LOG_RATIO_CLAMP = 20.0
+K3_VALUE_CLAMP = 10.0
+
+_ELEMENTWISE_BLOCK = 1024
+
+
+@triton.jit
+def clamp_nan(x, lo, hi):
+    """torch.clamp: x limited to [lo, hi], NaN kept."""
+    return tl.where(x < lo, lo, tl.where(x > hi, hi, x))
+
+
+@triton.jit
+def kl_estimate(logp, ref, ESTIMATOR: tl.constexpr, STRAIGHT_THROUGH: tl.constexpr):
+    """(value, d value / d logp) of the KL estimator at each token (see the module docstring)."""
+    d = logp - ref
+    if ESTIMATOR == 0:
+        value = d
+        grad = tl.zeros_like(d) + 1.0
+    elif ESTIMATOR == 1:
+        value = tl.abs(d)
+        grad = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0)).to(d.dtype)
+    elif ESTIMATOR == 2:
+        value = 0.5 * d * d
+        grad = d
+    else:
+        c = clamp_nan(-d, -K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+        e = tl.exp(c)
+        k = e - c - 1.0
+        value = clamp_nan(k, -K3_VALUE_CLAMP, K3_VALUE_CLAMP)
+        active = (-d >= -K3_LOG_RATIO_CLAMP) & (-d <= K3_LOG_RATIO_CLAMP)
+        active = active & (k >= -K3_VALUE_CLAMP) & (k <= K3_VALUE_CLAMP)
+        grad = tl.where(active, 1.0 - e, 0.0).to(d.dtype)
+    if STRAIGHT_THROUGH:
+        grad = d
+    return value, grad
+
+
+@triton.jit
+def _kl_penalty_fwd_kernel(logp_ptr, ref_ptr, out_ptr, N, ESTIMATOR: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    logp = tl.load(logp_ptr + offs, mask=mask, other=0.0)
+    ref = tl.load(ref_ptr + offs, mask=mask, other=0.0)
+    value, _ = kl_estimate(logp, ref, ESTIMATOR, False)
+    tl.store(out_ptr + offs, value, mask=mask)
+
+
+@triton.jit
+def _kl_penalty_bwd_kernel(
+    logp_ptr, ref_ptr, grad_ptr, out_ptr, N,
+    ESTIMATOR: tl.constexpr, STRAIGHT_THROUGH: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    logp = tl.load(logp_ptr + offs, mask=mask, other=0.0)
+    ref = tl.load(ref_ptr + offs, mask=mask, other=0.0)
+    _, dvalue = kl_estimate(logp, ref, ESTIMATOR, STRAIGHT_THROUGH)
+    tl.store(out_ptr + offs, tl.load(grad_ptr + offs, mask=mask, other=0.0) * dvalue, mask=mask)
+
+
+def kl_penalty_forward(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, *, estimator: int) -> torch.Tensor:
+    """The estimator's value per token of contiguous [N] acc-dtype log-probs."""
+    out = torch.empty_like(log_probs)
+    n = log_probs.numel()
+    _kl_penalty_fwd_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](
+        log_probs, ref_log_probs, out, n, ESTIMATOR=estimator, BLOCK=_ELEMENTWISE_BLOCK
+    )
+    return out
+
+
+def kl_penalty_backward(
+    log_probs: torch.Tensor, ref_log_probs: torch.Tensor, grad: torch.Tensor, *, estimator: int, straight_through: bool
+) -> torch.Tensor:
+    """grad * d estimator / d log_probs per token (the reference side's is its negative)."""
+    out = torch.empty_like(log_probs)
+    n = log_probs.numel()
+    _kl_penalty_bwd_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](
+        log_probs, ref_log_probs, grad, out, n,
+        ESTIMATOR=estimator, STRAIGHT_THROUGH=straight_through, BLOCK=_ELEMENTWISE_BLOCK,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _full_kl_fwd_kernel(
+    x_ptr, x_row_stride, y_ptr, y_row_stride, temps_ptr, temp_scalar, kl_ptr, stats_ptr, V,
+    PER_ROW_TEMP: tl.constexpr, WITH_STATS: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    y_row = y_ptr + row * y_row_stride
+    inv_t = _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
+    neg_inf = float("-inf")
+    m = tl.full([], neg_inf, ACC)
+    m_ref = tl.full([], neg_inf, ACC)
+    s = tl.zeros([], ACC)
+    s_ref = tl.zeros([], ACC)
+    t = tl.zeros([], ACC)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        x = tl.load(x_row + offs, mask=offs < V, other=neg_inf).to(ACC)
+        y = tl.load(y_row + offs, mask=offs < V, other=neg_inf).to(ACC)
+        m_new, ref_point, c, a = rebase(m, tl.max(x, axis=0), inv_t, ACC)
+        m_ref_new, ref_point_ref, c_ref, a_ref = rebase(m_ref, tl.max(y, axis=0), inv_t, ACC)
+        d = (x - ref_point) * inv_t
+        d_ref = (y - ref_point_ref) * inv_t
+        e = tl.exp(d)
+        term = tl.where(e > 0, e * (d - d_ref), 0.0)
+        t = a * (t + (c - c_ref) * s) + tl.sum(term, axis=0)
+        s = a * s + tl.sum(e, axis=0)
+        s_ref = a_ref * s_ref + tl.sum(tl.exp(d_ref), axis=0)
+        m = m_new
+        m_ref = m_ref_new
+    log_s = tl.log(s)
+    log_s_ref = tl.log(s_ref)
+    tl.store(kl_ptr + row, t / s - log_s + log_s_ref)
+    if WITH_STATS:
+        tl.store(stats_ptr + 4 * row, m)
+        tl.store(stats_ptr + 4 * row + 1, log_s)
+        tl.store(stats_ptr + 4 * row + 2, m_ref)
+        tl.store(stats_ptr + 4 * row + 3, log_s_ref)
+
+
+@triton.jit
+def _full_kl_bwd_kernel(
+    x_ptr, x_row_stride, y_ptr, y_row_stride, grad_ptr, grad_row_stride, temps_ptr, temp_scalar,
+    stats_ptr, kl_ptr, grad_kl_ptr, V,
+    PER_ROW_TEMP: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    y_row = y_ptr + row * y_row_stride
+    grad_row = grad_ptr + row * grad_row_stride
+    inv_t = _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
+    m = tl.load(stats_ptr + 4 * row).to(ACC)
+    log_s = tl.load(stats_ptr + 4 * row + 1).to(ACC)
+    m_ref = tl.load(stats_ptr + 4 * row + 2).to(ACC)
+    log_s_ref = tl.load(stats_ptr + 4 * row + 3).to(ACC)
+    kl = tl.load(kl_ptr + row).to(ACC)
+    scale = tl.load(grad_kl_ptr + row).to(ACC) * inv_t
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        mask = offs < V
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(ACC)
+        y = tl.load(y_row + offs, mask=mask, other=0.0).to(ACC)
+        logp = (x - m) * inv_t - log_s
+        logq = (y - m_ref) * inv_t - log_s_ref
+        p = tl.exp(logp)
+        grad = tl.where(p > 0, p * (logp - logq - kl), 0.0) * scale
+        tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+def full_kl_forward(
+    logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float | torch.Tensor, *, with_stats: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(KL [N], stats [N, 4] or None) of ``logits`` and ``ref_logits`` [N, V]
+    (same dtype, unit stride in V); stats = (m, log s, m', log s') per row."""
+    n_rows, vocab = logits.shape
+    acc, acc_tl = _acc_dtypes(logits)
+    kl = torch.empty(n_rows, dtype=acc, device=logits.device)
+    stats = torch.empty(n_rows, 4, dtype=acc, device=logits.device) if with_stats else None
+    temps, temp_scalar, per_row = _temperature_args(temperature)
+    block, num_warps = _launch_config(vocab)
+    _full_kl_fwd_kernel[(n_rows,)](
+        logits, logits.stride(0), ref_logits, ref_logits.stride(0), temps, temp_scalar, kl, stats, vocab,
+        PER_ROW_TEMP=per_row, WITH_STATS=with_stats, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
+    )  # fmt: skip
+    return kl, stats
+
+
+def full_kl_backward(
+    logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    temperature: float | torch.Tensor,
+    stats: torch.Tensor,
+    kl: torch.Tensor,
+    grad_kl: torch.Tensor,
+    grad_out: torch.Tensor,
+) -> None:
+    """Writes dL/dlogits into ``grad_out`` [N, V] (logits' dtype; may be the logits)."""
+    n_rows, vocab = logits.shape
+    _, acc_tl = _acc_dtypes(logits)
+    temps, temp_scalar, per_row = _temperature_args(temperature)
+    block, num_warps = _launch_config(vocab)
+    _full_kl_bwd_kernel[(n_rows,)](
+        logits, logits.stride(0), ref_logits, ref_logits.stride(0), grad_out, grad_out.stride(0),
+        temps, temp_scalar, stats, kl, grad_kl, vocab,
+        PER_ROW_TEMP=per_row, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
+    )  # fmt: skip

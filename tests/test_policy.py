@@ -1,0 +1,386 @@
+"""policy_loss / policy_loss_from_logits / agg_loss / rollout_correction against
+the float64 reference, on every backend available (native C++, Triton
+interpreted on CPU or compiled on GPU, and the reference itself)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from conftest import assert_close_to_reference, backend_params, make_labels, make_logits
+
+import fastrl
+from fastrl import reference
+
+BACKENDS = backend_params()
+KERNEL_BACKENDS = backend_params(include_reference=False)
+
+METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")
+
+
+def per_token_inputs(shape, device="cpu", dtype=torch.float32):
+    """Realistic per-token inputs [B, L] with the awkward cases mixed in: log-ratios
+    from 1e-3 to 30 (both signs, past the +-20 clamp), advantages that are zero,
+    negative and positive (per sequence as in GRPO, plus per-token noise), a
+    ragged response mask with one fully masked sequence and holes, and NaN in
+    the masked-out positions (which must be ignored)."""
+    n_rows, length = shape
+    logp = -torch.rand(shape, dtype=torch.float64) * 6
+    scales = torch.tensor([1e-3, 0.05, 0.3, 1.0, 3.0])[torch.arange(n_rows) % 5].double().unsqueeze(1)
+    old = logp + torch.randn(shape, dtype=torch.float64) * scales
+    extreme = torch.rand(shape) < 0.05
+    old[extreme] = logp[extreme] + 30.0 * torch.sign(torch.randn(int(extreme.sum()))).double()
+    adv = torch.randn(n_rows, 1, dtype=torch.float64) + 0.3 * torch.randn(shape, dtype=torch.float64)
+    adv[torch.rand(shape) < 0.1] = 0.0
+    lengths = torch.randint(1, length + 1, (n_rows,))
+    mask = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
+    mask &= torch.rand(shape) > 0.05
+    if n_rows > 1:
+        mask[1] = False
+    ref = logp + torch.randn(shape, dtype=torch.float64) * scales.flip(0)
+    entropy = torch.rand(shape, dtype=torch.float64) * 4
+    weights = torch.rand(shape, dtype=torch.float64) * 2
+    for t in (old, adv, ref):
+        t[~mask] = math.nan
+    cast = lambda t: t.to(dtype).to(device)  # noqa: E731
+    return {
+        "log_probs": cast(logp), "old_log_probs": cast(old), "advantages": cast(adv),
+        "response_mask": mask.to(device), "ref_log_probs": cast(ref), "entropy": cast(entropy),
+        "rollout_is_weights": cast(weights),
+    }  # fmt: skip
+
+
+def _run_policy(fn, inputs, options, with_entropy):
+    """(loss, metrics, d loss / d log_probs, d loss / d entropy) of ``fn``."""
+    logp = inputs["log_probs"].clone().requires_grad_(True)
+    entropy = inputs["entropy"].clone().requires_grad_(True) if with_entropy else None
+    rest = {k: v for k, v in options.items()}
+    loss, metrics = fn(logp, inputs["old_log_probs"], inputs["advantages"], inputs["response_mask"], entropy=entropy, **rest)
+    loss.backward()
+    return loss, metrics, logp.grad, None if entropy is None else entropy.grad
+
+
+def _float64(inputs):
+    return {k: (v.double() if v.is_floating_point() else v) for k, v in inputs.items()}
+
+
+def _reference_runs(inputs, options, with_entropy):
+    """The reference in float64 (the truth) and in float32 (what eager PyTorch gets)."""
+    truth = _run_policy(reference.policy_loss, _float64(inputs), options, with_entropy)
+    eager = _run_policy(reference.policy_loss, inputs, options, with_entropy)
+    return truth, eager
+
+
+def assert_as_accurate_as_eager(actual, truth, eager, rtol=1e-5, what="value"):
+    """|actual - truth| <= rtol |truth| + 4 |eager - truth| + rtol * 1e-2 max |truth|:
+    within 1e-5 relative, or no worse than four times float32 PyTorch where a sum
+    cancels (a loss over advantages of both signs)."""
+    a, t, e = (x.detach().double().cpu() for x in (actual, truth, eager))
+    assert torch.equal(a.isnan(), t.isnan()), f"{what}: NaN pattern differs"
+    finite = ~t.isnan()
+    a, t, e = a[finite], t[finite], e[finite]
+    bound = rtol * t.abs() + 4 * (e - t).abs() + rtol * 1e-2 * (float(t.abs().max()) if t.numel() else 0.0) + 1e-30
+    err = (a - t).abs()
+    if err.numel():
+        worst = int((err - bound).argmax())
+        assert bool((err <= bound).all()), f"{what}: error {err[worst]:.3g} at {t[worst]:.6g} exceeds {bound[worst]:.3g}"
+
+
+def _check_against_reference(got, truth, eager, with_entropy, extra_metrics=()):
+    loss, metrics, grad_logp, grad_entropy = got
+    assert loss.shape == () and loss.dtype == torch.float32
+    assert_as_accurate_as_eager(loss, truth[0], eager[0], what="loss")
+    assert set(metrics) == set(METRICS) | set(extra_metrics)
+    for name in metrics:
+        assert metrics[name].shape == () and metrics[name].dtype == torch.float32
+        assert not metrics[name].requires_grad
+        assert_as_accurate_as_eager(metrics[name], truth[1][name], eager[1][name], what=name)
+    assert torch.isfinite(grad_logp).all(), "masked-out NaN must not reach the gradient"
+    assert_as_accurate_as_eager(grad_logp, truth[2], eager[2], what="grad log_probs")
+    if with_entropy:
+        assert_as_accurate_as_eager(grad_entropy, truth[3], eager[3], what="grad entropy")
+
+
+@pytest.mark.parametrize("extras", ["plain", "kl+entropy+weights"])
+@pytest.mark.parametrize("dual_clip", [None, 3.0], ids=["no-dual-clip", "dual-clip"])
+@pytest.mark.parametrize("loss_agg_mode", reference.AGG_MODES)
+@pytest.mark.parametrize("ratio_level", reference.RATIO_LEVELS)
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_policy_loss_matches_reference(device, backend, ratio_level, loss_agg_mode, dual_clip, extras):
+    inputs = per_token_inputs((6, 67), device)
+    options = {
+        "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": dual_clip, "ratio_level": ratio_level,
+        "loss_agg_mode": loss_agg_mode,
+    }  # fmt: skip
+    with_entropy = extras != "plain"
+    if with_entropy:
+        options.update(
+            ref_log_probs=inputs["ref_log_probs"], kl_coef=0.05, kl_estimator="low_var_kl", entropy_coef=0.01,
+            rollout_is_weights=inputs["rollout_is_weights"],
+        )  # fmt: skip
+    truth, eager = _reference_runs(inputs, options, with_entropy)
+    with fastrl.use_backend(backend):
+        got = _run_policy(fastrl.policy_loss, inputs, options, with_entropy)
+    _check_against_reference(got, truth, eager, with_entropy, ("kl", "entropy") if with_entropy else ())
+
+
+ESTIMATORS = reference.KL_ESTIMATORS + tuple(name + "+" for name in reference.KL_ESTIMATORS)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("ratio_level", reference.RATIO_LEVELS)
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_policy_loss_in_float64_is_exact_for_every_estimator(device, backend, ratio_level, estimator):
+    """In float64 the kernels must agree with the reference to rounding: every
+    branch (clamps, clip sides, dual clip, tie rules) taken the same way. The
+    coefficients are exact in float32, which is how Triton passes Python floats."""
+    inputs = _float64(per_token_inputs((5, 33), device))
+    options = {
+        "clip_ratio_low": 0.25, "clip_ratio_high": 0.375, "clip_ratio_c": 2.5, "ratio_level": ratio_level,
+        "loss_agg_mode": "seq-mean-token-mean", "ref_log_probs": inputs["ref_log_probs"], "kl_coef": 0.75,
+        "kl_estimator": estimator, "entropy_coef": -0.125, "rollout_is_weights": inputs["rollout_is_weights"],
+    }  # fmt: skip
+    truth = _run_policy(reference.policy_loss, inputs, options, True)
+    with fastrl.use_backend(backend):
+        loss, metrics, grad_logp, grad_entropy = _run_policy(fastrl.policy_loss, inputs, options, True)
+    assert loss.dtype == torch.float64
+    assert_close_to_reference(loss, truth[0], 1e-10, what="loss")
+    for name, value in metrics.items():
+        assert_close_to_reference(value, truth[1][name], 1e-6, what=name)
+    assert_close_to_reference(grad_logp, truth[2], 1e-10, what="grad log_probs")
+    assert_close_to_reference(grad_entropy, truth[3], 1e-10, what="grad entropy")
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_policy_loss_gradcheck(device, backend):
+    """The kernels' own backward against finite differences (float64), away from
+    the clip boundaries where the loss has kinks. Token level only: GSPO's
+    sequence-level gradient is straight-through by design, not the derivative
+    of its forward value (the float64 test above covers it against the reference)."""
+    torch.manual_seed(0)
+    shape = (3, 9)
+    old = -torch.rand(shape, dtype=torch.float64, device=device) * 3
+    logp = (old + 0.01 * torch.randn(shape, dtype=torch.float64, device=device)).requires_grad_(True)
+    adv = torch.randn(shape, dtype=torch.float64, device=device)
+    mask = torch.rand(shape, device=device) > 0.2
+    ref = old + torch.randn(shape, dtype=torch.float64, device=device)
+    entropy = torch.rand(shape, dtype=torch.float64, device=device).requires_grad_(True)
+    with fastrl.use_backend(backend):
+        for mode in ("token-mean", "seq-mean-token-mean"):
+            fn = lambda x, e: fastrl.policy_loss(  # noqa: E731
+                x, old, adv, mask, ref_log_probs=ref, kl_coef=0.3, entropy=e, entropy_coef=0.2, loss_agg_mode=mode
+            )[0]  # fmt: skip
+            assert torch.autograd.gradcheck(fn, (logp, entropy))
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_all_zero_mask_gives_zero_loss_metrics_and_gradient(device, backend):
+    inputs = per_token_inputs((4, 16), device)
+    inputs["response_mask"] = torch.zeros(4, 16, dtype=torch.bool, device=device)
+    with fastrl.use_backend(backend):
+        for mode in reference.AGG_MODES:
+            got = _run_policy(
+                fastrl.policy_loss, inputs,
+                {"loss_agg_mode": mode, "ref_log_probs": inputs["ref_log_probs"], "kl_coef": 0.1, "entropy_coef": 0.1,
+                 "clip_ratio_c": 3.0},
+                True,
+            )  # fmt: skip
+            loss, metrics, grad_logp, grad_entropy = got
+            assert float(loss.detach()) == 0.0
+            assert all(float(v) == 0.0 for v in metrics.values()), metrics
+            assert torch.equal(grad_logp, torch.zeros_like(grad_logp))
+            assert torch.equal(grad_entropy, torch.zeros_like(grad_entropy))
+            assert float(fastrl.agg_loss(inputs["entropy"], inputs["response_mask"], mode)) == 0.0
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_empty_and_one_dimensional_inputs(device, backend):
+    with fastrl.use_backend(backend):
+        empty = torch.zeros(0, 5, device=device)
+        loss, metrics = fastrl.policy_loss(empty, empty, empty, empty.bool())
+        assert float(loss) == 0.0 and all(float(v) == 0.0 for v in metrics.values())
+        inputs = per_token_inputs((1, 40), device)
+        flat = {k: v[0] for k, v in inputs.items()}
+        options = {"loss_agg_mode": "seq-mean-token-mean", "ratio_level": "sequence"}
+        got = _run_policy(fastrl.policy_loss, flat, options, False)
+    truth, eager = _reference_runs(inputs, options, False)
+    assert_as_accurate_as_eager(got[0], truth[0], eager[0], what="loss of a 1-D sequence")
+
+
+AGG_OPTIONS = [
+    {},
+    {"dp_size": 4, "batch_num_tokens": 777, "global_batch_size": 31},
+    {"batch_num_tokens": torch.tensor(123.0), "global_batch_size": torch.tensor(9), "loss_scale_factor": 64},
+]
+
+
+@pytest.mark.parametrize("options", AGG_OPTIONS, ids=["local", "global-counts", "tensor-counts"])
+@pytest.mark.parametrize("loss_agg_mode", reference.AGG_MODES)
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_agg_loss_matches_reference(device, backend, loss_agg_mode, options):
+    inputs = per_token_inputs((7, 45), device)
+    values = torch.randn(7, 45, dtype=torch.float64).to(device)
+    values[~inputs["response_mask"]] = math.nan
+    mask = inputs["response_mask"].to(torch.float32)  # a 0/1 float mask, as veRL passes
+
+    def run(fn, v):
+        x = v.clone().requires_grad_(True)
+        out = fn(x, mask, loss_agg_mode, **options)
+        out.backward()
+        return out, x.grad
+
+    truth = run(reference.agg_loss, values)
+    eager = run(reference.agg_loss, values.float())
+    with fastrl.use_backend(backend):
+        got = run(fastrl.agg_loss, values.float())
+    assert got[0].shape == () and got[0].dtype == torch.float32
+    assert_as_accurate_as_eager(got[0], truth[0], eager[0], what="agg_loss")
+    assert_as_accurate_as_eager(got[1], truth[1], eager[1], what="grad")
+
+
+@pytest.mark.parametrize("clip_min", [None, 0.6])
+@pytest.mark.parametrize("mode", reference.CORRECTION_MODES)
+@pytest.mark.parametrize("level", reference.RATIO_LEVELS)
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_rollout_correction_matches_reference(device, backend, level, mode, clip_min):
+    inputs = per_token_inputs((6, 50), device)
+    old = inputs["log_probs"]
+    # Rollout log-probs near the trainer's (a few per cent off per token), a few far off.
+    rollout = inputs["log_probs"] + 0.05 * torch.randn(6, 50, device=device)
+    rollout[:, ::17] -= 3.0
+    mask = inputs["response_mask"]
+    rollout[~mask] = math.nan
+    truth_w, truth_m = reference.rollout_correction(
+        old.double(), rollout.double(), mask, level=level, mode=mode, clip_min=clip_min
+    )
+    with fastrl.use_backend(backend):
+        weights, metrics = fastrl.rollout_correction(old, rollout, mask, level=level, mode=mode, clip_min=clip_min)
+    assert weights.dtype == torch.float32 and weights.shape == old.shape and not weights.requires_grad
+    assert bool((weights[~mask] == 0).all())
+    assert_close_to_reference(weights, truth_w, 1e-5, what="weights")
+    assert set(metrics) == set(truth_m)
+    for name, value in metrics.items():
+        assert value.shape == () and value.dtype == torch.float32
+        assert_close_to_reference(value, truth_m[name], 1e-5, what=name)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_policy_loss_from_logits_matches_reference(device, backend, with_entropy):
+    shape, vocab = (3, 11), 4097
+    inputs = per_token_inputs(shape, device)
+    logits = make_logits(shape, vocab, torch.bfloat16, std=2.0, device=device)
+    labels = make_labels(logits, ignore_frac=0.0)
+    options = {
+        "temperature": 0.7, "ref_log_probs": inputs["ref_log_probs"], "kl_coef": 0.1, "clip_ratio_c": 3.0,
+        "loss_agg_mode": "seq-mean-token-sum-norm", "entropy_coef": 0.02 if with_entropy else 0.0,
+    }  # fmt: skip
+    args = (labels, inputs["old_log_probs"], inputs["advantages"], inputs["response_mask"])
+
+    def run(fn, x):
+        x = x.clone().requires_grad_(True)
+        loss, metrics = fn(x, *args, **options)
+        loss.backward()
+        return loss, metrics, x.grad
+
+    truth = run(reference.policy_loss_from_logits, logits.double())
+    with fastrl.use_backend(backend):
+        loss, metrics, grad = run(fastrl.policy_loss_from_logits, logits)
+        in_place = logits.clone().requires_grad_(True)
+        loss_ip, _ = fastrl.policy_loss_from_logits(in_place, *args, inplace_backward=True, **options)
+        loss_ip.backward()
+    assert ("entropy" in metrics) == with_entropy
+    assert_close_to_reference(loss, truth[0], 1e-4, what="loss")
+    for name, value in metrics.items():
+        assert_close_to_reference(value, truth[1][name], 1e-4, what=name)
+    assert grad.dtype == torch.bfloat16
+    scale = float(truth[2].abs().max())
+    assert_close_to_reference(grad, truth[2], 2.0**-7, atol=2.0**-7 * scale, what="grad logits")
+    assert torch.equal(in_place.grad, grad), "inplace_backward must give the same gradient"
+
+
+def _bad_policy_calls(device):
+    x = torch.zeros(2, 3, device=device)
+    mask = torch.ones(2, 3, dtype=torch.bool, device=device)
+
+    def call(**kw):
+        args = {"log_probs": x, "old_log_probs": x, "advantages": x, "response_mask": mask}
+        args.update(kw)
+        return lambda: fastrl.policy_loss(**args)
+
+    return [
+        (call(log_probs=x.long()), TypeError, "log_probs must have a floating dtype"),
+        (call(old_log_probs=x[:, :2]), ValueError, "old_log_probs must have the shape"),
+        (call(advantages=[0.0]), TypeError, "advantages must be a torch.Tensor"),
+        (call(response_mask=torch.full((2, 3), 2.0, device=device)), ValueError, "response_mask must be bool or hold"),
+        (call(response_mask=mask[:1]), ValueError, "response_mask must have the shape"),
+        (call(clip_ratio_low=-0.1), ValueError, "clip_ratio_low must be non-negative"),
+        (call(clip_ratio_high=-1), ValueError, "clip_ratio_high must be non-negative"),
+        (call(clip_ratio_c=1.0), ValueError, "clip_ratio_c must be > 1"),
+        (call(clip_ratio_c="3"), TypeError, "clip_ratio_c must be a float"),
+        (call(ratio_level="seq"), ValueError, "ratio_level must be one of 'token', 'sequence'"),
+        (call(loss_agg_mode="mean"), ValueError, "loss_agg_mode must be one of 'token-mean'"),
+        (call(ref_log_probs=x, kl_estimator="k4"), ValueError, "kl_estimator must be one of 'kl'"),
+        (call(kl_coef=0.1), ValueError, "kl_coef is nonzero but ref_log_probs is None"),
+        (call(entropy_coef=0.1), ValueError, "entropy_coef is nonzero but entropy is None"),
+        (call(dp_size=0), ValueError, "dp_size must be >= 1"),
+        (call(dp_size=2), ValueError, "batch_num_tokens .* is required when dp_size > 1"),
+        (call(dp_size=2, loss_agg_mode="seq-mean-token-mean"), ValueError, "global_batch_size .* is required"),
+        (call(batch_num_tokens=-1), ValueError, "batch_num_tokens must be non-negative"),
+        (call(loss_scale_factor=0), ValueError, "loss_scale_factor must be positive"),
+        (lambda: fastrl.agg_loss(x, mask, "seq-mean"), ValueError, "loss_agg_mode must be one of"),
+        (lambda: fastrl.rollout_correction(x, x, mask, level="tok"), ValueError, "level must be one of"),
+        (lambda: fastrl.rollout_correction(x, x, mask, mode="clip"), ValueError, "mode must be one of 'truncate', 'mask'"),
+        (lambda: fastrl.rollout_correction(x, x, mask, clip_max=0.0), ValueError, "clip_max must be positive"),
+        (lambda: fastrl.rollout_correction(x, x, mask, clip_min=3.0), ValueError, r"clip_min must be in \[0, clip_max"),
+        (lambda: fastrl.policy_loss_from_logits(x.unsqueeze(-1), x.long(), x, x, mask, entropy=x), TypeError,
+         "computes the entropy from the logits"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_bad_input_raises_naming_the_argument(device, backend):
+    with fastrl.use_backend(backend):
+        for call, error, match in _bad_policy_calls(device):
+            with pytest.raises(error, match=match):
+                call()
+
+
+def test_metrics_and_loss_need_no_host_sync_on_the_cpu_path_either():
+    """Every output is a tensor on the inputs' device (no .item() inside)."""
+    inputs = per_token_inputs((3, 8))
+    loss, metrics = fastrl.policy_loss(
+        inputs["log_probs"], inputs["old_log_probs"], inputs["advantages"], inputs["response_mask"],
+        ref_log_probs=inputs["ref_log_probs"],
+    )  # fmt: skip
+    assert all(isinstance(v, torch.Tensor) and v.device == loss.device for v in metrics.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_policy_loss_under_cuda_graph_capture():
+    inputs = per_token_inputs((8, 256), "cuda")
+    logp = inputs["log_probs"].clone().requires_grad_(True)
+    args = (inputs["old_log_probs"], inputs["advantages"], inputs["response_mask"])
+    kwargs = {"ref_log_probs": inputs["ref_log_probs"], "kl_coef": 0.1, "clip_ratio_c": 3.0}
+    expected, _ = fastrl.policy_loss(logp, *args, **kwargs)
+    expected.backward()
+    expected_grad = logp.grad.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles) outside the capture
+        for _ in itertools.repeat(None, 2):
+            logp.grad = None
+            fastrl.policy_loss(logp, *args, **kwargs)[0].backward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    logp.grad = None
+    with torch.cuda.graph(graph):
+        loss, metrics = fastrl.policy_loss(logp, *args, **kwargs)
+        loss.backward()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(loss, expected)
+    assert torch.equal(logp.grad, expected_grad)
