@@ -5,6 +5,8 @@ PYTHON ?= python3
 # The torch we test with; installed only when torch is missing, because a bare
 # `torch` requirement pulls several GB of CUDA packages.
 TORCH_VERSION ?= 2.13.0
+# The veRL release the parity tests compare against (its loss functions only).
+VERL_VERSION ?= 0.9.0
 
 .PHONY: setup bench bench-quick test clean
 
@@ -15,7 +17,8 @@ BUILD_REQUIREMENTS = "setuptools>=64" wheel "pybind11>=2.10" "cmake>=3.18" ninja
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
 	$(PYTHON) -m pip install $(BUILD_REQUIREMENTS)
-	$(PYTHON) -m pip install --no-build-isolation -e ".[test,bench]"
+	$(PYTHON) -m pip install --no-build-isolation -e ".[test,bench,verl]"
+	$(PYTHON) -m pip install --no-deps "verl==$(VERL_VERSION)"
 
 bench: setup
 	$(PYTHON) -m fastrl.bench

@@ -1,0 +1,190 @@
+"""fastrl against veRL's own functions on the same inputs (veRL 0.9, installed by
+``make setup``; the tests skip, saying why, when it is absent). Inputs are fp32
+and finite everywhere (veRL multiplies NaN padding into its gradients), and
+the comparison is at 1e-5 relative: veRL adds 1e-8 to some denominators."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import backend_params
+
+import fastrl
+from fastrl import reference
+
+os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")  # no plugin scan at import
+core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="veRL is not installed (make setup installs it)")
+rollout_corr_helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
+verl_F = pytest.importorskip("verl.utils.torch_functional")
+ActorConfig = pytest.importorskip("verl.workers.config").ActorConfig
+
+BACKENDS = backend_params()
+RTOL = 1e-5
+
+
+def _config(global_batch_info=None, clip_ratio_c=3.0, loss_agg_mode="token-mean"):
+    return ActorConfig(
+        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2, clip_ratio_low=0.2,
+        clip_ratio_high=0.28, clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
+        global_batch_info=dict(global_batch_info or {}),
+    )  # fmt: skip
+
+
+def _inputs(shape=(6, 40)):
+    n_rows, length = shape
+    logp = -torch.rand(shape) * 5
+    old = logp + torch.randn(shape) * torch.tensor([0.01, 0.1, 0.5, 1.0, 3.0, 25.0])[torch.arange(n_rows) % 6, None]
+    adv = torch.randn(n_rows, 1) + 0.2 * torch.randn(shape)
+    adv[:, ::7] = 0.0
+    lengths = torch.randint(1, length + 1, (n_rows,))
+    mask = (torch.arange(length)[None] < lengths[:, None]).float()
+    mask[2] = 0.0  # a fully masked sequence
+    return {
+        "log_probs": logp, "old_log_probs": old, "advantages": adv, "response_mask": mask,
+        "ref_log_probs": logp + 0.3 * torch.randn(shape), "entropy": torch.rand(shape) * 3,
+        "rollout_is_weights": torch.rand(shape) * 2,
+    }  # fmt: skip
+
+
+def _close(actual, expected, what):
+    a, e = torch.as_tensor(actual).double(), torch.as_tensor(expected).double()
+    assert torch.allclose(a, e, rtol=RTOL, atol=RTOL), f"{what}: fastrl {a} vs veRL {e}"
+
+
+def _grad(loss, x):
+    return torch.autograd.grad(loss, x)[0]
+
+
+GLOBAL_INFO = [{}, {"dp_size": 2, "batch_num_tokens": 150, "global_batch_size": 9, "loss_scale_factor": 32}]
+
+
+@pytest.mark.parametrize("global_info", GLOBAL_INFO, ids=["local", "global"])
+@pytest.mark.parametrize("loss_agg_mode", reference.AGG_MODES)
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_vanilla_policy_loss_with_kl_and_entropy_matches_verl_actor(device, backend, loss_agg_mode, global_info):
+    """veRL's actor loss (workers/utils/losses.py): vanilla PPO loss with dual clip
+    and rollout weights, minus entropy_coeff * agg(entropy), plus kl_loss_coef *
+    agg(kl_penalty), all through veRL's registry; loss, gradient and metrics."""
+    inputs = {k: v.to(device) for k, v in _inputs().items()}
+    mask, ref, entropy, weights = (inputs[k] for k in ("response_mask", "ref_log_probs", "entropy", "rollout_is_weights"))
+    config = _config(global_info, loss_agg_mode=loss_agg_mode)
+    x = inputs["log_probs"].clone().requires_grad_(True)
+    policy_fn = core_algos.get_policy_loss_fn("vanilla")
+    pg_loss, verl_metrics = policy_fn(
+        inputs["old_log_probs"], x, inputs["advantages"], mask.bool(), loss_agg_mode, config, rollout_is_weights=weights
+    )
+    verl_agg = lambda values: core_algos.agg_loss(values, mask.bool(), loss_agg_mode, **config.global_batch_info)  # noqa: E731
+    verl_entropy = verl_agg(entropy)
+    verl_kl = verl_agg(core_algos.kl_penalty(x, ref, "low_var_kl"))
+    verl_loss = pg_loss - 0.01 * verl_entropy + 0.1 * verl_kl
+
+    y = inputs["log_probs"].clone().requires_grad_(True)
+    with fastrl.use_backend(backend):
+        loss, metrics = fastrl.policy_loss(
+            y, inputs["old_log_probs"], inputs["advantages"], mask, clip_ratio_low=0.2, clip_ratio_high=0.28,
+            clip_ratio_c=3.0, loss_agg_mode=loss_agg_mode, rollout_is_weights=weights, ref_log_probs=ref,
+            kl_coef=0.1, entropy=entropy, entropy_coef=0.01, **global_info,
+        )  # fmt: skip
+    _close(loss, verl_loss, "loss")
+    _close(_grad(loss, y), _grad(verl_loss, x), "grad log_probs")
+    _close(metrics["pg_loss"], pg_loss, "pg_loss")
+    _close(metrics["kl"], verl_kl, "kl")
+    _close(metrics["entropy"], verl_entropy, "entropy")
+    for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
+        _close(metrics[name], verl_metrics[f"actor/{name}"], name)
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_gspo_matches_verl(device, backend):
+    inputs = {k: v.to(device) for k, v in _inputs().items()}
+    mask = inputs["response_mask"]
+    config = _config({"global_batch_size": 7}, loss_agg_mode="seq-mean-token-mean")
+    x = inputs["log_probs"].clone().requires_grad_(True)
+    verl_loss, verl_metrics = core_algos.get_policy_loss_fn("gspo")(
+        inputs["old_log_probs"], x, inputs["advantages"], mask.bool(), "seq-mean-token-mean", config,
+        rollout_is_weights=inputs["rollout_is_weights"],
+    )  # fmt: skip
+    y = inputs["log_probs"].clone().requires_grad_(True)
+    with fastrl.use_backend(backend):
+        loss, metrics = fastrl.policy_loss(
+            y, inputs["old_log_probs"], inputs["advantages"], mask, clip_ratio_low=0.2, clip_ratio_high=0.28,
+            ratio_level="sequence", loss_agg_mode="seq-mean-token-mean", global_batch_size=7,
+            rollout_is_weights=inputs["rollout_is_weights"],
+        )  # fmt: skip
+    _close(loss, verl_loss, "loss")
+    _close(_grad(loss, y), _grad(verl_loss, x), "grad log_probs")
+    for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
+        _close(metrics[name], verl_metrics[f"actor/{name}"], name)
+
+
+@pytest.mark.parametrize("estimator", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "abs+", "k3+", "low_var_kl+"])
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_kl_penalty_matches_verl(device, backend, estimator):
+    inputs = _inputs()
+    logp = inputs["log_probs"].to(device)
+    ref = (logp + torch.randn(logp.shape, device=device) * 10).clamp(max=0)  # past k3's clamps too
+    x = logp.clone().requires_grad_(True)
+    y = logp.clone().requires_grad_(True)
+    expected = core_algos.kl_penalty(x, ref, estimator)
+    with fastrl.use_backend(backend):
+        got = fastrl.kl_penalty(y, ref, estimator)
+    _close(got, expected, estimator)
+    weights = torch.randn(logp.shape, device=device)
+    _close(_grad((got * weights).sum(), y), _grad((expected * weights).sum(), x), f"grad {estimator}")
+
+
+@pytest.mark.parametrize("global_info", GLOBAL_INFO, ids=["local", "global"])
+@pytest.mark.parametrize("loss_agg_mode", reference.AGG_MODES)
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_agg_loss_matches_verl(device, backend, loss_agg_mode, global_info):
+    inputs = _inputs()
+    values, mask = torch.randn(6, 40, device=device), inputs["response_mask"].to(device)
+    with fastrl.use_backend(backend):
+        got = fastrl.agg_loss(values, mask, loss_agg_mode, **global_info)
+    _close(got, core_algos.agg_loss(values, mask, loss_agg_mode, **global_info), loss_agg_mode)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_truncated_rollout_correction_matches_verl(device, backend, level):
+    inputs = _inputs()
+    old, mask = inputs["log_probs"].to(device), inputs["response_mask"].to(device)
+    rollout = old + 0.3 * torch.randn(old.shape, device=device)
+    if level == "sequence":
+        rollout = old + 0.02 * torch.randn(old.shape, device=device)  # sequence sums stay inside +-20
+    verl_w, verl_metrics = rollout_corr_helper.compute_rollout_correction_weights(
+        old - rollout, mask, rollout_is=level, rollout_is_threshold=2.0
+    )
+    with fastrl.use_backend(backend):
+        weights, metrics = fastrl.rollout_correction(old, rollout, mask, level=level, clip_max=2.0)
+    _close(weights, verl_w, "weights")
+    _close(metrics["rollout_is_mean"], verl_metrics["rollout_is_mean"], "rollout_is_mean")
+    _close(metrics["rollout_is_std"], verl_metrics["rollout_is_std"], "rollout_is_std")
+    if level == "token":  # veRL's sequence-level extremes and fractions are per sequence
+        for name in ("rollout_is_max", "rollout_is_min", "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low"):
+            _close(metrics[name], verl_metrics[name], name)
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_icepop_rollout_correction_matches_verl(device, backend):
+    inputs = _inputs()
+    old, mask = inputs["log_probs"].to(device), inputs["response_mask"].to(device)
+    rollout = old + 0.5 * torch.randn(old.shape, device=device)
+    verl_w, verl_metrics = rollout_corr_helper.compute_rollout_correction_weights(
+        old - rollout, mask, rollout_is="token", rollout_is_threshold="0.5_2.0"
+    )
+    with fastrl.use_backend(backend):
+        weights, metrics = fastrl.rollout_correction(old, rollout, mask, mode="mask", clip_min=0.5, clip_max=2.0)
+    _close(weights, verl_w, "weights")
+    _close(metrics["rollout_is_masked_fraction"], verl_metrics["rollout_is_oob_ratio"], "masked fraction")
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_logprobs_and_entropy_match_verl(device, backend):
+    logits = torch.randn(3, 17, 1000, device=device) * 3
+    labels = torch.randint(1000, (3, 17), device=device)
+    with fastrl.use_backend(backend):
+        _close(fastrl.logprobs_from_logits(logits, labels), verl_F.logprobs_from_logits(logits, labels), "logprobs")
+        _close(fastrl.entropy_from_logits(logits), verl_F.entropy_from_logits(logits), "entropy")
