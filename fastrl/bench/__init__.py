@@ -211,3 +211,38 @@ def write_json(path: Path, env: dict, copy_gbps: float, rows: list[dict]) -> Non
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {**env, "copy_bandwidth_gbps": copy_gbps, "rows": rows}
     path.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+
+def _pytest_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pytest_params(family) -> list:
+    """One pytest-benchmark parameter per (case, implementation) of an op family
+    module (``fastrl.bench.logprobs``, ...), for bench/bench_*.py: quick shapes
+    unless FASTRL_BENCH_FULL=1."""
+    import pytest
+
+    quick = os.environ.get("FASTRL_BENCH_FULL", "0") in ("", "0")
+    return [
+        pytest.param(case, impl, id=f"{case.op}-{'x'.join(map(str, case.shape))}-{str(case.dtype)[6:]}-{impl.name}")
+        for case in family.cases(_pytest_device(), quick=quick)
+        for impl in case.impls
+    ]
+
+
+def pytest_benchmark_run(benchmark, case: Case, impl: Impl) -> None:
+    """Times one implementation of one case under pytest-benchmark (skipped, with
+    the reason, when the peer cannot run here)."""
+    import pytest
+
+    if impl.unavailable is not None:
+        pytest.skip(impl.unavailable)
+    device = _pytest_device()
+    fn = impl.make(case.make_inputs(device))
+    benchmark.extra_info.update(min_bytes=case.min_bytes, bytes_formula=case.bytes_formula)
+    if device.type == "cuda":
+        benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=20, warmup_rounds=2)
+    else:
+        benchmark.pedantic(fn, rounds=5, warmup_rounds=1)

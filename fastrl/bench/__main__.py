@@ -16,9 +16,10 @@ import torch
 
 from . import copy_bandwidth, device_slug, environment, format_table, run_cases, write_json
 from . import logprobs as logprobs_cases
+from . import policy as policy_cases
 from . import sampling as sampling_cases
 
-OPS = {"logprobs": logprobs_cases, "sampling": sampling_cases}
+OPS = {"logprobs": logprobs_cases, "policy": policy_cases, "sampling": sampling_cases}
 MAX_REFERENCE_ERROR = 1e-4
 
 
