@@ -20,13 +20,17 @@ setup:
 	$(PYTHON) -m pip install --no-build-isolation -e ".[test,bench,verl]"
 	$(PYTHON) -m pip install --no-deps "verl==$(VERL_VERSION)"
 
+# The main job: every op against every peer on this machine; writes
+# bench/results/<device>.json and its plots, then regenerates the README's
+# performance section from the results files.
 bench: setup
-	$(PYTHON) -m fastrl.bench
+	$(PYTHON) -m fastrl.bench --plot bench/results/plots
+	$(PYTHON) -m fastrl.bench.report
 
 # CI: small shapes; fails if a result is off the reference or fastrl is slower
 # than the torch reference measured in the same run.
 bench-quick: setup
-	$(PYTHON) -m fastrl.bench --quick --check-speed 1.0 --json build/bench-quick.json
+	$(PYTHON) -m fastrl.bench --quick --check-speed 1.0 --json build/bench-quick.json --plot build/bench-quick-plots
 
 test: setup
 	$(PYTHON) -m pytest

@@ -9,8 +9,11 @@ Op families describe their cases in sibling modules (``fastrl.bench.logprobs``).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -44,7 +47,8 @@ class Case:
     min_bytes: int
     make_inputs: Callable[[torch.device], dict]
     impls: list[Impl]
-    check: Callable[[dict], float] | None = None  # max error of fastrl vs the reference
+    check: Callable[[dict], float]  # largest error of fastrl's result against the float64 reference
+    sweep: bool = False  # a point of a size sweep (plotted; not in the README table or the speed check)
 
 
 @dataclasses.dataclass
@@ -53,6 +57,44 @@ class Timing:
     p20_s: float
     p80_s: float
     peak_extra_bytes: int | None
+
+
+def import_peer(module: str):
+    """(the module, None), or (None, why) when a peer is not importable here."""
+    try:
+        return importlib.import_module(module), None
+    except Exception as exc:  # noqa: BLE001 - any import failure means the peer is absent here
+        return None, f"not installed ({module}: {type(exc).__name__})"
+
+
+def no_grad_step(run: Callable[[dict], object]) -> Callable[[dict], Callable[[], object]]:
+    """An Impl.make that times ``run(inputs)`` under torch.no_grad."""
+
+    def make(inputs):
+        def step():
+            with torch.no_grad():
+                return run(inputs)
+
+        return step
+
+    return make
+
+
+def grad_step(run: Callable[[torch.Tensor, dict], object], wrt: str) -> Callable[[dict], Callable[[], object]]:
+    """An Impl.make that times forward + backward: the gradient w.r.t.
+    ``inputs[wrt]`` of the sum of what ``run(x, inputs)`` returns (a tensor or a tuple)."""
+
+    def make(inputs):
+        x = inputs[wrt].detach().requires_grad_(True)
+
+        def step():
+            out = run(x, inputs)
+            outs = out if isinstance(out, tuple) else (out,)
+            return torch.autograd.grad(sum(o.sum() for o in outs), x)
+
+        return step
+
+    return make
 
 
 def device_name(device: torch.device) -> str:
@@ -77,18 +119,57 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_fn(fn: Callable[[], object], device: torch.device, *, reps: int, warmup: int = 2) -> Timing:
-    """Median and p20 / p80 over ``reps`` runs after ``warmup``: CUDA events on
-    GPU, perf_counter on CPU. Peak extra memory is measured on GPU only."""
-    for _ in range(warmup):
-        fn()
+class _PeakMemory:
+    """Peak memory a run adds above what was allocated when it started: the CUDA
+    caching allocator's peak on GPU; on Linux CPUs the process's peak resident
+    set (VmHWM), reset through /proc/self/clear_refs; None where neither exists."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.base: int | None = None
+
+    @staticmethod
+    def _proc_status(field: str) -> int | None:
+        try:
+            match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+        except OSError:
+            return None
+        return int(match.group(1)) * 1024 if match else None
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            return
+        try:
+            # Hand memory freed by earlier runs back to the OS first: a run that
+            # reuses it would not raise the resident set, and would look free.
+            ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        except (OSError, AttributeError, TypeError):
+            return
+        self.base = self._proc_status("VmRSS")
+
+    def extra_bytes(self) -> int | None:
+        if self.base is None:
+            return None
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) - self.base
+        peak = self._proc_status("VmHWM")
+        return None if peak is None else max(peak - self.base, 0)
+
+
+def time_fn(fns: list[Callable[[], object]], device: torch.device, *, reps: int, warmup: int = 2) -> Timing:
+    """Median and p20 / p80 over ``reps`` runs after ``warmup``, cycling through
+    ``fns`` (the same op on different copies of its inputs, so that a GPU run
+    does not find them in L2): CUDA events on GPU, perf_counter on CPU; and the
+    peak extra memory of one further run."""
+    for i in range(warmup):
+        fns[i % len(fns)]()
     _sync(device)
-    peak = None
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
     times = []
-    for _ in range(reps):
+    for i in range(reps):
+        fn = fns[i % len(fns)]
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -100,10 +181,30 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, reps: int, warmup
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) - base
+    # Memory is measured on one more run, untimed: returning freed pages to the
+    # OS first (CPU) would otherwise add page faults to the timed runs.
+    memory = _PeakMemory(device)
+    memory.start()
+    fns[0]()
+    _sync(device)
     q = statistics.quantiles(times, n=5) if len(times) >= 2 else [times[0]] * 4
-    return Timing(statistics.median(times), q[0], q[3], peak)
+    return Timing(statistics.median(times), q[0], q[3], memory.extra_bytes())
+
+
+def _input_bytes(inputs: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in inputs.values() if isinstance(t, torch.Tensor))
+
+
+def input_copies(make_inputs: Callable[[torch.device], dict], device: torch.device) -> list[dict]:
+    """The case's inputs, and on GPU enough further copies that cycling through
+    them moves at least twice the L2 cache between two uses of one copy (at most 16)."""
+    first = make_inputs(device)
+    if device.type != "cuda":
+        return [first]
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    copies = min(16, -(-2 * l2 // max(_input_bytes(first), 1)))
+    clone = lambda v: v.clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    return [first] + [{k: clone(v) for k, v in first.items()} for _ in range(copies - 1)]
 
 
 def copy_bandwidth(device: torch.device, nbytes: int | None = None, reps: int = 10) -> float:
@@ -111,7 +212,7 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, reps: int = 
     nbytes = nbytes or (1 << 30 if device.type == "cuda" else 1 << 28)
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    t = time_fn(lambda: dst.copy_(src), device, reps=reps)
+    t = time_fn([lambda: dst.copy_(src)], device, reps=reps)
     return 2 * nbytes / t.median_s
 
 
@@ -151,22 +252,24 @@ def run_cases(cases: list[Case], device: torch.device, *, reps: int, progress=No
     """Times every implementation of every case; rows in the order measured."""
     rows = []
     for case in cases:
-        inputs = case.make_inputs(device)
-        max_err = case.check(inputs) if case.check else None
+        copies = input_copies(case.make_inputs, device)
+        max_err = case.check(copies[0])
         fastrl_time = None
         for impl in case.impls:
             row = {
                 "op": case.op, "shape": list(case.shape), "dtype": str(case.dtype).replace("torch.", ""),
                 "impl": impl.name, "min_bytes": case.min_bytes, "bytes_formula": case.bytes_formula,
+                "sweep": case.sweep,
             }  # fmt: skip
             if impl.unavailable is not None:
                 row["unavailable"] = impl.unavailable
             else:
                 try:
-                    fn = impl.make(inputs)
-                    t = time_fn(fn, device, reps=reps)
-                except (RuntimeError, MemoryError) as exc:  # e.g. a peer running out of memory
-                    row["unavailable"] = f"failed: {str(exc).splitlines()[0][:120]}"
+                    t = time_fn([impl.make(inputs) for inputs in copies], device, reps=reps)
+                except Exception as exc:  # noqa: BLE001 - a peer that fails (out of memory, another API) is recorded
+                    if impl.name == "fastrl":
+                        raise
+                    row["unavailable"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                 else:
@@ -182,14 +285,17 @@ def run_cases(cases: list[Case], device: torch.device, *, reps: int, progress=No
             rows.append(row)
             if progress is not None:
                 progress()
-        del inputs
+        del copies
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
-def format_table(rows: list[dict], copy_gbps: float) -> str:
-    headers = ["op", "shape", "dtype", "impl", "median ms", "p20-p80 ms", "GB/s", "% copy BW", "fastrl x", "extra MiB", "note"]
+TABLE_HEADERS = ["op", "shape", "dtype", "impl", "median ms", "p20-p80 ms", "GB/s", "% copy BW", "fastrl x", "extra MiB", "note"]
+
+
+def table_cells(rows: list[dict], copy_gbps: float) -> list[list[str]]:
+    """One list of cells (TABLE_HEADERS) per measured or unavailable row."""
     lines = []
     for r in rows:
         cells = [r["op"], "x".join(map(str, r["shape"])), r["dtype"], r["impl"]]
@@ -202,15 +308,42 @@ def format_table(rows: list[dict], copy_gbps: float) -> str:
             f"{100 * r['gbps'] / copy_gbps:.1f}%", f"{r['fastrl_speedup']:.2f}x" if "fastrl_speedup" in r else "",
             f"{extra / 2**20:.0f}" if extra is not None else "", "",
         ])  # fmt: skip
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(headers)]
+    return lines
+
+
+def format_table(rows: list[dict], copy_gbps: float) -> str:
+    """The results as a plain-text table."""
+    lines = table_cells(rows, copy_gbps)
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(TABLE_HEADERS)]
     fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([fmt(headers), fmt(["-" * w for w in widths]), *(fmt(line) for line in lines)])
+    return "\n".join([fmt(TABLE_HEADERS), fmt(["-" * w for w in widths]), *(fmt(line) for line in lines)])
 
 
-def write_json(path: Path, env: dict, copy_gbps: float, rows: list[dict]) -> None:
+def print_table(rows: list[dict], copy_gbps: float) -> None:
+    """Prints the results with rich when it is installed (and stdout is a
+    terminal), as plain text otherwise."""
+    try:
+        import rich.console
+        import rich.table
+    except ImportError:
+        print(format_table(rows, copy_gbps))
+        return
+    console = rich.console.Console()
+    if not console.is_terminal:
+        print(format_table(rows, copy_gbps))
+        return
+    table = rich.table.Table(*TABLE_HEADERS, title=f"fastrl bench (copy bandwidth {copy_gbps:.1f} GB/s)")
+    for cells, row in zip(table_cells(rows, copy_gbps), rows):
+        table.add_row(*cells, style="bold" if row["impl"] == "fastrl" else ("dim" if "unavailable" in row else None))
+    console.print(table)
+
+
+def write_json(path: Path, env: dict, copy_gbps: float, rows: list[dict]) -> dict:
+    """Writes the results file and returns what it holds."""
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {**env, "copy_bandwidth_gbps": copy_gbps, "rows": rows}
     path.write_text(json.dumps(payload, indent=1) + "\n")
+    return payload
 
 
 

@@ -8,7 +8,6 @@ Minimum traffic per case (N rows, V vocabulary, e bytes per logit, l per label):
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import torch
@@ -16,7 +15,7 @@ import torch
 import fastrl
 from fastrl import reference
 
-from . import Case, Impl
+from . import Case, Impl, grad_step, import_peer, no_grad_step
 
 # (N, V, dtype). DESIGN.md's canonical GPU shapes; CPU shapes fit a 24 GB host
 # with room for the eager peers' fp32 temporaries.
@@ -26,41 +25,18 @@ QUICK_SHAPES = [(256, 32000, torch.float32), (32, 151936, torch.bfloat16)]
 
 MODES = ("logprobs fwd", "logprobs+entropy fwd", "logprobs+entropy fwd+bwd")
 
-
-def _import(module: str):
-    try:
-        return importlib.import_module(module), None
-    except Exception as exc:  # noqa: BLE001 - any import failure means the peer is absent here
-        return None, f"not installed ({module}: {type(exc).__name__})"
+# Sweeps (bf16): the vocabulary at n rows, and the rows at vocabulary v.
+GPU_SWEEP = {"n": 4096, "vocab": (32000, 65536, 128256, 151936, 262144), "v": 151936, "rows": (1, 64, 1024, 4096, 16384)}
+CPU_SWEEP = {"n": 256, "vocab": (32000, 65536, 151936, 262144), "v": 151936, "rows": (1, 16, 128, 512)}
+QUICK_SWEEP = {"n": 32, "vocab": (8192, 32000, 151936), "v": 32000, "rows": (1, 16, 128)}
 
 
-def _fwd_bwd(run: Callable[[torch.Tensor, torch.Tensor], tuple]) -> Callable[[dict], Callable[[], object]]:
-    """Times forward + backward of sum(logprob) + sum(entropy) w.r.t. the logits."""
-
-    def make(inputs):
-        x = inputs["logits"].detach().requires_grad_(True)
-        labels = inputs["labels"]
-
-        def step():
-            outs = run(x, labels)
-            return torch.autograd.grad(sum(o.sum() for o in outs), x)
-
-        return step
-
-    return make
-
-
-def _no_grad(run: Callable[[torch.Tensor, torch.Tensor], object]) -> Callable[[dict], Callable[[], object]]:
-    def make(inputs):
-        x, labels = inputs["logits"], inputs["labels"]
-
-        def step():
-            with torch.no_grad():
-                return run(x, labels)
-
-        return step
-
-    return make
+def _wrap(mode: str):
+    """How a case of ``mode`` times run(logits, labels): forward + backward of
+    sum(outputs) w.r.t. the logits, or the forward under no_grad."""
+    if mode.endswith("fwd+bwd"):
+        return lambda run: grad_step(lambda x, inputs: run(x, inputs["labels"]), "logits")
+    return lambda run: no_grad_step(lambda inputs: run(inputs["logits"], inputs["labels"]))
 
 
 def _fastrl(mode: str):
@@ -85,7 +61,7 @@ def _peers(mode: str, device: torch.device, quick: bool) -> list[tuple[str, Call
     else:
         peers.append(("torch.compile(reference)", torch.compile(_reference(mode), dynamic=False), None))
 
-    verl, why = _import("verl.utils.torch_functional")
+    verl, why = import_peer("verl.utils.torch_functional")
     if mode == "logprobs fwd":
         peers.append(("veRL logprobs_from_logits", verl and (lambda x, y: verl.logprobs_from_logits(x, y)), why))
     else:
@@ -94,7 +70,7 @@ def _peers(mode: str, device: torch.device, quick: bool) -> list[tuple[str, Call
             verl and (lambda x, y: (verl.logprobs_from_logits(x, y), verl.entropy_from_logits(x))), why,
         ))  # fmt: skip
 
-    trl, why = _import("trl.trainer.utils")
+    trl, why = import_peer("trl.trainer.utils")
     if mode == "logprobs fwd":
         peers.append(("TRL selective_log_softmax", trl and (lambda x, y: trl.selective_log_softmax(x, y)), why))
     else:
@@ -102,7 +78,7 @@ def _peers(mode: str, device: torch.device, quick: bool) -> list[tuple[str, Call
             "TRL selective_log_softmax + entropy_from_logits",
             trl and (lambda x, y: (trl.selective_log_softmax(x, y), trl.entropy_from_logits(x))), why,
         ))  # fmt: skip
-        trl_kernels, why = _import("trl.kernels")
+        trl_kernels, why = import_peer("trl.kernels")
         fused = getattr(trl_kernels, "selective_log_softmax_and_entropy", None) if trl_kernels else None
         peers.append((
             "TRL kernels.selective_log_softmax_and_entropy",
@@ -110,20 +86,20 @@ def _peers(mode: str, device: torch.device, quick: bool) -> list[tuple[str, Call
         ))  # fmt: skip
 
     if mode != "logprobs+entropy fwd":  # cross-entropy kernels return -logprob, no entropy
-        liger, why = _import("liger_kernel.transformers.cross_entropy")
+        liger, why = import_peer("liger_kernel.transformers.cross_entropy")
         if liger is not None:
             ce = liger.LigerCrossEntropyLoss(reduction="none")
             peers.append(("Liger cross_entropy (no entropy)", lambda x, y: (ce(x, y),), None))
         else:
             peers.append(("Liger cross_entropy (no entropy)", None, why))
-        flash, why = _import("flash_attn.ops.triton.cross_entropy")
+        flash, why = import_peer("flash_attn.ops.triton.cross_entropy")
         if device.type != "cuda":
             why = "GPU only"
         peers.append((
             "flash-attn cross_entropy (no entropy)",
             None if why else (lambda x, y: flash.cross_entropy_loss(x, y, inplace_backward=False)[:1]), why,
         ))  # fmt: skip
-        quack, why = _import("quack.cross_entropy")
+        quack, why = import_peer("quack.cross_entropy")
         if device.type != "cuda":
             why = "GPU only"
         peers.append(("quack cross_entropy (no entropy)", None if why else (lambda x, y: (quack.cross_entropy(x, y, reduction="none"),)), why))
@@ -157,13 +133,23 @@ def _make_inputs(n: int, v: int, dtype: torch.dtype):
 
 
 def _check(inputs: dict) -> float:
-    """Largest relative error of fastrl's log-probs and entropy against the
-    float64 reference on the first rows of the benchmark input."""
+    """Largest error of fastrl's log-probs and entropy (relative to 1 + |value|)
+    and of their gradient (relative to its largest element) against the float64
+    reference on the first rows of the benchmark input. The gradient is checked
+    on a float32 copy: in bf16 / fp16 its own rounding (2^-8) would hide any error."""
     x, y = inputs["logits"][:8], inputs["labels"][:8]
+    err = lambda a, b: float(((a.double() - b).abs() / (1 + b.abs())).max())  # noqa: E731
     lp, ent = fastrl.logprobs_and_entropy(x, y)
     ref_lp, ref_ent = reference.logprobs_and_entropy(x.double(), y)
-    err = lambda a, b: float(((a.double() - b).abs() / (1 + b.abs())).max())  # noqa: E731
-    return max(err(lp, ref_lp), err(ent, ref_ent))
+    weights = torch.linspace(-1.0, 1.0, x.shape[0], device=x.device)
+    grads = []
+    for module, logits in ((fastrl, x.float()), (reference, x.double())):
+        logits = logits.requires_grad_(True)
+        out_lp, out_ent = module.logprobs_and_entropy(logits, y)
+        ((out_lp + out_ent) * weights.to(out_lp.dtype)).sum().backward()
+        grads.append(logits.grad.double())
+    grad_err = float((grads[0] - grads[1]).abs().max() / grads[1].abs().max().clamp(min=1e-30))
+    return max(err(lp, ref_lp), err(ent, ref_ent), grad_err)
 
 
 def _native_cuda_impl(wrap, mode: str) -> Impl:
@@ -180,12 +166,16 @@ def _native_cuda_impl(wrap, mode: str) -> Impl:
 
 
 def cases(device: torch.device, *, quick: bool = False, shapes=None) -> list[Case]:
+    """The canonical shapes (or ``shapes``) in every mode, and with the canonical
+    shapes the sweeps of V and N."""
+    sweep = None
     if shapes is None:
         shapes = QUICK_SHAPES if quick else GPU_SHAPES if device.type == "cuda" else CPU_SHAPES
+        sweep = QUICK_SWEEP if quick else GPU_SWEEP if device.type == "cuda" else CPU_SWEEP
     out = []
     for n, v, dtype in shapes:
         for mode in MODES:
-            wrap = _fwd_bwd if mode.endswith("fwd+bwd") else _no_grad
+            wrap = _wrap(mode)
             impls = [Impl("fastrl", wrap(_fastrl(mode)))]
             if device.type == "cuda":  # the CUDA C++ kernel, against the default Triton one
                 impls.append(_native_cuda_impl(wrap, mode))
@@ -195,7 +185,25 @@ def cases(device: torch.device, *, quick: bool = False, shapes=None) -> list[Cas
                 Case(
                     op=mode, shape=(n, v), dtype=dtype, bytes_formula=BYTES_FORMULA[mode],
                     min_bytes=_min_bytes(mode, n, v, dtype), make_inputs=_make_inputs(n, v, dtype),
-                    impls=impls, check=_check if mode == "logprobs+entropy fwd" else None,
+                    impls=impls, check=_check,
                 )
             )  # fmt: skip
-    return out
+    return out + ([] if sweep is None else _sweep_cases(sweep))
+
+
+def _sweep_cases(sweep: dict) -> list[Case]:
+    """How the forward's time grows with the work: V at fixed N, then N at fixed
+    V, fastrl against the plain log_softmax + gather."""
+    eager = lambda x, y: torch.log_softmax(x.float(), -1).gather(-1, y[:, None])  # noqa: E731
+    wrap = _wrap("logprobs fwd")
+    sizes = [("logprobs fwd, sweep V", sweep["n"], v) for v in sweep["vocab"]]
+    sizes += [("logprobs fwd, sweep N", n, sweep["v"]) for n in sweep["rows"]]
+    return [
+        Case(
+            op=op, shape=(n, v), dtype=torch.bfloat16, bytes_formula=BYTES_FORMULA["logprobs fwd"],
+            min_bytes=_min_bytes("logprobs fwd", n, v, torch.bfloat16), make_inputs=_make_inputs(n, v, torch.bfloat16),
+            impls=[Impl("fastrl", wrap(_fastrl("logprobs fwd"))), Impl("torch eager log_softmax+gather", wrap(eager))],
+            check=_check, sweep=True,
+        )
+        for op, n, v in sizes
+    ]  # fmt: skip

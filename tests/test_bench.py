@@ -1,0 +1,73 @@
+"""The benchmark harness: its measurements, its families' cases, the plots, and
+the README performance section generated from the recorded results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastrl import bench
+from fastrl.bench import __main__ as bench_main
+from fastrl.bench import report
+from fastrl.bench.plots import write_plots
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = sorted((ROOT / "bench" / "results").glob("*.json"))
+
+
+def test_readme_performance_section_is_generated_from_the_recorded_results():
+    readme = (ROOT / "README.md").read_text()
+    assert readme == report.updated(readme, report.render(ROOT / "bench" / "results")), (
+        "README's performance section is out of date: run python -m fastrl.bench.report"
+    )
+
+
+@pytest.mark.parametrize("family", sorted(bench_main.OPS))
+def test_every_case_states_its_bytes_checks_its_result_and_times_fastrl(family):
+    for case in bench_main.OPS[family].cases(torch.device("cpu"), quick=True):
+        assert case.min_bytes > 0 and case.bytes_formula
+        assert callable(case.check)
+        assert case.impls[0].name == "fastrl" and case.impls[0].unavailable is None
+        assert all((impl.make is None) == (impl.unavailable is not None) for impl in case.impls), case.op
+
+
+def test_run_cases_times_fastrl_and_peers_and_lists_missing_ones():
+    x = torch.randn(64, 1000)
+    case = bench.Case(
+        op="toy", shape=(64, 1000), dtype=torch.float32, bytes_formula="N*V*4", min_bytes=x.numel() * 4,
+        make_inputs=lambda device: {"x": x.to(device)}, check=lambda inputs: 0.0,
+        impls=[
+            bench.Impl("fastrl", bench.no_grad_step(lambda inputs: inputs["x"].sum())),
+            bench.Impl("peer", bench.grad_step(lambda t, inputs: t.exp(), "x")),
+            bench.Impl("absent peer", None, "not installed (absent: ImportError)"),
+        ],
+    )  # fmt: skip
+    rows = bench.run_cases([case], torch.device("cpu"), reps=3)
+    ours, peer, absent = rows
+    assert ours["max_err_vs_reference"] == 0.0 and ours["median_ms"] > 0 and ours["gbps"] > 0
+    assert peer["fastrl_speedup"] == pytest.approx(peer["median_ms"] / ours["median_ms"])
+    assert absent["unavailable"].startswith("not installed")
+    assert "absent peer" in bench.format_table(rows, copy_gbps=10.0)
+
+
+def test_peak_extra_memory_is_measured_on_the_cpu():
+    memory = bench._PeakMemory(torch.device("cpu"))
+    memory.start()
+    if memory.base is None:
+        pytest.skip("no /proc/self/clear_refs here (not Linux)")
+    buffer = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
+    del buffer
+    assert memory.extra_bytes() >= 60 << 20
+
+
+@pytest.mark.parametrize("results", RESULTS, ids=[p.stem for p in RESULTS])
+def test_plots_are_written_for_every_op_of_a_results_file(results, tmp_path):
+    pytest.importorskip("matplotlib")
+    payload = json.loads(results.read_text())
+    paths = write_plots(payload, tmp_path)
+    ops = {r["op"] for r in payload["rows"] if "median_ms" in r}
+    assert len(paths) == len(ops)
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
