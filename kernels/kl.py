@@ -41,8 +41,8 @@ from .logprobs import _acc_dtypes, _launch_config, _row_inv_temperature, _temper
 from .reduce import rebase
 
 # veRL's clamps of the k3 estimator: its log-ratio and its value.
-K3_LOG_RATIO_CLAMP = 20.0
-K3_VALUE_CLAMP = 10.0
+K3_LOG_RATIO_CLAMP = tl.constexpr(20.0)
+K3_VALUE_CLAMP = tl.constexpr(10.0)
 
 _ELEMENTWISE_BLOCK = 1024
 

@@ -38,17 +38,16 @@ import triton.language as tl
 from .kl import clamp_nan, kl_estimate
 from .logprobs import _acc_dtypes
 
-# Columns of the per-row statistics written by policy_forward.
-STAT_TOKENS, STAT_PG, STAT_KL, STAT_VALUES, STAT_CLIPPED, STAT_CLIPPED_LOWER, STAT_PPO_KL, STAT_MEAN_U = range(8)
-# Columns of the per-row statistics written by rollout_correction_forward.
-RC_TOKENS, RC_SUM, RC_SUM_SQ, RC_MAX, RC_MIN, RC_HIGH, RC_LOW, RC_MASKED = range(8)
+# The per-row statistics, 8 float64 columns:
+#   policy_forward              n, sum l, sum kl, sum values, n clipped, n clipped lower, sum ppo_kl, mean u
+#   rollout_correction_forward  n, sum w, sum w^2, max w, min w, n high, n low, n masked
 N_STATS = 8
 
 # veRL's clamps: the token log-ratio, the GSPO sequence log-ratio (above only),
 # the log of a rollout-correction weight.
-LOG_RATIO_CLAMP = 20.0
-SEQ_LOG_RATIO_MAX = 10.0
-CORRECTION_LOG_CLAMP = 20.0
+LOG_RATIO_CLAMP = tl.constexpr(20.0)
+SEQ_LOG_RATIO_MAX = tl.constexpr(10.0)
+CORRECTION_LOG_CLAMP = tl.constexpr(20.0)
 
 _MAX_BLOCK_L = 2048
 
@@ -140,7 +139,7 @@ def _policy_fwd_kernel(
     base = row * L
     mean_u = tl.zeros([], ACC)
     if WITH_PG and SEQUENCE:
-        _, mean_u64 = _row_diff_sum(logp_ptr, old_ptr, mask_ptr, base, L, BLOCK_L)
+        sum_u, mean_u64 = _row_diff_sum(logp_ptr, old_ptr, mask_ptr, base, L, BLOCK_L)
         mean_u = mean_u64.to(ACC)
     f64 = tl.float64
     count = tl.zeros([], f64)
@@ -220,8 +219,8 @@ def _rollout_correction_kernel(
     base = row * L
     log_w_row = tl.zeros([], ACC)
     if SEQUENCE:
-        total, _ = _row_diff_sum(old_ptr, rollout_ptr, mask_ptr, base, L, BLOCK_L)
-        log_w_row = total.to(ACC)
+        sum_u, mean_u = _row_diff_sum(old_ptr, rollout_ptr, mask_ptr, base, L, BLOCK_L)
+        log_w_row = sum_u.to(ACC)
     f64 = tl.float64
     count = tl.zeros([], f64)
     w_sum = tl.zeros([], f64)
@@ -402,7 +401,7 @@ def policy_forward(
     log_probs, old_log_probs, advantages, mask, weights, ref_log_probs, values,
     *, estimator: int, clip_low: float, clip_high: float, clip_c: float | None, sequence: bool, with_pg: bool,
 ) -> torch.Tensor:  # fmt: skip
-    """Per-row float64 statistics [B, 8] (columns STAT_*) of [B, L] per-token inputs.
+    """Per-row float64 statistics [B, 8] (columns above) of [B, L] per-token inputs.
     ``estimator`` -1 skips the KL; None tensors skip their terms."""
     n_rows, length = log_probs.shape
     _, acc_tl = _acc_dtypes(log_probs)
@@ -443,7 +442,7 @@ def rollout_correction_forward(
     old_log_probs, rollout_log_probs, mask,
     *, sequence: bool, truncate: bool, clip_min: float, clip_max: float, low_threshold: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(weights float32 [B, L], per-row float64 statistics [B, 8] (columns RC_*))."""
+    """(weights float32 [B, L], per-row float64 statistics [B, 8] (columns above))."""
     n_rows, length = old_log_probs.shape
     _, acc_tl = _acc_dtypes(old_log_probs)
     weights = torch.empty(n_rows, length, dtype=torch.float32, device=old_log_probs.device)

@@ -78,7 +78,7 @@ def _largest_key_reaching(row_ptr, V, m, inv_t, floor_key, target, WEIGHTED: tl.
     digits = tl.arange(0, 16).to(tl.uint64)
     prefix = tl.zeros([], tl.uint64)
     for level in tl.static_range(KEY_BITS // 4):
-        shift: tl.constexpr = KEY_BITS - 4 * (level + 1)
+        shift = KEY_BITS - 4 * (level + 1)  # a constexpr: level is one in static_range
         pivots = prefix + (digits << shift)
         if WEIGHTED:
             reach = tl.zeros([16], ACC)
