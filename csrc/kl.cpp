@@ -93,22 +93,15 @@ FASTRL_ISA_CLONES KLRowStats<Acc> full_kl_row(const In* x, const In* y, int64_t 
       chunk_max = xs[i] > chunk_max ? xs[i] : chunk_max;
       chunk_max_ref = ys[i] > chunk_max_ref ? ys[i] : chunk_max_ref;
     }
-    if (chunk_max > m) {
-      if (m != neg_inf<Acc>()) {
-        const Acc c = (m - chunk_max) * inv_t;
-        const Acc a = std::exp(c);
-        t = a * (t + c * s);
-        s = a * s;
-      }
-      m = chunk_max;
+    Acc c;
+    if (raise_max(m, chunk_max, inv_t, c)) {  // every d_v grows by c, every e^{d_v} scales by e^c
+      const Acc a = std::exp(c);
+      t = a * (t + c * s);
+      s = a * s;
     }
-    if (chunk_max_ref > m_ref) {
-      if (m_ref != neg_inf<Acc>()) {
-        const Acc c = (m_ref - chunk_max_ref) * inv_t;
-        s_ref = std::exp(c) * s_ref;
-        t = t - c * s;
-      }
-      m_ref = chunk_max_ref;
+    if (raise_max(m_ref, chunk_max_ref, inv_t, c)) {  // every d'_v grows by c
+      s_ref = std::exp(c) * s_ref;
+      t = t - c * s;
     }
     const Acc origin = m == neg_inf<Acc>() ? Acc(0) : m;
     const Acc origin_ref = m_ref == neg_inf<Acc>() ? Acc(0) : m_ref;

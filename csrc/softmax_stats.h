@@ -30,6 +30,19 @@ bool usable_temperature(Acc t) {
   return t > 0 && t < std::numeric_limits<Acc>::infinity();
 }
 
+// A running max m meeting a chunk's max: raises m, and returns true with
+// c = (m_old - m_new) / T when terms already summed must move to the new
+// reference point (each of their exponents shifts by c, so e^d scales by e^c).
+// False when the max did not grow or nothing was summed yet (m was -inf).
+template <typename Acc>
+FASTRL_INLINE bool raise_max(Acc& m, Acc chunk_max, Acc inv_t, Acc& c) {
+  if (!(chunk_max > m)) return false;
+  const bool rescale = m != neg_inf<Acc>();
+  c = (m - chunk_max) * inv_t;
+  m = chunk_max;
+  return rescale;
+}
+
 template <typename Acc>
 struct RowStats {
   Acc m, s, w;
@@ -47,16 +60,12 @@ FASTRL_ISA_CLONES RowStats<Acc> row_stats(const In* x, int64_t vocab, Acc inv_t,
       xs[i] = load_as<Acc>(x, start + i);
       chunk_max = xs[i] > chunk_max ? xs[i] : chunk_max;
     }
-    if (chunk_max > m) {
-      // Move (s, w) to the new reference point m' = chunk_max:
-      //   s' = a s,  w' = a (w + c s),  c = (m - m') inv_t,  a = exp(c).
-      if (m != neg_inf<Acc>()) {
-        const Acc c = (m - chunk_max) * inv_t;
-        const Acc a = std::exp(c);
-        w = a * (w + c * s);
-        s = a * s;
-      }
-      m = chunk_max;
+    Acc c;
+    if (raise_max(m, chunk_max, inv_t, c)) {
+      // Move (s, w) to the new reference point: s' = a s, w' = a (w + c s), a = exp(c).
+      const Acc a = std::exp(c);
+      w = a * (w + c * s);
+      s = a * s;
     }
     if (m == neg_inf<Acc>()) continue;  // every logit so far is -inf
     Acc chunk_s = 0, chunk_w = 0;

@@ -153,7 +153,8 @@ def _policy_fwd_kernel(
         offs = start + tl.arange(0, BLOCK_L)
         valid = _valid_tokens(mask_ptr, base, offs, L)
         count += tl.sum(valid.to(f64), axis=0)
-        logp = tl.load(logp_ptr + base + offs, mask=valid, other=0.0)
+        if WITH_PG or ESTIMATOR >= 0:  # agg_loss needs only the values
+            logp = tl.load(logp_ptr + base + offs, mask=valid, other=0.0)
         if WITH_PG:
             old = tl.load(old_ptr + base + offs, mask=valid, other=0.0)
             adv = tl.load(adv_ptr + base + offs, mask=valid, other=0.0)

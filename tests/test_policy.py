@@ -56,8 +56,7 @@ def _run_policy(fn, inputs, options, with_entropy):
     """(loss, metrics, d loss / d log_probs, d loss / d entropy) of ``fn``."""
     logp = inputs["log_probs"].clone().requires_grad_(True)
     entropy = inputs["entropy"].clone().requires_grad_(True) if with_entropy else None
-    rest = {k: v for k, v in options.items()}
-    loss, metrics = fn(logp, inputs["old_log_probs"], inputs["advantages"], inputs["response_mask"], entropy=entropy, **rest)
+    loss, metrics = fn(logp, inputs["old_log_probs"], inputs["advantages"], inputs["response_mask"], entropy=entropy, **options)
     loss.backward()
     return loss, metrics, logp.grad, None if entropy is None else entropy.grad
 

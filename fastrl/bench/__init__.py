@@ -67,6 +67,14 @@ def import_peer(module: str):
         return None, f"not installed ({module}: {type(exc).__name__})"
 
 
+def compiled_reference(wrap: Callable[[Callable], Callable[[dict], Callable[[], object]]], fn: Callable, quick: bool) -> Impl:
+    """The ``torch.compile(reference)`` peer of a case (``wrap`` turns ``fn`` into
+    an Impl.make), skipped in --quick, where compiling would dominate the run."""
+    if quick:
+        return Impl("torch.compile(reference)", None, "skipped in --quick (compile time)")
+    return Impl("torch.compile(reference)", wrap(torch.compile(fn, dynamic=False)))
+
+
 def no_grad_step(run: Callable[[dict], object]) -> Callable[[dict], Callable[[], object]]:
     """An Impl.make that times ``run(inputs)`` under torch.no_grad."""
 

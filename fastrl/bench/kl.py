@@ -13,7 +13,7 @@ import torch
 import fastrl
 from fastrl import reference
 
-from . import Case, Impl, grad_step, no_grad_step
+from . import Case, Impl, compiled_reference, grad_step, no_grad_step
 
 GPU_SHAPES = [(8192, 151936, torch.bfloat16)]
 CPU_SHAPES = [(512, 32000, torch.bfloat16)]
@@ -63,10 +63,7 @@ def cases(device: torch.device, *, quick: bool = False, shapes=None) -> list[Cas
                 Impl("torch eager (fastrl.reference)", wrap(reference.full_kl)),
                 Impl("torch eager F.kl_div(log_softmax)", wrap(_kl_div)),
             ]
-            if quick:
-                impls.append(Impl("torch.compile(reference)", None, "skipped in --quick (compile time)"))
-            else:
-                impls.append(Impl("torch.compile(reference)", wrap(torch.compile(reference.full_kl, dynamic=False))))
+            impls.append(compiled_reference(wrap, reference.full_kl, quick))
             out.append(
                 Case(
                     op=mode, shape=(n, v), dtype=dtype, bytes_formula=formula, min_bytes=min_bytes,

@@ -8,14 +8,13 @@ Minimum traffic per case (N rows, V vocabulary, e bytes per logit, l per label):
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import torch
 
 import fastrl
 from fastrl import reference
 
-from . import Case, Impl, grad_step, import_peer, no_grad_step
+from . import Case, Impl, compiled_reference, grad_step, import_peer, no_grad_step
 
 # (N, V, dtype). DESIGN.md's canonical GPU shapes; CPU shapes fit a 24 GB host
 # with room for the eager peers' fp32 temporaries.
@@ -51,58 +50,54 @@ def _reference(mode: str):
     return lambda x, y: reference.logprobs_and_entropy(x, y)
 
 
-def _peers(mode: str, device: torch.device, quick: bool) -> list[tuple[str, Callable | None, str | None]]:
-    """(name, run(logits, labels) -> outputs, why unavailable) for each peer."""
-    peers: list[tuple[str, Callable | None, str | None]] = [("torch eager (fastrl.reference)", _reference(mode), None)]
-    if mode == "logprobs fwd":  # the plain chain most trainers run today
-        peers.append(("torch eager log_softmax+gather", lambda x, y: torch.log_softmax(x.float(), -1).gather(-1, y[:, None]), None))
-    if quick:
-        peers.append(("torch.compile(reference)", None, "skipped in --quick (compile time)"))
+def _framework_peer(framework: str, module: str, logprobs_name: str, mode: str) -> tuple:
+    """A framework's own log-prob function (and its entropy_from_logits, when the
+    mode computes the entropy) as a peer: (name, run(logits, labels), why unavailable)."""
+    mod, why = import_peer(module)
+    if mod is None:
+        run = None
+    elif mode == "logprobs fwd":
+        run = lambda x, y: getattr(mod, logprobs_name)(x, y)  # noqa: E731
     else:
-        peers.append(("torch.compile(reference)", torch.compile(_reference(mode), dynamic=False), None))
+        run = lambda x, y: (getattr(mod, logprobs_name)(x, y), mod.entropy_from_logits(x))  # noqa: E731
+    suffix = "" if mode == "logprobs fwd" else " + entropy_from_logits"
+    return f"{framework} {logprobs_name}{suffix}", run, why
 
-    verl, why = import_peer("verl.utils.torch_functional")
-    if mode == "logprobs fwd":
-        peers.append(("veRL logprobs_from_logits", verl and (lambda x, y: verl.logprobs_from_logits(x, y)), why))
-    else:
-        peers.append((
-            "veRL logprobs_from_logits + entropy_from_logits",
-            verl and (lambda x, y: (verl.logprobs_from_logits(x, y), verl.entropy_from_logits(x))), why,
-        ))  # fmt: skip
 
-    trl, why = import_peer("trl.trainer.utils")
+def _log_softmax_gather(x, y):
+    """The plain eager chain most trainers run today (a float32 [N, V] copy)."""
+    return torch.log_softmax(x.float(), -1).gather(-1, y[:, None])
+
+
+def _peers(mode: str, device: torch.device, quick: bool, wrap) -> list[Impl]:
+    """Every peer of ``mode``, timed the way ``wrap`` times run(logits, labels);
+    a peer that cannot run here carries the reason."""
+    peers = [Impl("torch eager (fastrl.reference)", wrap(_reference(mode)))]
+
+    def add(name: str, run, why: str | None) -> None:
+        peers.append(Impl(name, wrap(run) if why is None else None, why))
+
     if mode == "logprobs fwd":
-        peers.append(("TRL selective_log_softmax", trl and (lambda x, y: trl.selective_log_softmax(x, y)), why))
-    else:
-        peers.append((
-            "TRL selective_log_softmax + entropy_from_logits",
-            trl and (lambda x, y: (trl.selective_log_softmax(x, y), trl.entropy_from_logits(x))), why,
-        ))  # fmt: skip
+        add("torch eager log_softmax+gather", _log_softmax_gather, None)
+    peers.append(compiled_reference(wrap, _reference(mode), quick))
+    add(*_framework_peer("veRL", "verl.utils.torch_functional", "logprobs_from_logits", mode))
+    add(*_framework_peer("TRL", "trl.trainer.utils", "selective_log_softmax", mode))
+    if mode != "logprobs fwd":
         trl_kernels, why = import_peer("trl.kernels")
         fused = getattr(trl_kernels, "selective_log_softmax_and_entropy", None) if trl_kernels else None
-        peers.append((
-            "TRL kernels.selective_log_softmax_and_entropy",
-            fused and (lambda x, y: fused(x, y)), why or (None if fused else "not in this TRL version"),
-        ))  # fmt: skip
+        add("TRL kernels.selective_log_softmax_and_entropy", fused, why or (None if fused else "not in this TRL version"))
 
     if mode != "logprobs+entropy fwd":  # cross-entropy kernels return -logprob, no entropy
         liger, why = import_peer("liger_kernel.transformers.cross_entropy")
-        if liger is not None:
-            ce = liger.LigerCrossEntropyLoss(reduction="none")
-            peers.append(("Liger cross_entropy (no entropy)", lambda x, y: (ce(x, y),), None))
-        else:
-            peers.append(("Liger cross_entropy (no entropy)", None, why))
+        ce = liger.LigerCrossEntropyLoss(reduction="none") if liger is not None else None
+        add("Liger cross_entropy (no entropy)", lambda x, y: (ce(x, y),), why)
+        gpu_only = None if device.type == "cuda" else "GPU only"
         flash, why = import_peer("flash_attn.ops.triton.cross_entropy")
-        if device.type != "cuda":
-            why = "GPU only"
-        peers.append((
-            "flash-attn cross_entropy (no entropy)",
-            None if why else (lambda x, y: flash.cross_entropy_loss(x, y, inplace_backward=False)[:1]), why,
-        ))  # fmt: skip
+        add("flash-attn cross_entropy (no entropy)",
+            lambda x, y: flash.cross_entropy_loss(x, y, inplace_backward=False)[:1], gpu_only or why)  # fmt: skip
         quack, why = import_peer("quack.cross_entropy")
-        if device.type != "cuda":
-            why = "GPU only"
-        peers.append(("quack cross_entropy (no entropy)", None if why else (lambda x, y: (quack.cross_entropy(x, y, reduction="none"),)), why))
+        add("quack cross_entropy (no entropy)",
+            lambda x, y: (quack.cross_entropy(x, y, reduction="none"),), gpu_only or why)  # fmt: skip
     return peers
 
 
@@ -179,8 +174,7 @@ def cases(device: torch.device, *, quick: bool = False, shapes=None) -> list[Cas
             impls = [Impl("fastrl", wrap(_fastrl(mode)))]
             if device.type == "cuda":  # the CUDA C++ kernel, against the default Triton one
                 impls.append(_native_cuda_impl(wrap, mode))
-            for name, run, why in _peers(mode, device, quick):
-                impls.append(Impl(name, wrap(run) if run is not None else None, why))
+            impls += _peers(mode, device, quick, wrap)
             out.append(
                 Case(
                     op=mode, shape=(n, v), dtype=dtype, bytes_formula=BYTES_FORMULA[mode],
@@ -194,7 +188,6 @@ def cases(device: torch.device, *, quick: bool = False, shapes=None) -> list[Cas
 def _sweep_cases(sweep: dict) -> list[Case]:
     """How the forward's time grows with the work: V at fixed N, then N at fixed
     V, fastrl against the plain log_softmax + gather."""
-    eager = lambda x, y: torch.log_softmax(x.float(), -1).gather(-1, y[:, None])  # noqa: E731
     wrap = _wrap("logprobs fwd")
     sizes = [("logprobs fwd, sweep V", sweep["n"], v) for v in sweep["vocab"]]
     sizes += [("logprobs fwd, sweep N", n, sweep["v"]) for n in sweep["rows"]]
@@ -202,7 +195,10 @@ def _sweep_cases(sweep: dict) -> list[Case]:
         Case(
             op=op, shape=(n, v), dtype=torch.bfloat16, bytes_formula=BYTES_FORMULA["logprobs fwd"],
             min_bytes=_min_bytes("logprobs fwd", n, v, torch.bfloat16), make_inputs=_make_inputs(n, v, torch.bfloat16),
-            impls=[Impl("fastrl", wrap(_fastrl("logprobs fwd"))), Impl("torch eager log_softmax+gather", wrap(eager))],
+            impls=[
+                Impl("fastrl", wrap(_fastrl("logprobs fwd"))),
+                Impl("torch eager log_softmax+gather", wrap(_log_softmax_gather)),
+            ],
             check=_check, sweep=True,
         )
         for op, n, v in sizes

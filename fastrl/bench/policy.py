@@ -15,7 +15,7 @@ import torch
 import fastrl
 from fastrl import reference
 
-from . import Case, Impl, grad_step, import_peer
+from . import Case, Impl, compiled_reference, grad_step, import_peer
 
 # DESIGN.md's canonical policy-loss shape, and the from-logits shape (16384 tokens).
 GPU_SHAPES = {"policy": (64, 8192), "from_logits": (16, 1024, 151936)}
@@ -90,10 +90,7 @@ def _policy_case(shape, quick) -> Case:
         Impl("fastrl", step(_policy_with(fastrl))),
         Impl("torch eager (fastrl.reference)", step(_policy_with(reference))),
     ]
-    if quick:
-        impls.append(Impl("torch.compile(reference)", None, "skipped in --quick (compile time)"))
-    else:
-        impls.append(Impl("torch.compile(reference)", step(torch.compile(_policy_with(reference), dynamic=False))))
+    impls.append(compiled_reference(step, _policy_with(reference), quick))
     verl, why = _verl_policy_loss()
     impls.append(Impl("veRL vanilla + kl_penalty + agg_loss", verl and step(verl), why))
     return Case(
