@@ -118,6 +118,8 @@ def _warn_reference_fallback(device_type: str) -> None:
     )
 
 
+# Under torch.compile the backend is chosen once, when the function is traced.
+@torch.compiler.assume_constant_result
 def select_backend(device: torch.device, *, has_cuda_kernel: bool = True) -> str:
     """The backend that runs an op on tensors of ``device``; ``has_cuda_kernel``
     says whether the op has a CUDA C++ kernel (else native is CPU-only)."""

@@ -4,6 +4,9 @@ the argument and what it accepts, before any kernel runs.
 Checks that would need a host sync on CUDA (label ranges, tensor temperatures)
 run on CPU tensors always and on CUDA tensors only under ``FASTRL_CHECKS=1``;
 without it the kernels never read out of bounds and return NaN for a bad row.
+Inside a function being traced by ``torch.compile`` they are skipped on every
+device (they read tensor values, which a graph cannot branch on), so a compiled
+function behaves as CUDA does without ``FASTRL_CHECKS``.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ def _names(dtypes: tuple[torch.dtype, ...]) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def _host_checks(device: torch.device) -> bool:
-    return device.type == "cpu" or checks_enabled()
+def host_checks(device: torch.device) -> bool:
+    """Whether the checks that read tensor values run (module docstring)."""
+    return not torch.compiler.is_compiling() and (device.type == "cpu" or checks_enabled())
 
 
 def check_logits(logits: object, name: str = "logits") -> torch.Tensor:
@@ -55,7 +59,7 @@ def check_labels(labels: object, logits: torch.Tensor, ignore_index: object, nam
         )
     if labels.device != logits.device:
         raise ValueError(f"{name} is on {labels.device} but logits is on {logits.device}; they must share a device")
-    if labels.numel() and _host_checks(labels.device):
+    if labels.numel() and host_checks(labels.device):
         vocab = logits.shape[-1]
         bad = (labels < 0) | (labels >= vocab)
         if ignore_index is not None:
@@ -96,7 +100,7 @@ def check_row_param(
             broadcast_ok = False
         if not broadcast_ok:
             raise ValueError(f"{name} must broadcast to the per-token shape {tuple(shape)}; got shape {tuple(value.shape)}")
-        if ok is not None and value.numel() and _host_checks(device):
+        if ok is not None and value.numel() and host_checks(device):
             good = ok(value)
             if not bool(good.all()):
                 raise ValueError(f"{name} must be {accepted} in every row; found {value[~good].flatten()[0].item()}")
@@ -152,7 +156,7 @@ def check_mask(mask: object, name: str, like: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{name} must have the shape of the log-probs {tuple(like.shape)}; got {tuple(mask.shape)}")
     if mask.device != like.device:
         raise ValueError(f"{name} is on {mask.device} but the log-probs are on {like.device}; they must share a device")
-    if mask.dtype != torch.bool and mask.numel() and _host_checks(mask.device):
+    if mask.dtype != torch.bool and mask.numel() and host_checks(mask.device):
         bad = (mask != 0) & (mask != 1)
         if bool(bad.any()):
             raise ValueError(f"{name} must be bool or hold only 0 and 1; found {mask[bad].flatten()[0].item()}")

@@ -15,12 +15,9 @@ backward; the reference logits are a constant.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
-from torch.autograd.function import once_differentiable
 
-from . import _validation, reference
+from . import _ops, _validation, reference
 from ._backend import select_backend
 from .logprobs import _as_rows
 
@@ -28,16 +25,6 @@ __all__ = ["full_kl", "kl_penalty"]
 
 # The estimator codes both kernel backends take (kernels/kl.py, csrc/kl.h).
 ESTIMATOR_CODES = {"kl": 0, "k1": 0, "abs": 1, "mse": 2, "k2": 2, "low_var_kl": 3, "k3": 3}
-
-
-def _kernels(backend: str) -> ModuleType:
-    if backend == "triton":
-        from .kernels import kl as triton_kl
-
-        return triton_kl
-    from . import _native
-
-    return _native
 
 
 def check_estimator(estimator: object, name: str = "estimator") -> tuple[int, bool]:
@@ -52,17 +39,16 @@ def check_estimator(estimator: object, name: str = "estimator") -> tuple[int, bo
 
 class _KLPenalty(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, log_probs, ref_log_probs, code, straight_through, kernels):
+    def forward(ctx, log_probs, ref_log_probs, code, straight_through, backend):
         ctx.save_for_backward(log_probs, ref_log_probs)
-        ctx.code, ctx.straight_through, ctx.kernels = code, straight_through, kernels
-        return kernels.kl_penalty_forward(log_probs, ref_log_probs, estimator=code)
+        ctx.code, ctx.straight_through, ctx.backend = code, straight_through, backend
+        return _ops.kl_penalty_forward(log_probs, ref_log_probs, code, backend)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad):
         log_probs, ref_log_probs = ctx.saved_tensors
-        grad_logp = ctx.kernels.kl_penalty_backward(
-            log_probs, ref_log_probs, grad.contiguous(), estimator=ctx.code, straight_through=ctx.straight_through
+        grad_logp = _ops.kl_penalty_backward(
+            log_probs, ref_log_probs, grad.contiguous(), ctx.code, ctx.straight_through, ctx.backend
         )
         # Every estimator depends on logp - ref only.
         grad_ref = -grad_logp if ctx.needs_input_grad[1] else None
@@ -86,31 +72,26 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
         return reference.kl_penalty(log_probs, ref_log_probs, estimator)
     acc = reference.compute_dtype(log_probs)
     flat = lambda t: t.reshape(-1).to(acc).contiguous()  # noqa: E731
-    out = _KLPenalty.apply(flat(log_probs), flat(ref_log_probs), code, straight_through, _kernels(backend))
+    out = _KLPenalty.apply(flat(log_probs), flat(ref_log_probs), code, straight_through, backend)
     return out.view(log_probs.shape)
 
 
 class _FullKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, ref_rows, temperature, kernels):
+    def forward(ctx, logits, ref_rows, temperature, backend):
         rows = _as_rows(logits)
-        needs_grad = ctx.needs_input_grad[0]
-        kl, stats = kernels.full_kl_forward(rows, ref_rows, temperature, with_stats=needs_grad)
-        if needs_grad:
-            temps = temperature if isinstance(temperature, torch.Tensor) else None
-            ctx.save_for_backward(rows, ref_rows, temps, stats, kl)
-            ctx.scalar_temperature = None if temps is not None else temperature
-            ctx.kernels, ctx.logits_shape = kernels, logits.shape
+        temps, temp_scalar = _ops.split_row_param(temperature)
+        kl, stats = _ops.full_kl_forward(rows, ref_rows, temps, temp_scalar, True, backend)
+        ctx.save_for_backward(rows, ref_rows, temps, stats, kl)
+        ctx.temp_scalar, ctx.backend, ctx.logits_shape = temp_scalar, backend, logits.shape
         return kl
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_kl):
         rows, ref_rows, temps, stats, kl = ctx.saved_tensors
-        temperature = temps if temps is not None else ctx.scalar_temperature
         grad = torch.empty_like(rows, memory_format=torch.contiguous_format)
-        ctx.kernels.full_kl_backward(
-            rows, ref_rows, temperature, stats, kl, grad_kl.to(kl.dtype).contiguous(), grad
+        _ops.full_kl_backward(
+            rows, ref_rows, temps, ctx.temp_scalar, stats, kl, grad_kl.to(kl.dtype).contiguous(), grad, ctx.backend
         )
         return grad.reshape(ctx.logits_shape), None, None, None
 
@@ -147,7 +128,7 @@ def full_kl(
     temperature = _validation.flat_per_row(temperature, token_shape, acc)
     ref_rows = _as_rows(ref_logits.detach())
     if torch.is_grad_enabled() and logits.requires_grad:
-        kl = _FullKL.apply(logits, ref_rows, temperature, _kernels(backend))
+        kl = _FullKL.apply(logits, ref_rows, temperature, backend)
     else:
-        kl, _ = _kernels(backend).full_kl_forward(_as_rows(logits), ref_rows, temperature, with_stats=False)
+        kl, _ = _ops.full_kl_forward(_as_rows(logits), ref_rows, *_ops.split_row_param(temperature), False, backend)
     return kl.view(token_shape)

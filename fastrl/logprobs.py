@@ -18,26 +18,12 @@ into the logits' own storage (the logits must not be used after the backward).
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
-from torch.autograd.function import once_differentiable
 
-from . import _validation, reference
+from . import _ops, _validation, reference
 from ._backend import select_backend
 
 __all__ = ["logprobs_from_logits", "logprobs_and_entropy", "entropy_from_logits"]
-
-
-def _kernels(backend: str) -> ModuleType:
-    """The launcher module of a kernel backend (both expose the same functions)."""
-    if backend == "triton":
-        from .kernels import logprobs as triton_logprobs
-
-        return triton_logprobs
-    from . import _native
-
-    return _native
 
 
 def _as_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -53,29 +39,25 @@ class _LogprobsEntropy(torch.autograd.Function):
     """Outputs, in order: logprob (if labels are given), entropy (if asked for)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, temperature, ignore_index, with_entropy, inplace_backward, kernels):
+    def forward(ctx, logits, labels, temperature, ignore_index, with_entropy, inplace_backward, backend):
         rows = _as_rows(logits)
-        logprob, entropy, stats = kernels.logprobs_forward(
-            rows, labels, temperature, ignore_index, with_entropy=with_entropy, with_stats=True
+        temps, temp_scalar = _ops.split_row_param(temperature)
+        logprob, entropy, stats = _ops.logprobs_forward(
+            rows, labels, temps, temp_scalar, ignore_index, with_entropy, True, backend
         )
-        temps = temperature if isinstance(temperature, torch.Tensor) else None
-        ctx.save_for_backward(rows, labels, temps, stats, entropy)
-        ctx.scalar_temperature = None if temps is not None else temperature
-        ctx.ignore_index = ignore_index
-        ctx.inplace_backward = inplace_backward
-        ctx.kernels = kernels
-        ctx.logits_shape = logits.shape
-        ctx.has_labels = labels is not None
+        ctx.save_for_backward(rows, labels, temps, stats, entropy if with_entropy else None)
+        ctx.temp_scalar, ctx.ignore_index, ctx.backend = temp_scalar, ignore_index, backend
+        ctx.inplace_backward, ctx.logits_shape = inplace_backward, logits.shape
+        ctx.has_labels, ctx.with_entropy = labels is not None, with_entropy
         ctx.set_materialize_grads(False)
-        return tuple(t for t in (logprob, entropy) if t is not None)
+        return tuple(t for t, wanted in ((logprob, ctx.has_labels), (entropy, with_entropy)) if wanted)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads):
         rows, labels, temps, stats, entropy = ctx.saved_tensors
         grads = list(grads)
         grad_logprob = grads.pop(0) if ctx.has_labels else None
-        grad_entropy = grads.pop(0) if entropy is not None else None
+        grad_entropy = grads.pop(0) if ctx.with_entropy else None
         if grad_logprob is None and grad_entropy is None:
             return (None,) * 7
         acc = stats.dtype
@@ -84,10 +66,10 @@ class _LogprobsEntropy(torch.autograd.Function):
         if grad_entropy is not None:
             grad_entropy = grad_entropy.to(acc).contiguous()
         grad_rows = rows if ctx.inplace_backward else torch.empty_like(rows, memory_format=torch.contiguous_format)
-        temperature = temps if temps is not None else ctx.scalar_temperature
-        ctx.kernels.logprobs_backward(
-            rows, labels, temperature, ctx.ignore_index, stats, entropy, grad_logprob, grad_entropy, grad_rows
-        )
+        _ops.logprobs_backward(
+            rows, labels, temps, ctx.temp_scalar, ctx.ignore_index, stats, entropy, grad_logprob, grad_entropy,
+            grad_rows, ctx.backend,
+        )  # fmt: skip
         return grad_rows.reshape(ctx.logits_shape), None, None, None, None, None, None
 
 
@@ -109,7 +91,6 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entro
             return reference.logprobs_from_logits(logits, labels, temperature=temperature, ignore_index=ignore_index), None
         return reference.logprobs_and_entropy(logits, labels, temperature=temperature, ignore_index=ignore_index)
 
-    kernels = _kernels(backend)
     acc = reference.compute_dtype(logits)
     temperature = _validation.flat_per_row(temperature, token_shape, acc)
     flat_labels = labels.reshape(-1).contiguous() if labels is not None else None
@@ -117,15 +98,18 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entro
     if torch.is_grad_enabled() and logits.requires_grad:
         outputs = list(
             _LogprobsEntropy.apply(
-                logits, flat_labels, temperature, ignore_index, with_entropy, inplace_backward, kernels
+                logits, flat_labels, temperature, ignore_index, with_entropy, inplace_backward, backend
             )
         )
         logprob = outputs.pop(0) if labels is not None else None
         entropy = outputs.pop(0) if with_entropy else None
     else:
-        logprob, entropy, _ = kernels.logprobs_forward(
-            _as_rows(logits), flat_labels, temperature, ignore_index, with_entropy=with_entropy, with_stats=False
-        )
+        logprob, entropy, _ = _ops.logprobs_forward(
+            _as_rows(logits), flat_labels, *_ops.split_row_param(temperature), ignore_index, with_entropy, False,
+            backend,
+        )  # fmt: skip
+        logprob = logprob if labels is not None else None
+        entropy = entropy if with_entropy else None
     reshape = lambda t: None if t is None else t.view(token_shape)  # noqa: E731
     return reshape(logprob), reshape(entropy)
 

@@ -20,12 +20,9 @@ the loss, its gradient and the metrics come from those sums on the device.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
-from torch.autograd.function import once_differentiable
 
-from . import _validation, reference
+from . import _ops, _validation, reference
 from ._backend import select_backend
 from .kl import check_estimator
 from .logprobs import _run as _logprobs_run
@@ -36,16 +33,6 @@ __all__ = ["agg_loss", "policy_loss", "policy_loss_from_logits", "rollout_correc
 _CORRECTION_METRICS = (
     "mean", "max", "min", "std", "eff_sample_size", "ratio_fraction_high", "ratio_fraction_low", "masked_fraction",
 )  # fmt: skip
-
-
-def _kernels(backend: str) -> ModuleType:
-    if backend == "triton":
-        from .kernels import policy as triton_policy
-
-        return triton_policy
-    from . import _native
-
-    return _native
 
 
 def _check_agg(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, device) -> dict:
@@ -84,45 +71,44 @@ class _PolicyLoss(torch.autograd.Function):
     per-row sums, one for the aggregation; outputs (loss, metrics [6])."""
 
     @staticmethod
-    def forward(ctx, log_probs, values, constants, options, agg, kernels):
+    def forward(ctx, log_probs, values, constants, options, agg, backend):
         old, adv, mask, weights, ref = constants
         n_rows, length = log_probs.shape
         if log_probs.numel():
-            stats = kernels.policy_forward(
-                log_probs, old, adv, mask, weights, ref, values, estimator=options["estimator"],
-                clip_low=options["clip_low"], clip_high=options["clip_high"], clip_c=options["clip_c"],
-                sequence=options["sequence"], with_pg=options["with_pg"],
+            stats = _ops.policy_forward(
+                log_probs, old, adv, mask, weights, ref, values, options["estimator"], options["clip_low"],
+                options["clip_high"], options["clip_c"], options["sequence"], options["with_pg"], backend,
             )  # fmt: skip
         else:
             stats = torch.zeros(n_rows, 8, dtype=torch.float64, device=log_probs.device)
         factor = agg["loss_scale_factor"]
-        loss, metrics, row_weights = kernels.policy_finalize(
-            stats, mode=reference.AGG_MODES.index(agg["loss_agg_mode"]), dp_size=agg["dp_size"],
-            batch_num_tokens=agg["batch_num_tokens"], global_batch_size=agg["global_batch_size"],
-            norm=length if factor is None else factor, kl_coef=options["kl_coef"],
-            value_coef=options["value_coef"], loss_dtype=log_probs.dtype,
+        counts = [
+            x for name in ("batch_num_tokens", "global_batch_size")
+            for x in (_ops.split_row_param(agg[name]) if agg[name] is not None else (None, None))
+        ]  # fmt: skip
+        loss, metrics, row_weights = _ops.policy_finalize(
+            stats, reference.AGG_MODES.index(agg["loss_agg_mode"]), agg["dp_size"], *counts,
+            length if factor is None else factor, options["kl_coef"], options["value_coef"], log_probs.dtype, backend,
         )  # fmt: skip
         ctx.save_for_backward(log_probs, old, adv, mask, weights, ref, stats, row_weights)
-        ctx.options, ctx.kernels = options, kernels
+        ctx.options, ctx.backend = options, backend
         ctx.mark_non_differentiable(metrics)
         return loss, metrics
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_loss, _grad_metrics):
         log_probs, old, adv, mask, weights, ref, stats, row_weights = ctx.saved_tensors
         opts = ctx.options
-        grad_logp = torch.empty_like(log_probs) if ctx.needs_input_grad[0] else None
-        grad_values = torch.empty_like(log_probs) if ctx.needs_input_grad[1] else None
-        if log_probs.numel() and (grad_logp is not None or grad_values is not None):
-            ctx.kernels.policy_backward(
-                log_probs, old, adv, mask, weights, ref, stats, row_weights, grad_loss.to(log_probs.dtype),
-                estimator=opts["estimator"], straight_through=opts["straight_through"], kl_coef=opts["kl_coef"],
-                value_coef=opts["value_coef"], clip_low=opts["clip_low"], clip_high=opts["clip_high"],
-                clip_c=opts["clip_c"], sequence=opts["sequence"], with_pg=opts["with_pg"],
-                grad_logp=grad_logp, grad_values=grad_values,
-            )  # fmt: skip
-        return grad_logp, grad_values, None, None, None, None
+        need_logp, need_values = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not log_probs.numel() or not (need_logp or need_values):
+            empty = lambda wanted: torch.zeros_like(log_probs) if wanted else None  # noqa: E731
+            return empty(need_logp), empty(need_values), None, None, None, None
+        grad_logp, grad_values = _ops.policy_backward(
+            log_probs, old, adv, mask, weights, ref, stats, row_weights, grad_loss.to(log_probs.dtype),
+            opts["estimator"], opts["straight_through"], opts["kl_coef"], opts["value_coef"], opts["clip_low"],
+            opts["clip_high"], opts["clip_c"], opts["sequence"], opts["with_pg"], need_logp, need_values, ctx.backend,
+        )  # fmt: skip
+        return grad_logp if need_logp else None, grad_values if need_values else None, None, None, None, None
 
 
 def agg_loss(
@@ -162,7 +148,7 @@ def agg_loss(
         "sequence": False, "with_pg": False, "kl_coef": 0.0, "value_coef": 1.0,
     }  # fmt: skip
     # The log-prob slot carries the values too: without the PG and KL terms the kernels only count its tokens.
-    loss, _ = _PolicyLoss.apply(values.detach(), values, (None, None, mask, None, None), options, agg, _kernels(backend))
+    loss, _ = _PolicyLoss.apply(values.detach(), values, (None, None, mask, None, None), options, agg, backend)
     return loss
 
 
@@ -257,7 +243,7 @@ def policy_loss(
         "sequence": ratio_level == "sequence", "with_pg": True, "kl_coef": kl_coef, "value_coef": -entropy_coef,
     }  # fmt: skip
     loss, values = _PolicyLoss.apply(
-        _rows(log_probs, acc), _rows(entropy, acc), constants, options, agg, _kernels(backend)
+        _rows(log_probs, acc), _rows(entropy, acc), constants, options, agg, backend
     )
     pg_loss, kl, entropy_agg, clipfrac, clipfrac_lower, ppo_kl = values.unbind()
     metrics = {"pg_loss": pg_loss, "pg_clipfrac": clipfrac, "pg_clipfrac_lower": clipfrac_lower, "ppo_kl": ppo_kl}
@@ -343,13 +329,13 @@ def rollout_correction(
             old_log_probs, rollout_log_probs, response_mask, level=level, mode=mode, clip_max=clip_max, clip_min=clip_min
         )
     acc = reference.compute_dtype(old_log_probs)
-    weights, stats = _kernels(backend).rollout_correction_forward(
+    weights, stats = _ops.rollout_correction_forward(
         _rows(old_log_probs.detach(), acc), _rows(rollout_log_probs.detach(), acc), _mask_rows(response_mask),
-        sequence=level == "sequence", truncate=mode == "truncate", clip_min=0.0 if clip_min is None else clip_min,
-        clip_max=clip_max, low_threshold=1.0 / clip_max if clip_min is None else clip_min,
+        level == "sequence", mode == "truncate", 0.0 if clip_min is None else clip_min, clip_max,
+        1.0 / clip_max if clip_min is None else clip_min, backend,
     )  # fmt: skip
     names = [f"rollout_is_{name}" for name in _CORRECTION_METRICS]
-    metrics = dict(zip(names, _kernels(backend).rollout_finalize(stats).unbind()))
+    metrics = dict(zip(names, _ops.rollout_finalize(stats, backend).unbind()))
     if mode != "mask":
         del metrics["rollout_is_masked_fraction"]
     return weights.view(old_log_probs.shape), metrics

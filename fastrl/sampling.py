@@ -22,13 +22,11 @@ or in any batch. The same inputs, seeds and offset give bitwise the same tokens.
 from __future__ import annotations
 
 import math
-from types import ModuleType
 from typing import NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from . import _validation, reference
+from . import _ops, _validation, reference
 from ._backend import select_backend
 from .logprobs import _as_rows
 
@@ -42,16 +40,6 @@ class SampleOutput(NamedTuple):
     tokens: torch.Tensor  # int64 [...]; -1 marks a bad row on CUDA
     logprobs: torch.Tensor  # fp32 [...]
     raw_logprobs: torch.Tensor  # fp32 [...]
-
-
-def _kernels(backend: str) -> ModuleType:
-    if backend == "triton":
-        from .kernels import sampling as triton_sampling
-
-        return triton_sampling
-    from . import _native
-
-    return _native
 
 
 def _truncation(logits, temperature, top_k, top_p, min_p) -> dict:
@@ -78,7 +66,9 @@ def _truncation(logits, temperature, top_k, top_p, min_p) -> dict:
 def _seed_and_offset(seed, offset, rows: torch.Size, device: torch.device):
     """seed: an int64 (Python ints wrap to 64 bits) or a flat int64 tensor of
     per-row seeds; offset: an int or a one-element int64 tensor on the device."""
-    if seed is None:  # one draw from torch's default (CPU) generator: no device sync
+    if seed is None and torch.compiler.is_compiling():  # a graph cannot read a drawn number back: per-row seeds
+        seed = torch.randint(-(2**63), 2**63 - 1, (math.prod(rows),), dtype=torch.int64, device=device)
+    elif seed is None:  # one draw from torch's default (CPU) generator: no device sync
         seed = int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64).item())
     if isinstance(seed, torch.Tensor):
         seed = _validation.check_row_param(seed, "seed", rows, device, integer=True)
@@ -100,9 +90,15 @@ def _seed_and_offset(seed, offset, rows: torch.Size, device: torch.device):
     return seed, offset
 
 
+def _rejects_bad_rows(device: torch.device) -> bool:
+    """Unsampleable rows raise on CPU (outside torch.compile); elsewhere they are
+    marked in the output (token -1, NaN) so that no call syncs with the host."""
+    return device.type == "cpu" and _validation.host_checks(device)
+
+
 def _reject_bad_rows(bad: torch.Tensor, rows: torch.Size) -> None:
-    """CPU only: a row that is all -inf or has NaN (or, for per-row tensors
-    without host checks, an invalid parameter) cannot be sampled."""
+    """A row that is all -inf or has NaN (or, for per-row tensors without host
+    checks, an invalid parameter) cannot be sampled."""
     if bool(bad.any()):
         where = torch.nonzero(bad.reshape(rows)).tolist()[:5]
         raise ValueError(f"logits rows {where} are all -inf or contain NaN: there is nothing to sample from")
@@ -112,7 +108,7 @@ def _reference_args(logits: torch.Tensor, params: dict) -> dict:
     """The reference backend's view of the checked parameters (per-row tensors
     back in the row shape), after rejecting unsampleable rows on CPU."""
     rows = logits.shape[:-1]
-    if logits.device.type == "cpu" and logits.numel():
+    if logits.numel() and _rejects_bad_rows(logits.device):
         _reject_bad_rows(logits.isnan().any(-1) | torch.isneginf(logits).all(-1), rows)
     return {k: v.view(rows) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
 
@@ -150,33 +146,36 @@ def sample(
     if backend == "reference":
         args = _reference_args(logits, {**params, "seed": seed})
         return SampleOutput(*reference.sample(logits, **args, offset=offset))
-    tokens, logprobs, raw = _kernels(backend).sample_forward(_as_rows(logits), **params, seed=seed, offset=offset)
-    if logits.device.type == "cpu":
+    tokens, logprobs, raw = _ops.sample_forward(
+        _as_rows(logits), *_truncation_args(params), *_ops.split_row_param(seed), *_ops.split_row_param(offset), backend
+    )
+    if _rejects_bad_rows(logits.device):
         _reject_bad_rows(tokens < 0, rows)
     return SampleOutput(tokens.view(rows), logprobs.view(rows), raw.view(rows))
 
 
+def _truncation_args(params: dict) -> tuple:
+    """The checked truncation parameters as the ops' schemas take them (fastrl._ops)."""
+    return tuple(x for name in ("temperature", "top_k", "top_p", "min_p") for x in _ops.split_row_param(params[name]))
+
+
 class _TruncatedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, params, kernels):
+    def forward(ctx, logits, labels, truncation, backend):
         rows = _as_rows(logits)
-        out, stats = kernels.truncated_forward(rows, labels, **params, with_stats=True)
-        tensors = {k: v for k, v in params.items() if isinstance(v, torch.Tensor)}
-        ctx.save_for_backward(rows, labels, stats, *tensors.values())
-        ctx.scalars = {k: v for k, v in params.items() if not isinstance(v, torch.Tensor)}
-        ctx.tensor_names = list(tensors)
-        ctx.kernels = kernels
-        ctx.logits_shape = logits.shape
+        out, stats = _ops.truncated_forward(rows, labels, *truncation, True, backend)
+        # The truncation arguments alternate (per-row tensor or None, scalar).
+        ctx.save_for_backward(rows, labels, stats, *truncation[0::2])
+        ctx.scalars, ctx.backend, ctx.logits_shape = truncation[1::2], backend, logits.shape
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out):
         rows, labels, stats, *tensors = ctx.saved_tensors
-        params = {**ctx.scalars, **dict(zip(ctx.tensor_names, tensors))}
+        truncation = [x for pair in zip(tensors, ctx.scalars) for x in pair]
         grad_rows = torch.empty_like(rows, memory_format=torch.contiguous_format)
-        ctx.kernels.truncated_backward(
-            rows, labels, stats, grad_out.to(stats.dtype).contiguous(), grad_rows, **params
+        _ops.truncated_backward(
+            rows, labels, stats, grad_out.to(stats.dtype).contiguous(), grad_rows, *truncation, ctx.backend
         )
         return grad_rows.reshape(ctx.logits_shape), None, None, None
 
@@ -205,12 +204,12 @@ def truncated_logprobs(
     backend = select_backend(logits.device, has_cuda_kernel=False)
     if backend == "reference" or logits.numel() == 0:
         return reference.truncated_logprobs(logits, labels, **_reference_args(logits, params))
-    kernels = _kernels(backend)
     flat_labels = labels.reshape(-1).contiguous()
+    truncation = _truncation_args(params)
     if torch.is_grad_enabled() and logits.requires_grad:
-        out = _TruncatedLogprobs.apply(logits, flat_labels, params, kernels)
+        out = _TruncatedLogprobs.apply(logits, flat_labels, truncation, backend)
     else:
-        out, _ = kernels.truncated_forward(_as_rows(logits), flat_labels, **params, with_stats=False)
-    if logits.device.type == "cpu":
+        out, _ = _ops.truncated_forward(_as_rows(logits), flat_labels, *truncation, False, backend)
+    if _rejects_bad_rows(logits.device):
         _reject_bad_rows(out.isnan(), rows)
     return out.view(rows)

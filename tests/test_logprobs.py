@@ -296,9 +296,9 @@ def test_kernel_marks_out_of_range_labels_nan(device, backend):
     """What the CUDA path relies on without FASTRL_CHECKS: the kernels never read
     outside the row for a bad label and mark that row NaN (called directly,
     below the argument checks)."""
-    from fastrl.logprobs import _kernels
+    from fastrl._ops import launchers
 
-    kernels = _kernels(backend)
+    kernels = launchers(backend, "logprobs")
     logits = torch.randn(4, 64, device=device)
     labels = torch.tensor([3, 64, -5, -100], device=device)
     lp, ent, stats = kernels.logprobs_forward(logits, labels, 1.0, -100, with_entropy=True, with_stats=True)
@@ -322,9 +322,9 @@ def test_empty_inputs(device, backend):
 
 @pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
 def test_no_grad_saves_nothing_and_unused_entropy_skips_its_term(device, backend, monkeypatch):
-    from fastrl.logprobs import _kernels
+    from fastrl._ops import launchers
 
-    kernels = _kernels(backend)
+    kernels = launchers(backend, "logprobs")
     calls = []
     forward, backward = kernels.logprobs_forward, kernels.logprobs_backward
 

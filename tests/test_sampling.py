@@ -257,19 +257,19 @@ def test_truncated_logprobs_gradient(device, backend):
 def test_kernels_mark_bad_rows(device, backend):
     """What CUDA relies on (no host sync there): an all -inf row, a NaN row or an
     invalid per-row parameter gives token -1 and NaN log-probs, never a crash."""
-    from fastrl.sampling import _kernels
+    from fastrl._ops import launchers
 
     x = torch.randn(4, 30, device=device)
     x[1] = float("-inf")
     x[2, 7] = float("nan")
     top_p = torch.tensor([0.9, 0.9, 0.9, -1.0], device=device)  # row 3: unchecked bad value
-    tokens, logprobs, raw = _kernels(backend).sample_forward(
+    tokens, logprobs, raw = launchers(backend, "sampling").sample_forward(
         x, temperature=1.0, top_k=0, top_p=top_p, min_p=0.0, seed=1, offset=0
     )
     assert tokens.tolist()[1:] == [-1, -1, -1] and 0 <= tokens[0] < 30
     assert logprobs[1:].isnan().all() and raw[1:].isnan().all() and torch.isfinite(logprobs[0])
     labels = torch.nan_to_num(x, nan=0.0).argmax(dim=-1)  # row 0's label is kept
-    out, _ = _kernels(backend).truncated_forward(
+    out, _ = launchers(backend, "sampling").truncated_forward(
         x, labels, temperature=1.0, top_k=0, top_p=top_p, min_p=0.0, with_stats=False
     )
     assert out[1:].isnan().all() and torch.isfinite(out[0])

@@ -1,0 +1,351 @@
+"""Every kernel launch of fastrl as a ``torch.library`` operator (``torch.ops.fastrl.*``).
+
+Why: ``torch.compile`` cannot trace into a launcher (it passes raw pointers to
+C++ or launches a Triton kernel), and CUDA-graph trees and export need to know
+what an opaque call reads, writes and returns. So each launcher of
+``fastrl._native`` / ``fastrl.kernels`` is wrapped here once as an operator with
+
+  * a schema: per-row parameters (a Python number or a per-row tensor) travel as
+    a pair ``Tensor? <name>_rows, <scalar> <name>``; an output that was not asked
+    for is an empty tensor (the API layer turns it back into None); gradient
+    buffers the size of the logits are written in place (``Tensor(a!) grad_out``)
+    so that ``inplace_backward`` can pass the logits themselves;
+  * a CPU and a CUDA implementation: the launcher of the backend named by the
+    ``backend`` argument (``"native"`` or ``"triton"``), chosen by the API layer;
+  * a fake implementation: the outputs' shapes and dtypes, for tracing.
+
+The autograd of each op family is an ``autograd.Function`` in its API module
+that calls these operators (forward op in ``forward``, backward op in
+``backward``); torch.compile traces those Functions, so a compiled function
+using fastrl is one graph forward and one backward. The operators are defined
+with ``Library.define`` rather than ``torch.library.custom_op``: the plain
+dispatcher costs about 4 us a call in eager mode, the custom_op wrapper (and a
+registered autograd kernel) 20 to 50 us, which small policy-loss batches feel.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+__all__ = ["launchers", "row_param", "split_row_param"]
+
+_LIB = torch.library.Library("fastrl", "DEF")
+
+# Per-row parameter pairs in the schemas: "<name>_rows" (a flat per-row tensor) or "<name>" (a scalar).
+_TEMPERATURE = "Tensor? temperature_rows, float temperature"
+_TRUNCATION = f"{_TEMPERATURE}, Tensor? top_k_rows, int top_k, Tensor? top_p_rows, float top_p, Tensor? min_p_rows, float min_p"  # fmt: skip
+
+
+def launchers(backend: str, family: str) -> ModuleType:
+    """The launcher module of a kernel backend for an op family: ``fastrl.kernels.<family>``
+    (Triton) or ``fastrl._native`` (C++); both expose the same functions."""
+    if backend == "triton":
+        return importlib.import_module(f"fastrl.kernels.{family}")
+    if backend == "native":
+        return importlib.import_module("fastrl._native")
+    raise ValueError(f"backend must be 'triton' or 'native' for a kernel launch; got {backend!r}")
+
+
+def split_row_param(value: int | float | torch.Tensor) -> tuple[torch.Tensor | None, int | float]:
+    """(per-row tensor or None, scalar) of a per-row parameter, as the schemas take it."""
+    if isinstance(value, torch.Tensor):
+        return value, 0
+    return None, value
+
+
+def row_param(rows: torch.Tensor | None, scalar: int | float) -> int | float | torch.Tensor:
+    """The inverse of :func:`split_row_param`: what the launchers take."""
+    return scalar if rows is None else rows
+
+
+def _define(schema: str, impl, fake) -> torch._ops.OpOverload:
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+    for dispatch_key in ("CPU", "CUDA"):
+        _LIB.impl(name, impl, dispatch_key)
+    torch.library.register_fake(f"fastrl::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.fastrl, name).default
+
+
+def _acc(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _new(like: torch.Tensor, *shape, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def _or_empty(t: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An output not asked for travels as an empty tensor."""
+    return _new(like, 0, dtype=dtype) if t is None else t
+
+
+def _no_output(*args, **kwargs) -> None:
+    """Fake of an op that only writes into its ``grad_out`` argument."""
+    return None
+
+
+# --- log-probs and entropy ---------------------------------------------------------------------
+
+
+def _logprobs_forward(logits, labels, temperature_rows, temperature, ignore_index, with_entropy, with_stats, backend):
+    logprob, entropy, stats = launchers(backend, "logprobs").logprobs_forward(
+        logits, labels, row_param(temperature_rows, temperature), ignore_index,
+        with_entropy=with_entropy, with_stats=with_stats,
+    )  # fmt: skip
+    acc = _acc(logits)
+    return _or_empty(logprob, logits, acc), _or_empty(entropy, logits, acc), _or_empty(stats, logits, acc)
+
+
+def _logprobs_forward_fake(logits, labels, temperature_rows, temperature, ignore_index, with_entropy, with_stats, backend):
+    n, acc = logits.shape[0], _acc(logits)
+    return (
+        _new(logits, n if labels is not None else 0, dtype=acc),
+        _new(logits, n if with_entropy else 0, dtype=acc),
+        _new(logits, *((n, 2) if with_stats else (0,)), dtype=acc),
+    )
+
+
+logprobs_forward = _define(
+    "logprobs_forward(Tensor logits, Tensor? labels, " + _TEMPERATURE + ", int ignore_index, bool with_entropy, "
+    "bool with_stats, str backend) -> (Tensor logprob, Tensor entropy, Tensor stats)",
+    _logprobs_forward, _logprobs_forward_fake,
+)  # fmt: skip
+
+
+def _logprobs_backward(logits, labels, temperature_rows, temperature, ignore_index, stats, entropy, grad_logprob,
+                       grad_entropy, grad_out, backend):  # fmt: skip
+    launchers(backend, "logprobs").logprobs_backward(
+        logits, labels, row_param(temperature_rows, temperature), ignore_index, stats, entropy, grad_logprob,
+        grad_entropy, grad_out,
+    )  # fmt: skip
+
+
+logprobs_backward = _define(
+    "logprobs_backward(Tensor logits, Tensor? labels, " + _TEMPERATURE + ", int ignore_index, Tensor stats, "
+    "Tensor? entropy, Tensor? grad_logprob, Tensor? grad_entropy, Tensor(a!) grad_out, str backend) -> ()",
+    _logprobs_backward, _no_output,
+)  # fmt: skip
+
+
+# --- sampling ----------------------------------------------------------------------------------
+
+
+def _truncation(temperature_rows, temperature, top_k_rows, top_k, top_p_rows, top_p, min_p_rows, min_p) -> dict:
+    return {
+        "temperature": row_param(temperature_rows, temperature), "top_k": row_param(top_k_rows, top_k),
+        "top_p": row_param(top_p_rows, top_p), "min_p": row_param(min_p_rows, min_p),
+    }  # fmt: skip
+
+
+def _sample_forward(logits, *args):
+    *truncation, seed_rows, seed, offset_tensor, offset, backend = args
+    return launchers(backend, "sampling").sample_forward(
+        logits, **_truncation(*truncation), seed=row_param(seed_rows, seed), offset=row_param(offset_tensor, offset)
+    )
+
+
+def _sample_forward_fake(logits, *args):
+    n, acc = logits.shape[0], _acc(logits)
+    return _new(logits, n, dtype=torch.int64), _new(logits, n, dtype=acc), _new(logits, n, dtype=acc)
+
+
+sample_forward = _define(
+    "sample_forward(Tensor logits, " + _TRUNCATION + ", Tensor? seed_rows, int seed, Tensor? offset_tensor, "
+    "int offset, str backend) -> (Tensor tokens, Tensor logprobs, Tensor raw_logprobs)",
+    _sample_forward, _sample_forward_fake,
+)  # fmt: skip
+
+
+def _truncated_forward(logits, labels, *args):
+    *truncation, with_stats, backend = args
+    out, stats = launchers(backend, "sampling").truncated_forward(
+        logits, labels, **_truncation(*truncation), with_stats=with_stats
+    )
+    return out, _or_empty(stats, logits, _acc(logits))
+
+
+def _truncated_forward_fake(logits, labels, *args):
+    with_stats = args[-2]
+    n, acc = logits.shape[0], _acc(logits)
+    return _new(logits, n, dtype=acc), _new(logits, *((n, 3) if with_stats else (0,)), dtype=acc)
+
+
+truncated_forward = _define(
+    "truncated_forward(Tensor logits, Tensor labels, " + _TRUNCATION + ", bool with_stats, str backend) "
+    "-> (Tensor logprob, Tensor stats)",
+    _truncated_forward, _truncated_forward_fake,
+)  # fmt: skip
+
+
+def _truncated_backward(logits, labels, stats, grad_logprob, grad_out, *args):
+    *truncation, backend = args
+    launchers(backend, "sampling").truncated_backward(
+        logits, labels, stats, grad_logprob, grad_out, **_truncation(*truncation)
+    )
+
+
+truncated_backward = _define(
+    "truncated_backward(Tensor logits, Tensor labels, Tensor stats, Tensor grad_logprob, Tensor(a!) grad_out, "
+    + _TRUNCATION + ", str backend) -> ()",
+    _truncated_backward, _no_output,
+)  # fmt: skip
+
+
+# --- KL ----------------------------------------------------------------------------------------
+
+
+def _kl_penalty_forward(log_probs, ref_log_probs, estimator, backend):
+    return launchers(backend, "kl").kl_penalty_forward(log_probs, ref_log_probs, estimator=estimator)
+
+
+kl_penalty_forward = _define(
+    "kl_penalty_forward(Tensor log_probs, Tensor ref_log_probs, int estimator, str backend) -> Tensor",
+    _kl_penalty_forward, lambda log_probs, *args: torch.empty_like(log_probs),
+)  # fmt: skip
+
+
+def _kl_penalty_backward(log_probs, ref_log_probs, grad, estimator, straight_through, backend):
+    return launchers(backend, "kl").kl_penalty_backward(
+        log_probs, ref_log_probs, grad, estimator=estimator, straight_through=straight_through
+    )
+
+
+kl_penalty_backward = _define(
+    "kl_penalty_backward(Tensor log_probs, Tensor ref_log_probs, Tensor grad, int estimator, bool straight_through, "
+    "str backend) -> Tensor",
+    _kl_penalty_backward, lambda log_probs, *args: torch.empty_like(log_probs),
+)  # fmt: skip
+
+
+def _full_kl_forward(logits, ref_logits, temperature_rows, temperature, with_stats, backend):
+    kl, stats = launchers(backend, "kl").full_kl_forward(
+        logits, ref_logits, row_param(temperature_rows, temperature), with_stats=with_stats
+    )
+    return kl, _or_empty(stats, logits, _acc(logits))
+
+
+def _full_kl_forward_fake(logits, ref_logits, temperature_rows, temperature, with_stats, backend):
+    n, acc = logits.shape[0], _acc(logits)
+    return _new(logits, n, dtype=acc), _new(logits, *((n, 4) if with_stats else (0,)), dtype=acc)
+
+
+full_kl_forward = _define(
+    "full_kl_forward(Tensor logits, Tensor ref_logits, " + _TEMPERATURE + ", bool with_stats, str backend) "
+    "-> (Tensor kl, Tensor stats)",
+    _full_kl_forward, _full_kl_forward_fake,
+)  # fmt: skip
+
+
+def _full_kl_backward(logits, ref_logits, temperature_rows, temperature, stats, kl, grad_kl, grad_out, backend):
+    launchers(backend, "kl").full_kl_backward(
+        logits, ref_logits, row_param(temperature_rows, temperature), stats, kl, grad_kl, grad_out
+    )
+
+
+full_kl_backward = _define(
+    "full_kl_backward(Tensor logits, Tensor ref_logits, " + _TEMPERATURE + ", Tensor stats, Tensor kl, "
+    "Tensor grad_kl, Tensor(a!) grad_out, str backend) -> ()",
+    _full_kl_backward, _no_output,
+)  # fmt: skip
+
+
+# --- policy loss, aggregation, rollout correction ----------------------------------------------
+
+_POLICY_INPUTS = (
+    "Tensor log_probs, Tensor? old_log_probs, Tensor? advantages, Tensor mask, Tensor? weights, Tensor? ref_log_probs"
+)
+_POLICY_OPTIONS = "float clip_low, float clip_high, float? clip_c, bool sequence, bool with_pg"
+_N_STATS = 8  # float64 columns of the per-row statistics (kernels/policy.py, csrc/policy.h)
+
+
+def _policy_forward(log_probs, old, adv, mask, weights, ref, values, estimator, clip_low, clip_high, clip_c,
+                    sequence, with_pg, backend):  # fmt: skip
+    return launchers(backend, "policy").policy_forward(
+        log_probs, old, adv, mask, weights, ref, values, estimator=estimator, clip_low=clip_low,
+        clip_high=clip_high, clip_c=clip_c, sequence=sequence, with_pg=with_pg,
+    )  # fmt: skip
+
+
+policy_forward = _define(
+    f"policy_forward({_POLICY_INPUTS}, Tensor? values, int estimator, {_POLICY_OPTIONS}, str backend) -> Tensor",
+    _policy_forward, lambda log_probs, *args: _new(log_probs, log_probs.shape[0], _N_STATS, dtype=torch.float64),
+)  # fmt: skip
+
+
+def _policy_finalize(stats, mode, dp_size, batch_num_tokens_tensor, batch_num_tokens, global_batch_size_tensor,
+                     global_batch_size, norm, kl_coef, value_coef, loss_dtype, backend):  # fmt: skip
+    return launchers(backend, "policy").policy_finalize(
+        stats, mode=mode, dp_size=dp_size,
+        batch_num_tokens=batch_num_tokens if batch_num_tokens_tensor is None else batch_num_tokens_tensor,
+        global_batch_size=global_batch_size if global_batch_size_tensor is None else global_batch_size_tensor,
+        norm=norm, kl_coef=kl_coef, value_coef=value_coef, loss_dtype=loss_dtype,
+    )  # fmt: skip
+
+
+def _policy_finalize_fake(stats, *args):
+    loss_dtype = args[-2]
+    return _new(stats, dtype=loss_dtype), _new(stats, 6, dtype=torch.float32), _new(stats, stats.shape[0], dtype=torch.float64)
+
+
+policy_finalize = _define(
+    "policy_finalize(Tensor stats, int mode, float dp_size, Tensor? batch_num_tokens_tensor, float? batch_num_tokens, "
+    "Tensor? global_batch_size_tensor, float? global_batch_size, float norm, float kl_coef, float value_coef, "
+    "ScalarType loss_dtype, str backend) -> (Tensor loss, Tensor metrics, Tensor row_weights)",
+    _policy_finalize, _policy_finalize_fake,
+)  # fmt: skip
+
+
+def _policy_backward(log_probs, old, adv, mask, weights, ref, stats, row_weights, grad_loss, estimator,
+                     straight_through, kl_coef, value_coef, clip_low, clip_high, clip_c, sequence, with_pg,
+                     grad_log_probs, grad_values, backend):  # fmt: skip
+    grad_logp = torch.empty_like(log_probs) if grad_log_probs else None
+    grad_vals = torch.empty_like(log_probs) if grad_values else None
+    launchers(backend, "policy").policy_backward(
+        log_probs, old, adv, mask, weights, ref, stats, row_weights, grad_loss, estimator=estimator,
+        straight_through=straight_through, kl_coef=kl_coef, value_coef=value_coef, clip_low=clip_low,
+        clip_high=clip_high, clip_c=clip_c, sequence=sequence, with_pg=with_pg, grad_logp=grad_logp,
+        grad_values=grad_vals,
+    )  # fmt: skip
+    return _or_empty(grad_logp, log_probs, log_probs.dtype), _or_empty(grad_vals, log_probs, log_probs.dtype)
+
+
+def _policy_backward_fake(log_probs, *args):
+    grad_log_probs, grad_values = args[-3], args[-2]
+    empty = lambda wanted: torch.empty_like(log_probs) if wanted else _new(log_probs, 0, dtype=log_probs.dtype)  # noqa: E731
+    return empty(grad_log_probs), empty(grad_values)
+
+
+policy_backward = _define(
+    f"policy_backward({_POLICY_INPUTS}, Tensor stats, Tensor row_weights, Tensor grad_loss, int estimator, "
+    f"bool straight_through, float kl_coef, float value_coef, {_POLICY_OPTIONS}, bool grad_log_probs, "
+    "bool grad_values, str backend) -> (Tensor grad_logp, Tensor grad_vals)",
+    _policy_backward, _policy_backward_fake,
+)  # fmt: skip
+
+
+def _rollout_correction_forward(old, rollout, mask, sequence, truncate, clip_min, clip_max, low_threshold, backend):
+    return launchers(backend, "policy").rollout_correction_forward(
+        old, rollout, mask, sequence=sequence, truncate=truncate, clip_min=clip_min, clip_max=clip_max,
+        low_threshold=low_threshold,
+    )  # fmt: skip
+
+
+def _rollout_correction_forward_fake(old, *args):
+    return _new(old, *old.shape, dtype=torch.float32), _new(old, old.shape[0], _N_STATS, dtype=torch.float64)
+
+
+rollout_correction_forward = _define(
+    "rollout_correction_forward(Tensor old_log_probs, Tensor rollout_log_probs, Tensor mask, bool sequence, "
+    "bool truncate, float clip_min, float clip_max, float low_threshold, str backend) -> (Tensor weights, Tensor stats)",
+    _rollout_correction_forward, _rollout_correction_forward_fake,
+)  # fmt: skip
+
+rollout_finalize = _define(
+    "rollout_finalize(Tensor stats, str backend) -> Tensor",
+    lambda stats, backend: launchers(backend, "policy").rollout_finalize(stats),
+    lambda stats, backend: _new(stats, 8, dtype=torch.float32),
+)  # fmt: skip
