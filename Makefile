@@ -7,6 +7,9 @@ PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 # The veRL release the parity tests compare against (its loss functions only).
 VERL_VERSION ?= 0.9.0
+# The OpenRLHF release fastrl.integrations.openrlhf is tested with (--no-deps:
+# its loss modules need only torch and deepspeed, from the `openrlhf` extra).
+OPENRLHF_VERSION ?= 0.11.2
 
 .PHONY: setup bench bench-quick test clean
 
@@ -17,8 +20,8 @@ BUILD_REQUIREMENTS = "setuptools>=64" wheel "pybind11>=2.10" "cmake>=3.18" ninja
 setup:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
 	$(PYTHON) -m pip install $(BUILD_REQUIREMENTS)
-	$(PYTHON) -m pip install --no-build-isolation -e ".[test,bench,verl]"
-	$(PYTHON) -m pip install --no-deps "verl==$(VERL_VERSION)"
+	$(PYTHON) -m pip install --no-build-isolation -e ".[test,bench,verl,trl,openrlhf]"
+	$(PYTHON) -m pip install --no-deps "verl==$(VERL_VERSION)" "openrlhf==$(OPENRLHF_VERSION)"
 
 # The main job: every op against every peer on this machine; writes
 # bench/results/<device>.json and its plots, then regenerates the README's

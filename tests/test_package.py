@@ -52,8 +52,8 @@ def test_metadata_declares_dependencies_and_extras():
 
 @pytest.mark.slow
 def test_wheel_contents(tmp_path):
-    """A wheel built from the source tree carries fastrl, fastrl.kernels (from
-    kernels/), py.typed and the native extension; with FASTRL_NO_NATIVE=1 it
+    """A wheel built from the source tree carries fastrl and every subpackage
+    (fastrl.kernels from kernels/), py.typed and the native extension; with FASTRL_NO_NATIVE=1 it
     still builds and installs without the extension."""
     have_build_deps = all(importlib.util.find_spec(m) for m in ("setuptools", "pybind11", "wheel"))
     isolation = ["--no-build-isolation"] if have_build_deps else []  # else pip fetches them
@@ -67,7 +67,10 @@ def test_wheel_contents(tmp_path):
         assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
         (wheel,) = out.glob("fastrl-*.whl")
         names = zipfile.ZipFile(wheel).namelist()
-        for required in ("fastrl/__init__.py", "fastrl/py.typed", "fastrl/reference.py", "fastrl/kernels/logprobs.py", "fastrl/kernels/reduce.py"):
+        subpackages = [f"fastrl/{p.parent.name}/__init__.py" for p in (ROOT / "fastrl").glob("*/__init__.py")]
+        assert subpackages, "no subpackage of fastrl/ found"
+        for required in ("fastrl/__init__.py", "fastrl/py.typed", "fastrl/reference.py", "fastrl/kernels/logprobs.py",
+                         "fastrl/kernels/reduce.py", *subpackages):  # fmt: skip
             assert required in names, (required, names)
         assert any(n.startswith("fastrl/_C") and n.endswith(".so") for n in names) == expect_so, names
         assert not any(n.startswith(("tests/", "bench/", "csrc/")) for n in names), names

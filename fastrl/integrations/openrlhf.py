@@ -1,0 +1,246 @@
+"""OpenRLHF (0.11.x) with fastrl's kernels: ``patch()`` replaces OpenRLHF's
+functions below with thin adapters that keep OpenRLHF's signatures, dtypes and
+return conventions and run the fastrl op. ``patch(ops=[...])`` chooses;
+``unpatch()`` restores OpenRLHF's.
+
+| op | OpenRLHF function | fastrl |
+| --- | --- | --- |
+| ``logprobs`` | ``openrlhf.models.utils.log_probs_from_logits(logits, labels, temperature=1.0)`` | ``logprobs_from_logits`` |
+| ``entropy`` | ``openrlhf.models.utils.compute_entropy(logits)`` (a ``torch.compile``) | ``entropy_from_logits`` |
+| ``kl`` | ``openrlhf.models.utils.compute_approx_kl(log_probs, log_probs_base, log_probs_old=None, kl_estimator="k1", unbiased_gradient=False)`` | ``kl_penalty`` |
+| ``agg_loss`` | ``openrlhf.models.loss.aggregate_loss(loss, loss_mask, token_level_loss=True, dp_size=1, batch_num_tokens=None, global_batch_size=None)`` | ``agg_loss`` |
+| ``policy_loss`` | ``openrlhf.models.loss.PolicyLoss.forward`` (the class's method: instances built before the patch use it too) | ``policy_loss`` |
+
+The functions are replaced in their modules and in every loaded module that
+imported them by name (``openrlhf.models.actor``, ``openrlhf.trainer.ray.ppo_actor``,
+``openrlhf.trainer.ppo_utils.experience_maker``, ... whichever are loaded); the loss
+modules' own ``SFTLoss`` / ``ValueLoss`` then aggregate with fastrl too.
+``openrlhf.models`` imports the actor, which needs flash-attn and peft (GPU
+machines); the patch imports the two modules through it like OpenRLHF does.
+
+OpenRLHF's conventions kept:
+
+- ``log_probs_from_logits`` divides the caller's logits in place by ``temperature``
+  when it is not 1 (``logits.div_``), as OpenRLHF does, and returns the logits' dtype
+  (float32 from flash-attn for float64 logits when flash-attn is importable).
+- ``compute_entropy`` returns the logits' dtype.
+- ``compute_approx_kl`` returns float32 (OpenRLHF casts with ``.float()``); k1 / k2 / k3
+  with OpenRLHF's clamp of the value to [-10, 10] (k3's own clamps coincide with
+  fastrl's ``"k3"``), and with ``unbiased_gradient=True`` and no ``log_probs_old``
+  fastrl's straight-through ``"k3+"`` (k3's value, k2's gradient).
+- ``aggregate_loss`` / ``PolicyLoss``: ``token_level_loss=True`` is fastrl's
+  ``"token-mean"`` (over ``batch_num_tokens``, times ``dp_size``, when given; else the
+  local masked mean, ``dp_size`` ignored, as in OpenRLHF), ``False`` is
+  ``"seq-mean-token-mean"`` (over ``global_batch_size`` likewise). The result has
+  the loss's dtype.
+- ``PolicyLoss.forward`` returns OpenRLHF's 5-tuple ``(loss, clip_ratio, ppo_kl,
+  vllm_kl, is_filter_ratio)``: 0-d tensors (no host sync), the last two ``None``
+  (no rollout correction); ``dual_clip`` is fastrl's ``clip_ratio_c``.
+
+Where fastrl's semantics intentionally differ from OpenRLHF's (README, "Policy loss
+and KL semantics"), the patched functions follow fastrl's: a token outside the mask
+is ignored entirely (OpenRLHF multiplies, so NaN there spreads); x / 0 := 0 (an
+all-masked batch gives loss and metrics 0, OpenRLHF NaN); ``ppo_kl`` averages the
+log-ratio clamped to +-20 as the ratio is (OpenRLHF: unclamped); ``-inf`` logits
+give a finite entropy (OpenRLHF: NaN).
+
+Calls fastrl does not reproduce exactly run OpenRLHF's own code instead (counted in
+``fastrl.integrations.fallbacks``, announced once per reason with a
+``FallbackWarning``): ``PolicyLoss`` with ``policy_loss_type="gspo"`` (OpenRLHF's
+sequence ratio is differentiated through the mean, fastrl's GSPO ratio is
+straight-through) or with train / rollout correction on (``is_correction_level``
+not ``"off"``); ``compute_approx_kl`` with ``unbiased_gradient=True`` and
+``log_probs_old`` (an importance-weighted gradient) or with a k1 / k2 estimator;
+a ``None`` mask; tensors of different shapes (broadcasting), not floating or not
+on a CPU / CUDA device; a non-bool mask holding values other than 0 and 1 (one
+host synchronisation on CUDA to tell; OpenRLHF's masks are bool); old log-probs or
+advantages that require grad; and every call fastrl's argument checks reject.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+import fastrl
+
+from . import (
+    Framework,
+    Target,
+    constant_reason,
+    delegate,
+    first_reason,
+    mask_reason,
+    promoted,
+    same_shape_reason,
+    tensor_reason,
+)
+from . import patch as _patch
+from . import patched as _patched
+from . import unpatch as _unpatch
+
+__all__ = ["FRAMEWORK", "OPS", "patch", "patched", "unpatch"]
+
+_NAME = "openrlhf"
+_UTILS = "openrlhf.models.utils"
+_LOSS = "openrlhf.models.loss"
+
+
+@functools.cache
+def _flash_attn_importable() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _agg(token_level_loss, dp_size, batch_num_tokens, global_batch_size) -> dict:
+    """fastrl.agg_loss options equal to OpenRLHF's aggregate_loss arguments."""
+    if token_level_loss:
+        if batch_num_tokens is None:
+            return {"loss_agg_mode": "token-mean"}  # the local masked mean: OpenRLHF ignores dp_size here
+        return {"loss_agg_mode": "token-mean", "batch_num_tokens": batch_num_tokens, "dp_size": dp_size}
+    if global_batch_size is None:
+        return {"loss_agg_mode": "seq-mean-token-mean"}
+    return {"loss_agg_mode": "seq-mean-token-mean", "global_batch_size": global_batch_size, "dp_size": dp_size}
+
+
+def _log_probs_from_logits(original):
+    def log_probs_from_logits(logits, labels, temperature=1.0):
+        reason = tensor_reason(logits=logits)
+        if reason is not None:
+            return delegate(_NAME, "log_probs_from_logits", original, (logits, labels, temperature), {}, None, reason)
+        if temperature != 1.0:
+            logits.div_(temperature)  # OpenRLHF scales the caller's logits in place
+
+        def compute():
+            out = fastrl.logprobs_from_logits(logits, labels)
+            flash_fp32 = logits.dtype == torch.float64 and _flash_attn_importable()
+            return out.to(torch.float32 if flash_fp32 else logits.dtype)
+
+        # The logits are scaled already: OpenRLHF's own code, if it runs, gets temperature 1.
+        return delegate(_NAME, "log_probs_from_logits", original, (logits, labels), {}, compute)
+
+    return log_probs_from_logits
+
+
+def _compute_entropy(original):
+    def compute_entropy(logits):
+        compute = lambda: fastrl.entropy_from_logits(logits).to(logits.dtype)  # noqa: E731
+        return delegate(_NAME, "compute_entropy", original, (logits,), {}, compute, tensor_reason(logits=logits))
+
+    return compute_entropy
+
+
+def _compute_approx_kl(original):
+    def compute_approx_kl(log_probs, log_probs_base, log_probs_old=None, kl_estimator="k1", unbiased_gradient=False):
+        args = (log_probs, log_probs_base, log_probs_old, kl_estimator, unbiased_gradient)
+        reason = first_reason(
+            tensor_reason(log_probs=log_probs, log_probs_base=log_probs_base),
+            None if kl_estimator in ("k1", "k2", "k3") else "unknown kl_estimator (OpenRLHF raises)",
+        )
+        if reason is None:
+            reason = same_shape_reason(log_probs, log_probs_base=log_probs_base)
+        if reason is None and unbiased_gradient:
+            if log_probs_old is not None:
+                reason = "unbiased_gradient with log_probs_old (an importance-weighted gradient)"
+            elif kl_estimator != "k3":
+                reason = "unbiased_gradient with a k1 / k2 estimator (a clamped value with an unclamped gradient)"
+
+        def compute():
+            if unbiased_gradient:
+                return fastrl.kl_penalty(log_probs, log_probs_base, "k3+").float()
+            kl = fastrl.kl_penalty(log_probs, log_probs_base, kl_estimator).float()
+            return kl if kl_estimator == "k3" else kl.clamp(min=-10, max=10)  # k3 clamps in the kernel
+
+        return delegate(_NAME, "compute_approx_kl", original, args, {}, compute, reason)
+
+    return compute_approx_kl
+
+
+def _aggregate_loss(original):
+    def aggregate_loss(loss, loss_mask, token_level_loss=True, dp_size=1, batch_num_tokens=None,
+                       global_batch_size=None):  # fmt: skip
+        args = (loss, loss_mask, token_level_loss, dp_size, batch_num_tokens, global_batch_size)
+        reason = first_reason(tensor_reason(loss=loss), None if loss_mask is not None else "loss_mask is None")
+        if reason is None:
+            reason = first_reason(same_shape_reason(loss, loss_mask=loss_mask), mask_reason(loss_mask, "loss_mask"))
+
+        def compute():
+            options = _agg(token_level_loss, dp_size, batch_num_tokens, global_batch_size)
+            return fastrl.agg_loss(loss, loss_mask, **options).to(promoted(loss, loss_mask))
+
+        return delegate(_NAME, "aggregate_loss", original, args, {}, compute, reason)
+
+    return aggregate_loss
+
+
+def _policy_loss_forward(original):
+    def forward(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None, dp_size=1,
+                batch_num_tokens=None, global_batch_size=None):  # fmt: skip
+        args = (self, log_probs, old_log_probs, advantages, action_mask, rollout_log_probs, dp_size,
+                batch_num_tokens, global_batch_size)  # fmt: skip
+        reason = None
+        if getattr(self, "policy_loss_type", None) != "ppo":
+            reason = "policy_loss_type is not 'ppo' (OpenRLHF's GSPO ratio has another gradient than fastrl's)"
+        elif getattr(self, "is_correction_level", None) != "off":
+            reason = "train / rollout correction is on (is_correction_level is not 'off')"
+        elif action_mask is None:
+            reason = "action_mask is None"
+        if reason is None:
+            reason = tensor_reason(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages)
+        if reason is None:
+            reason = first_reason(
+                same_shape_reason(log_probs, old_log_probs=old_log_probs, advantages=advantages,
+                                  action_mask=action_mask),
+                constant_reason(old_log_probs=old_log_probs, advantages=advantages),
+                mask_reason(action_mask, "action_mask"),
+            )  # fmt: skip
+
+        def compute():
+            loss, metrics = fastrl.policy_loss(
+                log_probs, old_log_probs, advantages, action_mask, clip_ratio_low=self.clip_eps_low,
+                clip_ratio_high=self.clip_eps_high, clip_ratio_c=self.dual_clip,
+                **_agg(self.token_level_loss, dp_size, batch_num_tokens, global_batch_size),
+            )  # fmt: skip
+            dtype = promoted(log_probs, old_log_probs, advantages)
+            ppo_kl = metrics["ppo_kl"].to(promoted(log_probs, old_log_probs))
+            return loss.to(dtype), metrics["pg_clipfrac"].float(), ppo_kl, None, None
+
+        return delegate(_NAME, "PolicyLoss.forward", original, args, {}, compute, reason)
+
+    return forward
+
+
+FRAMEWORK = Framework(
+    name=_NAME,
+    display="OpenRLHF",
+    distribution="openrlhf",
+    supported=((0, 11), (0, 12)),
+    tested="0.11.2",
+    targets=(
+        Target("logprobs", _UTILS, "log_probs_from_logits", _log_probs_from_logits),
+        Target("entropy", _UTILS, "compute_entropy", _compute_entropy),
+        Target("kl", _UTILS, "compute_approx_kl", _compute_approx_kl),
+        Target("agg_loss", _LOSS, "aggregate_loss", _aggregate_loss),
+        Target("policy_loss", _LOSS, "PolicyLoss.forward", _policy_loss_forward),
+    ),
+)
+OPS = FRAMEWORK.ops
+
+
+def patch(ops=None) -> dict[str, list[str]]:
+    """Replaces OpenRLHF's functions of ``ops`` (default: all of :data:`OPS`) with
+    fastrl's adapters wherever they are loaded; returns where, per op. Idempotent.
+    Raises ``UnsupportedVersionError`` naming the installed OpenRLHF when it is not
+    0.11.x or its functions' layout differs."""
+    return _patch(FRAMEWORK, ops)
+
+
+def unpatch(ops=None) -> None:
+    """Restores OpenRLHF's own functions (of ``ops``, default all) everywhere."""
+    _unpatch(FRAMEWORK, ops)
+
+
+def patched() -> list[str]:
+    """The OpenRLHF ops patched now."""
+    return _patched(FRAMEWORK)[_NAME]

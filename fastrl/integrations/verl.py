@@ -1,0 +1,309 @@
+"""veRL (0.9.x) with fastrl's kernels: ``patch()`` replaces veRL's functions below
+with thin adapters that keep veRL's signatures, dtypes and return conventions and
+run the fastrl op. ``patch(ops=[...])`` chooses; ``unpatch()`` restores veRL's.
+
+| op | veRL function (and where it is replaced) | fastrl |
+| --- | --- | --- |
+| ``logprobs`` | ``verl.utils.torch_functional.logprobs_from_logits(logits, labels, inplace_backward=True)`` | ``logprobs_from_logits`` |
+| ``entropy`` | ``verl.utils.torch_functional.entropy_from_logits(logits)``, ``entropy_from_logits_with_chunking(logits, chunk_size=2048)`` | ``entropy_from_logits`` |
+| ``kl`` | ``verl.trainer.ppo.core_algos.kl_penalty(logprob, ref_logprob, kl_penalty)`` | ``kl_penalty`` |
+| ``agg_loss`` | ``verl.trainer.ppo.core_algos.agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)`` | ``agg_loss`` |
+| ``policy_loss`` | ``core_algos.compute_policy_loss_vanilla`` and ``compute_policy_loss_gspo``, and their ``POLICY_LOSS_REGISTRY`` entries ``"vanilla"`` / ``"gspo"`` (what ``get_policy_loss_fn`` returns) | ``policy_loss`` |
+
+Each is replaced in its own module and in every loaded module that imported it by
+name (``verl.workers.utils.losses``, ``verl.workers.rollout.naive.naive_rollout``,
+``verl.trainer.distillation.losses``, ... whichever are loaded); modules imported
+later take the replacement from veRL's module. Replacing ``agg_loss`` and
+``kl_penalty`` in ``core_algos`` also changes what veRL's other loss functions there
+call. Patch before veRL builds its engines: an engine stores
+``verl_F.entropy_from_logits`` (or its ``torch.compile``) when it is built.
+
+Conventions kept:
+
+- ``logprobs_from_logits`` returns float32 when veRL would take its flash-attn path
+  (flash-attn importable, ``VERL_DISABLE_FLASH_ATTN_CE`` unset: veRL's default on GPU),
+  else the logits' dtype, as veRL's ``log_softmax`` path does. ``inplace_backward=True``
+  (veRL's default) writes the gradient into the logits' storage, as flash-attn does;
+  veRL passes ``False`` where it reuses the logits (for the entropy). Labels equal to
+  -100 give 0, as flash-attn's cross-entropy does.
+- ``entropy_from_logits`` returns the logits' dtype, ``entropy_from_logits_with_chunking``
+  the default dtype (float32), as veRL does; the chunking is not needed (fastrl never
+  allocates an ``[N, V]`` temporary) and ``chunk_size`` is ignored.
+- ``kl_penalty`` and ``agg_loss`` return the dtype of veRL's arithmetic on the inputs.
+- The policy losses return ``(loss, metrics)`` with ``metrics`` the Python floats veRL
+  returns (``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``; read
+  with one host synchronisation where veRL makes three). The vanilla loss reads
+  ``clip_ratio``, ``clip_ratio_low`` / ``_high``, ``clip_ratio_c`` and
+  ``global_batch_info`` from the config as veRL does; GSPO always aggregates with
+  ``"seq-mean-token-mean"`` and reports ``pg_clipfrac_lower = 0.0``, as veRL does.
+
+Where fastrl's semantics intentionally differ from veRL's (README, "Policy loss and
+KL semantics"), the patched functions follow fastrl's:
+
+- A token outside the mask is ignored entirely: its values may be NaN (veRL lets NaN
+  through ``loss_mat * loss_mask`` in the seq-mean modes and in its gradients).
+- x / 0 := 0: an all-masked batch has loss 0 (veRL: NaN in ``token-mean``).
+- ``-inf`` logits (a masked vocabulary) give finite log-probs and entropies where
+  veRL's ``softmax * logits`` gives NaN.
+- The arithmetic is float32 inside the kernels (veRL computes in the inputs' dtype:
+  bf16 inputs differ by bf16 rounding; the result is cast back to veRL's dtype).
+
+Calls fastrl does not reproduce exactly run veRL's own function instead (counted in
+``fastrl.integrations.fallbacks``, announced once per reason with a
+``FallbackWarning``): tensors that are not floating or not on a CPU / CUDA device,
+tensors of different shapes (veRL broadcasts), a non-bool mask holding values
+other than 0 and 1 (veRL multiplies by it; telling needs one host synchronisation
+on CUDA, so pass bool masks), old log-probs, advantages or rollout weights that
+require grad (fastrl treats them as constants), a config that veRL's own function
+asserts on or whose ``global_batch_info`` has keys ``agg_loss`` does not take,
+``entropy_from_logits_with_chunking`` on logits that are not 2-D, and every call
+fastrl's argument checks reject (veRL then raises its own error, or computes).
+``kl_penalty(..., "full")`` raises veRL's ``NotImplementedError``, with a pointer to
+``fastrl.full_kl``: veRL passes per-token log-probs, which do not determine the
+full-vocabulary KL.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import fastrl
+
+from . import (
+    Framework,
+    Target,
+    constant_reason,
+    delegate,
+    first_reason,
+    mask_reason,
+    promoted,
+    same_shape_reason,
+    tensor_reason,
+)
+from . import patch as _patch
+from . import patched as _patched
+from . import unpatch as _unpatch
+
+__all__ = ["FRAMEWORK", "OPS", "patch", "patched", "unpatch"]
+
+_NAME = "verl"
+_F = "verl.utils.torch_functional"
+_CORE = "verl.trainer.ppo.core_algos"
+_AGG_KEYS = frozenset({"dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor"})
+_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+class _Unsupported(Exception):
+    pass
+
+
+# ----------------------------------------------------------------- log-probs, entropy
+
+
+def _logprobs_from_logits(original):
+    env = original.__globals__
+
+    def logprobs_from_logits(logits, labels, inplace_backward=True):
+        def compute():
+            flash = env.get("FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False) and (
+                os.environ.get("VERL_DISABLE_FLASH_ATTN_CE", "0") != "1"
+            )
+            out = fastrl.logprobs_from_logits(logits, labels, inplace_backward)
+            return out.to(torch.float32 if flash else logits.dtype)
+
+        return delegate(_NAME, "logprobs_from_logits", original, (logits, labels, inplace_backward), {}, compute,
+                        tensor_reason(logits=logits))  # fmt: skip
+
+    return logprobs_from_logits
+
+
+def _entropy_from_logits(original):
+    def entropy_from_logits(logits):
+        compute = lambda: fastrl.entropy_from_logits(logits).to(logits.dtype)  # noqa: E731
+        return delegate(_NAME, "entropy_from_logits", original, (logits,), {}, compute, tensor_reason(logits=logits))
+
+    return entropy_from_logits
+
+
+def _entropy_from_logits_with_chunking(original):
+    def entropy_from_logits_with_chunking(logits, chunk_size=2048):
+        reason = tensor_reason(logits=logits)
+        if reason is None and logits.dim() != 2:
+            reason = "logits are not 2-D [N, V] (veRL's chunked entropy takes [N, V] only)"
+        if reason is None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
+            reason = "chunk_size is not a positive int"
+        compute = lambda: fastrl.entropy_from_logits(logits).to(torch.get_default_dtype())  # noqa: E731
+        return delegate(_NAME, "entropy_from_logits_with_chunking", original, (logits, chunk_size), {}, compute, reason)
+
+    return entropy_from_logits_with_chunking
+
+
+# -------------------------------------------------------------------------- KL, agg
+
+
+def _kl_penalty(original):
+    def kl_penalty(logprob, ref_logprob, kl_penalty):
+        args = (logprob, ref_logprob, kl_penalty)
+        base = kl_penalty[:-1] if isinstance(kl_penalty, str) and kl_penalty.endswith("+") else kl_penalty
+        if base == "full":
+            try:
+                return original(*args)
+            except NotImplementedError as error:
+                raise NotImplementedError(
+                    "veRL's kl_penalty(..., 'full') is given per-token log-probs, which do not determine the "
+                    "full-vocabulary KL; veRL leaves it unimplemented. fastrl.full_kl(logits, ref_logits) computes "
+                    "it from the two policies' logits."
+                ) from error
+        reason = first_reason(
+            tensor_reason(logprob=logprob, ref_logprob=ref_logprob),
+            None if base in _ESTIMATORS else "unknown estimator (veRL raises)",
+        )
+        if reason is None:
+            reason = same_shape_reason(logprob, ref_logprob=ref_logprob)
+        compute = lambda: fastrl.kl_penalty(logprob, ref_logprob, kl_penalty).to(promoted(logprob, ref_logprob))  # noqa: E731
+        return delegate(_NAME, "kl_penalty", original, args, {}, compute, reason)
+
+    return kl_penalty
+
+
+def _agg_loss(original):
+    def agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
+                 loss_scale_factor=None):  # fmt: skip
+        args = (loss_mat, loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)
+        reason = tensor_reason(loss_mat=loss_mat)
+        if reason is None:
+            reason = first_reason(same_shape_reason(loss_mat, loss_mask=loss_mask), mask_reason(loss_mask, "loss_mask"))
+
+        def compute():
+            loss = fastrl.agg_loss(
+                loss_mat, loss_mask, loss_agg_mode, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
+                global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor,
+            )  # fmt: skip
+            return loss.to(promoted(loss_mat, loss_mask))
+
+        return delegate(_NAME, "agg_loss", original, args, {}, compute, reason)
+
+    return agg_loss
+
+
+# ---------------------------------------------------------------------- policy loss
+
+
+def _options(config, env, *, gspo: bool) -> dict:
+    """fastrl.policy_loss options from veRL's config, read as veRL's function reads it."""
+    if config is None:
+        raise _Unsupported("config is None (veRL asserts)")
+    if gspo:
+        actor_config = env.get("ActorConfig")
+        if actor_config is None or not isinstance(config, actor_config):
+            raise _Unsupported("config is not an ActorConfig (veRL's GSPO asserts)")
+    else:
+        algo_config = env.get("AlgoConfig")
+        if algo_config is not None and isinstance(config, algo_config):
+            raise _Unsupported("config is an AlgoConfig (veRL asserts)")
+    try:
+        clip_ratio = config.clip_ratio
+        low = config.clip_ratio_low if config.clip_ratio_low is not None else clip_ratio
+        high = config.clip_ratio_high if config.clip_ratio_high is not None else clip_ratio
+        clip_ratio_c = None if gspo else config.get("clip_ratio_c", 3.0)
+        info = dict(config.global_batch_info)
+    except Exception as error:  # veRL's own function fails the same way
+        raise _Unsupported(f"reading the config fails ({type(error).__name__})") from error
+    if set(info) - _AGG_KEYS:
+        raise _Unsupported("config.global_batch_info has keys agg_loss does not take")
+    return {"clip_ratio_low": low, "clip_ratio_high": high, "clip_ratio_c": clip_ratio_c, **info}
+
+
+def _policy_loss(original, *, gspo: bool):
+    env = original.__globals__
+    name = "compute_policy_loss_gspo" if gspo else "compute_policy_loss_vanilla"
+
+    def body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights):
+        args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+        try:
+            options = _options(config, env, gspo=gspo)
+            reason = None
+        except _Unsupported as unsupported:
+            options, reason = {}, str(unsupported)
+        if reason is None:
+            reason = tensor_reason(log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages,
+                                   rollout_is_weights=rollout_is_weights)  # fmt: skip
+        if reason is None:
+            reason = first_reason(
+                same_shape_reason(log_prob, old_log_prob=old_log_prob, advantages=advantages,
+                                  response_mask=response_mask, rollout_is_weights=rollout_is_weights),
+                constant_reason(old_log_prob=old_log_prob, advantages=advantages, rollout_is_weights=rollout_is_weights),
+                mask_reason(response_mask, "response_mask"),
+            )  # fmt: skip
+
+        def compute():
+            loss, metrics = fastrl.policy_loss(
+                log_prob, old_log_prob, advantages, response_mask, ratio_level="sequence" if gspo else "token",
+                loss_agg_mode="seq-mean-token-mean" if gspo else loss_agg_mode,
+                rollout_is_weights=rollout_is_weights, **options,
+            )  # fmt: skip
+            clipfrac, ppo_kl, clipfrac_lower = torch.stack(
+                [metrics["pg_clipfrac"], metrics["ppo_kl"], metrics["pg_clipfrac_lower"]]
+            ).tolist()  # one host sync for the three floats veRL returns
+            return loss.to(promoted(log_prob, old_log_prob, advantages, rollout_is_weights)), {
+                "actor/pg_clipfrac": clipfrac,
+                "actor/ppo_kl": ppo_kl,
+                "actor/pg_clipfrac_lower": 0.0 if gspo else clipfrac_lower,
+            }
+
+        return delegate(_NAME, name, original, args, {}, compute, reason)
+
+    if gspo:
+
+        def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask,
+                                     loss_agg_mode="seq-mean-token-mean", config=None, rollout_is_weights=None):  # fmt: skip
+            return body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+
+        return compute_policy_loss_gspo
+
+    def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                                    config=None, rollout_is_weights=None):  # fmt: skip
+        return body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
+
+    return compute_policy_loss_vanilla
+
+
+_REGISTRY = (f"{_CORE}:POLICY_LOSS_REGISTRY",)
+
+FRAMEWORK = Framework(
+    name=_NAME,
+    display="veRL",
+    distribution="verl",
+    supported=((0, 9), (0, 10)),
+    tested="0.9.0",
+    targets=(
+        Target("logprobs", _F, "logprobs_from_logits", _logprobs_from_logits),
+        Target("entropy", _F, "entropy_from_logits", _entropy_from_logits),
+        Target("entropy", _F, "entropy_from_logits_with_chunking", _entropy_from_logits_with_chunking),
+        Target("kl", _CORE, "kl_penalty", _kl_penalty),
+        Target("agg_loss", _CORE, "agg_loss", _agg_loss),
+        Target("policy_loss", _CORE, "compute_policy_loss_vanilla", lambda f: _policy_loss(f, gspo=False), _REGISTRY),
+        Target("policy_loss", _CORE, "compute_policy_loss_gspo", lambda f: _policy_loss(f, gspo=True), _REGISTRY),
+    ),
+)
+OPS = FRAMEWORK.ops
+
+
+def patch(ops=None) -> dict[str, list[str]]:
+    """Replaces veRL's functions of ``ops`` (default: all of :data:`OPS`) with
+    fastrl's adapters wherever they are loaded; returns where, per op. Idempotent.
+    Raises ``UnsupportedVersionError`` naming the installed veRL when it is not
+    0.9.x or its functions' layout differs."""
+    return _patch(FRAMEWORK, ops)
+
+
+def unpatch(ops=None) -> None:
+    """Restores veRL's own functions (of ``ops``, default all) everywhere."""
+    _unpatch(FRAMEWORK, ops)
+
+
+def patched() -> list[str]:
+    """The veRL ops patched now."""
+    return _patched(FRAMEWORK)[_NAME]

@@ -1,0 +1,739 @@
+"""fastrl.integrations: veRL, TRL and OpenRLHF patched with fastrl's ops.
+
+For every function an integration replaces, the framework's own function before
+patching and the one its module holds after patching give the same result on the
+same random fp32 inputs, to 1e-5 (values, gradients, metrics, dtypes), without
+falling back; a short real code path of each framework runs patched; calls fastrl
+does not reproduce run the framework's own code (the fallback) and say so; unpatch
+restores every reference. Inputs stay where fastrl's semantics and the
+frameworks' agree (finite values, at least one valid token: see the integration
+modules' docstrings). The shared machinery is also tested on a fake framework, so
+that part runs with no framework installed. A framework's tests skip, saying why,
+only when that framework is not installed (make setup installs all three).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import sys
+import types
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fastrl import integrations
+from fastrl.integrations import (
+    FallbackWarning,
+    Framework,
+    Target,
+    UnsupportedVersionError,
+)
+
+os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")  # no plugin scan at veRL's import
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+RTOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fallbacks():
+    integrations.reset_fallbacks()
+    yield
+
+
+def _require(module: str, display: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{display} is not installed (make setup installs it)")
+
+
+# ------------------------------------------------------------------ comparison helpers
+
+
+def _leaves(out):
+    """Tensors and floats of a (nested) result, in order; dict keys are kept apart."""
+    if isinstance(out, dict):
+        return [(key if k is None else f"{key}{k}", v) for key in sorted(out) for k, v in _leaves(out[key])]
+    if isinstance(out, (tuple, list)):
+        return [(f"[{i}]" + ("" if k is None else str(k)), v) for i, item in enumerate(out) for k, v in _leaves(item)]
+    return [(None, out)]
+
+
+def _run(fn, call, inputs, grad):
+    """``call(fn, **inputs)`` on fresh copies (those named in ``grad`` require grad);
+    returns (result, gradients of sum(w * outputs) w.r.t. the ``grad`` inputs)."""
+    copies = {k: (v.detach().clone().requires_grad_(k in grad) if isinstance(v, torch.Tensor) else v)
+              for k, v in inputs.items()}  # fmt: skip
+    out = call(fn, **copies)
+    generator = torch.Generator().manual_seed(1234)
+    total = 0.0
+    for _, leaf in _leaves(out):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            weights = torch.randn(leaf.shape, generator=generator, dtype=torch.float64).to(leaf.dtype)
+            total = total + (leaf * weights).sum()
+    targets = [copies[k] for k in grad]
+    grads = torch.autograd.grad(total, targets, allow_unused=True) if targets and torch.is_tensor(total) else []
+    return out, list(zip(grad, grads))
+
+
+def _close(actual, expected, what, rtol=RTOL):
+    if expected is None or actual is None:
+        assert actual is None and expected is None, f"{what}: {actual} vs {expected}"
+        return
+    if isinstance(expected, float):
+        assert type(actual) is float, f"{what}: the framework returns a Python float, got {type(actual).__name__}"
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype, (
+            f"{what}: dtype {getattr(actual, 'dtype', type(actual))} vs the framework's {expected.dtype}"
+        )
+        assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} vs {tuple(expected.shape)}"
+    a, e = torch.as_tensor(actual).detach().double(), torch.as_tensor(expected).detach().double()
+    assert torch.equal(a.isnan(), e.isnan()), f"{what}: NaN pattern differs"
+    ok = a.isnan()
+    assert torch.allclose(a[~ok], e[~ok], rtol=rtol, atol=rtol), f"{what}: patched {a} vs original {e}"
+
+
+def _assert_same(after, before, what, rtol=RTOL):
+    (out_a, grads_a), (out_b, grads_b) = after, before
+    leaves_a, leaves_b = _leaves(out_a), _leaves(out_b)
+    assert [k for k, _ in leaves_a] == [k for k, _ in leaves_b], f"{what}: result structure differs"
+    assert len(leaves_a) == len(leaves_b), f"{what}: result structure differs"
+    for (key, a), (_, b) in zip(leaves_a, leaves_b):
+        _close(a, b, f"{what} {key if key is not None else 'output'}", rtol)
+    for (name, a), (_, b) in zip(grads_a, grads_b):
+        _close(a, b, f"{what} grad {name}", rtol)
+
+
+def _parity(integration, get, call, inputs, grad=(), what="", rtol=RTOL):
+    """The framework's function before patching vs after, on the same inputs."""
+    integration.unpatch()
+    original = get()
+    assert not hasattr(original, "__fastrl_original__"), f"{what} is patched before the test"
+    before = _run(original, call, inputs, grad)
+    integration.patch()
+    replacement = get()
+    assert getattr(replacement, "__fastrl_original__", None) is original, f"{what} was not replaced"
+    after = _run(replacement, call, inputs, grad)
+    assert not integrations.fallbacks, f"{what}: fell back to the framework's code: {dict(integrations.fallbacks)}"
+    _assert_same(after, before, what, rtol)
+    return after, before
+
+
+def _fallback_matches(integration, get, call, inputs, reason_part, grad=()):
+    """A call fastrl does not reproduce: the patched function warns, counts the
+    fallback and returns exactly the framework's result."""
+    integration.unpatch()
+    before = _run(get(), call, inputs, grad)
+    integration.patch()
+    integrations.reset_fallbacks()
+    with pytest.warns(FallbackWarning, match=reason_part):
+        after = _run(get(), call, inputs, grad)
+    assert any(reason_part in key for key in integrations.fallbacks), dict(integrations.fallbacks)
+    # The framework's own function may call others that are patched (veRL's vanilla loss calls agg_loss).
+    _assert_same(after, before, "fallback")
+
+
+def _per_token_inputs(shape=(6, 40), spread=(0.01, 0.1, 0.5, 1.0, 3.0, 8.0)):
+    n_rows, length = shape
+    logp = -torch.rand(shape) * 5
+    old = logp + torch.randn(shape) * torch.tensor(spread)[torch.arange(n_rows) % len(spread), None]
+    adv = torch.randn(n_rows, 1) + 0.2 * torch.randn(shape)
+    adv[:, ::7] = 0.0
+    lengths = torch.randint(1, length + 1, (n_rows,))
+    mask = torch.arange(length)[None] < lengths[:, None]
+    mask[2] = False  # a fully masked sequence
+    return {
+        "log_probs": logp, "old_log_probs": old, "advantages": adv, "mask": mask,
+        "ref_log_probs": logp + 0.3 * torch.randn(shape), "entropy": torch.rand(shape) * 3,
+        "weights": torch.rand(shape) * 2, "values": torch.randn(shape),
+    }  # fmt: skip
+
+
+def _logits(shape=(3, 17, 1000), std=3.0):
+    return torch.randn(*shape) * std
+
+
+# ------------------------------------------------------------- the shared machinery
+
+
+class _FakeLoss:
+    def forward(self, x, scale=2.0):
+        return ("framework", x * scale)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """A fake framework 'fastrl_fake_fw' 1.2.3: ops.logprob (also in REGISTRY and
+    imported by name by fastrl_fake_fw.user, and under an alias), ops.Loss.forward."""
+
+    def logprob(x, y=1):
+        return ("framework", x, y)
+
+    package = types.ModuleType("fastrl_fake_fw")
+    package.__version__ = "1.2.3"
+    ops = types.ModuleType("fastrl_fake_fw.ops")
+    ops.logprob = logprob
+    ops.Loss = type("Loss", (_FakeLoss,), {"forward": _FakeLoss.forward})
+    ops.REGISTRY = {"a": logprob, "other": len}
+    user = types.ModuleType("fastrl_fake_fw.user")
+    for module in (package, ops, user):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    user.logprob = sys.modules["fastrl_fake_fw.ops"].logprob  # what `from fastrl_fake_fw.ops import logprob` does
+    user.alias = logprob
+
+    def make_logprob(original):
+        def logprob(x, y=1):
+            if x == "reject":
+                return integrations.delegate("fake", "logprob", original, (x, y), {}, lambda: int("x"))
+            return ("fastrl", x, y)
+
+        return logprob
+
+    def make_forward(original):
+        def forward(self, x, scale=2.0):
+            return ("fastrl", x * scale)
+
+        return forward
+
+    framework = Framework(
+        name="fastrl_fake_fw", display="FakeFW", distribution="fastrl-fake-fw-not-installed",
+        supported=((1, 2), (1, 3)), tested="1.2.3",
+        targets=(
+            Target("lp", "fastrl_fake_fw.ops", "logprob", make_logprob, ("fastrl_fake_fw.ops:REGISTRY",)),
+            Target("loss", "fastrl_fake_fw.ops", "Loss.forward", make_forward),
+        ),
+    )  # fmt: skip
+    yield SimpleNamespace(framework=framework, ops=ops, user=user, original=logprob, package=package)
+    integrations.unpatch(framework)
+
+
+def test_patch_replaces_by_name_everywhere_and_unpatch_restores(fake):
+    ops, user, original = fake.ops, fake.user, fake.original
+    loss = ops.Loss()  # built before the patch: the class's method is replaced
+    where = integrations.patch(fake.framework)
+    assert ops.logprob(3) == ("fastrl", 3, 1) and user.logprob(3) == ("fastrl", 3, 1)
+    assert ops.REGISTRY["a"](3) == ("fastrl", 3, 1) and ops.REGISTRY["other"] is len
+    assert loss.forward(2) == ("fastrl", 4.0)
+    assert user.alias is original, "only the original name is swapped, not aliases"
+    assert ops.logprob.__fastrl_original__ is original and ops.logprob.__wrapped__ is original
+    assert ops.logprob.__name__ == "logprob"
+    assert set(where) == {"lp", "loss"}
+    assert "fastrl_fake_fw.user.logprob" in where["lp"] and "fastrl_fake_fw.ops.REGISTRY['a']" in where["lp"]
+    assert integrations.patched(fake.framework) == {"fastrl_fake_fw": ["lp", "loss"]}
+
+    integrations.unpatch(fake.framework)
+    assert ops.logprob is original and user.logprob is original and ops.REGISTRY["a"] is original
+    assert loss.forward(2) == ("framework", 4.0)
+    assert integrations.patched(fake.framework) == {"fastrl_fake_fw": []}
+    integrations.unpatch(fake.framework)  # a no-op
+
+
+def test_patch_is_idempotent_and_late_imports_get_the_replacement(fake, monkeypatch):
+    first = integrations.patch(fake.framework)
+    replacement = fake.ops.logprob
+    assert integrations.patch(fake.framework) == first
+    assert fake.ops.logprob is replacement and replacement.__fastrl_original__ is fake.original
+    late = types.ModuleType("fastrl_fake_fw.late")
+    monkeypatch.setitem(sys.modules, late.__name__, late)
+    late.logprob = importlib.import_module("fastrl_fake_fw.ops").logprob  # `from fastrl_fake_fw.ops import logprob`
+    assert late.logprob is replacement
+    integrations.unpatch(fake.framework)
+    assert late.logprob is fake.original, "a module imported after the patch is restored too"
+
+
+def test_ops_selection(fake):
+    assert integrations.patch(fake.framework, ops=["loss"]).keys() == {"loss"}
+    assert fake.ops.logprob is fake.original and fake.ops.Loss().forward(1) == ("fastrl", 2.0)
+    integrations.patch(fake.framework, ops="lp")
+    assert integrations.patched(fake.framework) == {"fastrl_fake_fw": ["loss", "lp"]}
+    integrations.unpatch(fake.framework, ops=["loss"])
+    assert fake.ops.Loss().forward(1) == ("framework", 2.0) and fake.ops.logprob(1)[0] == "fastrl"
+    with pytest.raises(ValueError, match=r"unknown op\(s\) 'logprobs'.*'lp', 'loss'"):
+        integrations.patch(fake.framework, ops=["logprobs"])
+
+
+def test_unsupported_version_names_it_and_patches_nothing(fake):
+    fake.package.__version__ = "1.4.0"
+    with pytest.raises(UnsupportedVersionError, match=r"supports FakeFW 1\.2\.x .*installed FakeFW is 1\.4\.0"):
+        integrations.patch(fake.framework)
+    assert fake.ops.logprob is fake.original
+
+
+def test_layout_mismatch_names_the_version_and_patches_nothing(fake):
+    fake.ops.Loss.forward = lambda self, x: x  # another signature
+    with pytest.raises(UnsupportedVersionError, match=r"FakeFW 1\.2\.3, fastrl_fake_fw\.ops\.Loss\.forward takes"):
+        integrations.patch(fake.framework)
+    assert fake.ops.logprob is fake.original, "nothing changes when one target does not fit"
+    del fake.ops.Loss
+    with pytest.raises(UnsupportedVersionError, match=r"FakeFW 1\.2\.3 has no fastrl_fake_fw\.ops\.Loss\.forward"):
+        integrations.patch(fake.framework)
+
+
+def test_not_installed():
+    framework = Framework("fastrl_absent_fw", "AbsentFW", "fastrl-absent-fw", ((1, 0), (2, 0)), "1.0.0")
+    with pytest.raises(ModuleNotFoundError, match="AbsentFW is not installed"):
+        integrations.patch(framework)
+
+
+def test_rejected_calls_fall_back_once_announced(fake):
+    integrations.patch(fake.framework)
+    with pytest.warns(FallbackWarning, match="fastrl's argument checks reject the call.*ValueError"):
+        assert fake.ops.logprob("reject") == ("framework", "reject", 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fake.ops.logprob("reject") == ("framework", "reject", 1)  # announced once
+    assert integrations.fallbacks == {"fake.logprob: fastrl's argument checks reject the call": 2}
+
+
+# --------------------------------------------------------------------------------- veRL
+
+
+@pytest.fixture
+def verl():
+    _require("verl", "veRL")
+    env = SimpleNamespace(
+        core=importlib.import_module("verl.trainer.ppo.core_algos"),
+        F=importlib.import_module("verl.utils.torch_functional"),
+        ActorConfig=importlib.import_module("verl.workers.config").ActorConfig,
+        integration=importlib.import_module("fastrl.integrations.verl"),
+    )
+    # Modules of veRL's workers that import the functions by name (their imports need
+    # pillow, which the bench extra brings): loaded before the patch, as a trainer's are.
+    env.losses = importlib.import_module("verl.workers.utils.losses")  # agg_loss, kl_penalty, get_policy_loss_fn
+    env.rollout = importlib.import_module("verl.workers.rollout.naive.naive_rollout")  # logprobs_from_logits
+    env.integration.unpatch()
+    yield env
+    env.integration.unpatch()
+
+
+def _verl_config(env, global_info=None, **overrides):
+    options = {"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0}
+    options.update(overrides)
+    return env.ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
+                           global_batch_info=dict(global_info or {}), **options)  # fmt: skip
+
+
+VERL_GLOBAL = [{}, {"dp_size": 2, "batch_num_tokens": 150, "global_batch_size": 9, "loss_scale_factor": 32}]
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_verl_logprobs_from_logits(verl, inplace):
+    # A non-leaf copy: with inplace_backward the gradient overwrites the logits passed in.
+    call = lambda fn, logits, labels: fn(logits * 1.0, labels, inplace)  # noqa: E731
+    inputs = {"logits": _logits(), "labels": torch.randint(1000, (3, 17))}
+    _parity(verl.integration, lambda: verl.F.logprobs_from_logits, call, inputs, ["logits"], "logprobs_from_logits")
+    assert verl.rollout.logprobs_from_logits.__fastrl_original__ is verl.F.logprobs_from_logits.__wrapped__
+
+
+def test_verl_entropy(verl):
+    inputs = {"logits": _logits()}
+    _parity(verl.integration, lambda: verl.F.entropy_from_logits, lambda fn, logits: fn(logits), inputs, ["logits"],
+            "entropy_from_logits")  # fmt: skip
+    chunked = lambda fn, logits: fn(logits, chunk_size=8)  # noqa: E731
+    _parity(verl.integration, lambda: verl.F.entropy_from_logits_with_chunking, chunked, {"logits": _logits((37, 300))},
+            ["logits"], "entropy_from_logits_with_chunking")  # fmt: skip
+
+
+def test_verl_bf16_dtypes_kept(verl):
+    """veRL's log_softmax path returns the logits' dtype: bf16 in, bf16 out. fastrl's
+    values are the exact ones rounded to bf16 (veRL sums the entropy in bf16, which is
+    off by more: compared with float64, not with veRL's values)."""
+    logits = _logits((4, 9, 300)).bfloat16()
+    labels = torch.randint(300, (4, 9))
+    exact_logp = torch.log_softmax(logits.double(), -1).gather(-1, labels[..., None]).squeeze(-1)
+    p = torch.softmax(logits.double(), -1)
+    exact_entropy = -(p * torch.log_softmax(logits.double(), -1)).sum(-1)
+    before = verl.F.logprobs_from_logits(logits, labels), verl.F.entropy_from_logits(logits)
+    verl.integration.patch()
+    after = verl.F.logprobs_from_logits(logits, labels), verl.F.entropy_from_logits(logits)
+    for got, old, exact, what in zip(after, before, (exact_logp, exact_entropy), ("logprobs", "entropy")):
+        assert got.dtype == old.dtype == torch.bfloat16, what
+        _close(got.double(), exact, f"bf16 {what}", rtol=8e-3)  # bf16 has 8 bits of mantissa
+
+
+@pytest.mark.parametrize("estimator", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "abs+", "k3+", "k2+"])
+def test_verl_kl_penalty(verl, estimator):
+    logp = -torch.rand(6, 40) * 5
+    inputs = {"logprob": logp, "ref_logprob": (logp + torch.randn(6, 40) * 10).clamp(max=0)}  # past k3's clamps
+    call = lambda fn, logprob, ref_logprob: fn(logprob=logprob, ref_logprob=ref_logprob, kl_penalty=estimator)  # noqa: E731
+    _parity(verl.integration, lambda: verl.core.kl_penalty, call, inputs, ["logprob", "ref_logprob"], estimator)
+    assert verl.losses.kl_penalty is verl.core.kl_penalty, "the actor's loss module imports it by name"
+
+
+@pytest.mark.parametrize("global_info", VERL_GLOBAL, ids=["local", "global"])
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])  # fmt: skip
+def test_verl_agg_loss(verl, mode, global_info):
+    t = _per_token_inputs()
+    inputs = {"loss_mat": t["values"], "loss_mask": t["mask"].float()}  # a 0/1 float mask, as veRL's can be
+    call = lambda fn, loss_mat, loss_mask: fn(loss_mat, loss_mask, mode, **global_info)  # noqa: E731
+    _parity(verl.integration, lambda: verl.core.agg_loss, call, inputs, ["loss_mat"], f"agg_loss {mode}")
+
+
+@pytest.mark.parametrize("global_info", VERL_GLOBAL, ids=["local", "global"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("loss", ["vanilla", "gspo"])
+def test_verl_policy_loss_through_registry(verl, loss, mode, global_info):
+    """veRL's registry (get_policy_loss_fn), as its actor calls it: loss, gradient,
+    and the metrics as Python floats."""
+    t = _per_token_inputs()
+    config = _verl_config(verl, global_info, loss_agg_mode=mode)
+    inputs = {"old_log_prob": t["old_log_probs"], "log_prob": t["log_probs"], "advantages": t["advantages"],
+              "response_mask": t["mask"], "rollout_is_weights": t["weights"]}  # fmt: skip
+
+    def call(fn, **kw):
+        return fn(kw["old_log_prob"], kw["log_prob"], kw["advantages"], kw["response_mask"], mode, config,
+                  rollout_is_weights=kw["rollout_is_weights"])  # fmt: skip
+
+    get = lambda: verl.core.get_policy_loss_fn(loss)  # noqa: E731
+    (after, _), _ = _parity(verl.integration, get, call, inputs, ["log_prob"], f"{loss} {mode}")
+    assert set(after[1]) == {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
+    name = f"compute_policy_loss_{loss}"
+    assert getattr(verl.core, name) is get(), "the module's function and the registry entry are one replacement"
+
+
+def test_verl_actor_loss_path(verl):
+    """The actor loss as veRL's workers/utils/losses.py composes it, from that
+    module's namespace: policy loss from the registry, minus the entropy bonus,
+    plus the KL loss, each aggregated with agg_loss."""
+    t = _per_token_inputs()
+    config = _verl_config(verl, VERL_GLOBAL[1], loss_agg_mode="seq-mean-token-mean")
+    inputs = {"log_prob": t["log_probs"], "entropy": t["entropy"]}
+
+    def actor_loss(_, log_prob, entropy):
+        m = verl.losses
+        mask = t["mask"]
+        pg_loss, metrics = m.get_policy_loss_fn("vanilla")(
+            t["old_log_probs"], log_prob, t["advantages"], mask, config.loss_agg_mode, config, t["weights"]
+        )
+        entropy_loss = m.agg_loss(entropy, mask, config.loss_agg_mode, **config.global_batch_info)
+        kl = m.kl_penalty(logprob=log_prob, ref_logprob=t["ref_log_probs"], kl_penalty="low_var_kl")
+        kl_loss = m.agg_loss(loss_mat=kl, loss_mask=mask, loss_agg_mode=config.loss_agg_mode, **config.global_batch_info)
+        return pg_loss - 0.01 * entropy_loss + 0.1 * kl_loss, metrics
+
+    _parity(verl.integration, lambda: verl.losses.agg_loss, actor_loss, inputs, ["log_prob", "entropy"], "actor loss")
+    assert integrations.patched("verl")["verl"] == list(verl.integration.OPS)
+
+
+def test_verl_patch_is_idempotent_and_reaches_late_imports(verl, monkeypatch):
+    where = verl.integration.patch()
+    functions = {name: getattr(verl.core, name) for name in ("agg_loss", "kl_penalty", "compute_policy_loss_vanilla")}
+    assert verl.integration.patch() == where
+    assert all(getattr(verl.core, name) is f for name, f in functions.items()), "patching twice changes nothing"
+    assert functions["agg_loss"].__fastrl_original__.__module__ == "verl.trainer.ppo.core_algos"
+    late = types.ModuleType("fastrl_test_late_verl_trainer")
+    monkeypatch.setitem(sys.modules, late.__name__, late)
+    late.agg_loss = verl.core.agg_loss  # `from verl.trainer.ppo.core_algos import agg_loss` after the patch
+    verl.integration.unpatch()
+    assert late.agg_loss is verl.core.agg_loss is functions["agg_loss"].__wrapped__
+    assert verl.core.get_policy_loss_fn("vanilla") is verl.core.compute_policy_loss_vanilla
+    assert verl.integration.patched() == []
+
+
+def test_verl_ops_selection(verl):
+    where = verl.integration.patch(ops=["kl"])
+    assert list(where) == ["kl"] and "verl.workers.utils.losses.kl_penalty" in where["kl"]
+    assert hasattr(verl.core.kl_penalty, "__fastrl_original__")
+    assert not hasattr(verl.core.agg_loss, "__fastrl_original__")
+    assert not hasattr(verl.core.get_policy_loss_fn("vanilla"), "__fastrl_original__")
+
+
+def test_verl_fallbacks(verl):
+    t = _per_token_inputs()
+    config = _verl_config(verl)
+
+    def vanilla(fn, old_log_prob, log_prob, advantages, response_mask):
+        return fn(old_log_prob, log_prob, advantages, response_mask, "token-mean", config)
+
+    get = lambda: verl.core.get_policy_loss_fn("vanilla")  # noqa: E731
+    base = {"old_log_prob": t["old_log_probs"], "log_prob": t["log_probs"], "advantages": t["advantages"],
+            "response_mask": t["mask"]}  # fmt: skip
+    _fallback_matches(verl.integration, get, vanilla, base, "advantages requires grad", ["log_prob", "advantages"])
+    per_sequence = {**base, "advantages": t["advantages"][:, :1].contiguous()}  # veRL broadcasts [B, 1]
+    _fallback_matches(verl.integration, get, vanilla, per_sequence, "broadcasting", ["log_prob"])
+    weighted = {**base, "response_mask": t["mask"] * torch.rand(6, 40)}  # veRL multiplies by a weighted mask
+    _fallback_matches(verl.integration, get, vanilla, weighted, "weighted mask", ["log_prob"])
+
+    agg = lambda fn, loss_mat, loss_mask: fn(loss_mat, loss_mask, "seq-mean-token-mean")  # noqa: E731
+    _fallback_matches(verl.integration, lambda: verl.core.agg_loss, agg,
+                      {"loss_mat": t["values"], "loss_mask": t["mask"] * 0.5}, "weighted mask", ["loss_mat"])  # fmt: skip
+
+    verl.integration.patch()
+    with pytest.warns(FallbackWarning, match="config is None"), pytest.raises(AssertionError):  # veRL asserts
+        verl.core.compute_policy_loss_vanilla(t["old_log_probs"], t["log_probs"], t["advantages"], t["mask"])
+    odd = _verl_config(verl)
+    odd.global_batch_info["unknown"] = 1
+    with pytest.warns(FallbackWarning, match="keys agg_loss does not take"), pytest.raises(TypeError):
+        verl.core.compute_policy_loss_vanilla(t["old_log_probs"], t["log_probs"], t["advantages"], t["mask"],
+                                              config=odd)  # fmt: skip
+    with pytest.warns(FallbackWarning, match="argument checks"), pytest.raises(ValueError, match="Invalid loss_agg"):
+        verl.core.agg_loss(t["values"], t["mask"], "token-median")  # fastrl rejects it, veRL raises its own error
+    with pytest.raises(NotImplementedError, match="fastrl.full_kl"):
+        verl.core.kl_penalty(t["log_probs"], t["ref_log_probs"], "full")
+    # veRL's chunked entropy takes [N, V] only, and fails here itself.
+    with pytest.warns(FallbackWarning, match="not 2-D"), pytest.raises(RuntimeError):
+        verl.F.entropy_from_logits_with_chunking(_logits((2, 3, 50)), 4)
+
+
+# ---------------------------------------------------------------------------------- TRL
+
+
+@pytest.fixture
+def trl():
+    _require("trl", "TRL")
+    env = SimpleNamespace(
+        utils=importlib.import_module("trl.trainer.utils"),
+        cpo=importlib.import_module("trl.experimental.cpo.cpo_trainer"),  # imports selective_log_softmax by name
+        sdpo=importlib.import_module("trl.experimental.sdpo.loss_utils"),
+        integration=importlib.import_module("fastrl.integrations.trl"),
+    )
+    env.integration.unpatch()
+    yield env
+    env.integration.unpatch()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("index_shape", ["(...)", "(..., K)"])
+@pytest.mark.parametrize("with_row_mask", [False, True], ids=["no-row-mask", "row-mask"])
+def test_trl_selective_log_softmax(trl, temperature, index_shape, with_row_mask):
+    logits = _logits()
+    shape = (3, 17) if index_shape == "(...)" else (3, 17, 5)
+    inputs = {"logits": logits, "index": torch.randint(1000, shape)}
+    if with_row_mask:
+        inputs["row_mask"] = torch.rand(shape) > 0.3
+    call = lambda fn, logits, index, row_mask=None: fn(logits, index, temperature, row_mask=row_mask)  # noqa: E731
+    _parity(trl.integration, lambda: trl.utils.selective_log_softmax, call, inputs, ["logits"], "selective_log_softmax")
+
+
+def test_trl_entropy(trl):
+    call = lambda fn, logits: fn(logits, chunk_size=7)  # noqa: E731
+    _parity(trl.integration, lambda: trl.utils.entropy_from_logits, call, {"logits": _logits()}, ["logits"], "entropy")
+
+
+@pytest.mark.parametrize("entropy_requires_grad", [True, False])
+@pytest.mark.parametrize("with_row_mask", [False, True], ids=["no-row-mask", "row-mask"])
+def test_trl_selective_log_softmax_and_entropy(trl, entropy_requires_grad, with_row_mask):
+    inputs = {"logits": _logits(), "index": torch.randint(1000, (3, 17))}
+    if with_row_mask:
+        inputs["row_mask"] = (torch.rand(3, 17) > 0.3).long()
+
+    def call(fn, logits, index, row_mask=None):
+        return fn(logits, index, entropy_requires_grad, temperature=0.8, row_mask=row_mask)
+
+    (after, _), _ = _parity(trl.integration, lambda: trl.utils.selective_log_softmax_and_entropy, call, inputs,
+                            ["logits"], "selective_log_softmax_and_entropy")  # fmt: skip
+    assert after[1].requires_grad == entropy_requires_grad
+
+
+def test_trl_trainer_paths(trl):
+    """CPOTrainer.get_batch_logps and SDPO's sampled-token distillation loss, which
+    call selective_log_softmax from their modules' namespaces."""
+    logits = _logits((4, 12, 500))
+    labels = torch.randint(500, (4, 12))
+    labels[:, :3] = -100  # the prompt
+
+    def cpo(fn, logits):
+        return fn(logits, labels.clone(), average_log_prob=True), fn(logits, labels.clone())
+
+    get = lambda: trl.cpo.CPOTrainer.get_batch_logps  # noqa: E731
+    trl.integration.unpatch()
+    before = _run(get(), cpo, {"logits": logits}, ["logits"])
+    trl.integration.patch()
+    assert trl.cpo.selective_log_softmax.__fastrl_original__ is trl.utils.selective_log_softmax.__wrapped__
+    assert trl.sdpo.selective_log_softmax is trl.utils.selective_log_softmax
+    _assert_same(_run(get(), cpo, {"logits": logits}, ["logits"]), before, "CPOTrainer.get_batch_logps")
+
+    def sdpo(_, student, teacher):
+        ids = labels.clamp(min=0)
+        return trl.sdpo.compute_sampled_token_self_distillation_loss(student, teacher, ids, distillation_alpha=1.0)
+
+    # (student - teacher log-prob) * student log-prob: the difference of two ~-8 values
+    # carries their fp32 rounding (~1e-6) into products up to ~30, hence 1e-4 here.
+    inputs = {"student": logits, "teacher": logits + torch.randn(logits.shape)}
+    _parity(trl.integration, lambda: trl.sdpo.selective_log_softmax, sdpo, inputs, ["student"], "SDPO loss", rtol=1e-4)
+    assert not integrations.fallbacks
+
+
+def test_trl_bf16_dtype_kept(trl):
+    """TRL's log_softmax path (no Triton kernel on CPU) returns the logits' dtype;
+    fastrl's values are the exact ones rounded to bf16."""
+    logits, index = _logits((3, 9, 200)).bfloat16(), torch.randint(200, (3, 9))
+    exact_logp = torch.log_softmax(logits.double(), -1).gather(-1, index[..., None]).squeeze(-1)
+    exact_entropy = -(torch.softmax(logits.double(), -1) * torch.log_softmax(logits.double(), -1)).sum(-1)
+    before = trl.utils.selective_log_softmax(logits, index), trl.utils.entropy_from_logits(logits)
+    trl.integration.patch()
+    after = trl.utils.selective_log_softmax(logits, index), trl.utils.entropy_from_logits(logits)
+    for got, old, exact, what in zip(after, before, (exact_logp, exact_entropy), ("logprobs", "entropy")):
+        assert got.dtype == old.dtype == torch.bfloat16, what
+        _close(got.double(), exact, f"bf16 {what}", rtol=8e-3)
+
+
+def test_trl_fallbacks(trl):
+    get = lambda: trl.utils.selective_log_softmax  # noqa: E731
+    broadcast = {"logits": _logits((3, 17, 100)), "index": torch.randint(100, (1, 17))}  # TRL broadcasts the index
+    _fallback_matches(trl.integration, get, lambda fn, logits, index: fn(logits, index), broadcast, "broadcasts",
+                      ["logits"])  # fmt: skip
+    trl.integration.patch()
+    with pytest.warns(FallbackWarning, match="temperature"), pytest.raises(ValueError, match="must be positive"):
+        trl.utils.selective_log_softmax(_logits(), torch.randint(1000, (3, 17)), temperature=0.0)  # TRL's own error
+
+
+# ----------------------------------------------------------------------------- OpenRLHF
+
+
+def _import_openrlhf_loss_modules():
+    """openrlhf.models.utils and .loss. Importing them runs openrlhf/models/__init__.py,
+    which imports the Actor and so flash-attn (a CUDA build) and peft; where those are
+    missing (CPU CI), the two modules are loaded from the installed package with that
+    __init__ bypassed: their own imports (torch, deepspeed) are real."""
+    try:
+        return importlib.import_module("openrlhf.models.utils"), importlib.import_module("openrlhf.models.loss")
+    except ModuleNotFoundError as error:
+        if error.name not in ("flash_attn", "peft", "ring_flash_attn"):
+            raise
+    if not isinstance(sys.modules.get("openrlhf.models"), types.ModuleType) or not getattr(
+        sys.modules.get("openrlhf.models"), "__fastrl_test_stub__", False
+    ):
+        package = types.ModuleType("openrlhf.models")
+        package.__path__ = [os.path.join(os.path.dirname(importlib.util.find_spec("openrlhf").origin), "models")]
+        package.__fastrl_test_stub__ = True
+        sys.modules["openrlhf.models"] = package
+    return importlib.import_module("openrlhf.models.utils"), importlib.import_module("openrlhf.models.loss")
+
+
+@pytest.fixture
+def openrlhf():
+    _require("openrlhf", "OpenRLHF")
+    utils, loss = _import_openrlhf_loss_modules()
+    env = SimpleNamespace(utils=utils, loss=loss, integration=importlib.import_module("fastrl.integrations.openrlhf"))
+    env.integration.unpatch()
+    yield env
+    env.integration.unpatch()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_openrlhf_log_probs_from_logits(openrlhf, temperature):
+    def call(fn, logits, labels):
+        scaled = logits * 1.0
+        return fn(scaled, labels, temperature), scaled  # OpenRLHF divides the logits in place
+
+    inputs = {"logits": _logits(), "labels": torch.randint(1000, (3, 17))}
+    _parity(openrlhf.integration, lambda: openrlhf.utils.log_probs_from_logits, call, inputs, ["logits"], "log_probs")
+
+
+def test_openrlhf_compute_entropy(openrlhf):
+    with torch.compiler.set_stance("force_eager"):  # OpenRLHF's torch.compile, run eagerly (no C++ build on CPU)
+        _parity(openrlhf.integration, lambda: openrlhf.utils.compute_entropy, lambda fn, logits: fn(logits),
+                {"logits": _logits()}, ["logits"], "compute_entropy")  # fmt: skip
+
+
+@pytest.mark.parametrize("estimator,unbiased", [("k1", False), ("k2", False), ("k3", False), ("k3", True)])
+def test_openrlhf_compute_approx_kl(openrlhf, estimator, unbiased):
+    logp = -torch.rand(6, 40) * 5
+    inputs = {"log_probs": logp, "base": (logp + torch.randn(6, 40) * 8).clamp(max=0)}  # past the +-10 clamps
+
+    def call(fn, log_probs, base):
+        return fn(log_probs, base, kl_estimator=estimator, unbiased_gradient=unbiased)
+
+    _parity(openrlhf.integration, lambda: openrlhf.utils.compute_approx_kl, call, inputs, ["log_probs", "base"],
+            f"compute_approx_kl {estimator}")  # fmt: skip
+
+
+AGG_INFO = [{}, {"dp_size": 2, "batch_num_tokens": 150.0, "global_batch_size": 9.0}]
+
+
+@pytest.mark.parametrize("info", AGG_INFO, ids=["local", "global"])
+@pytest.mark.parametrize("token_level", [True, False])
+def test_openrlhf_aggregate_loss(openrlhf, token_level, info):
+    t = _per_token_inputs()
+    call = lambda fn, loss, mask: fn(loss, mask, token_level_loss=token_level, **info)  # noqa: E731
+    _parity(openrlhf.integration, lambda: openrlhf.loss.aggregate_loss, call, {"loss": t["values"], "mask": t["mask"]},
+            ["loss"], "aggregate_loss")  # fmt: skip
+
+
+@pytest.mark.parametrize("info", AGG_INFO, ids=["local", "global"])
+@pytest.mark.parametrize("token_level", [True, False])
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_openrlhf_policy_loss(openrlhf, dual_clip, token_level, info):
+    """PolicyLoss built before the patch: the class's forward is replaced. (Log-ratios
+    within +-20: OpenRLHF's ppo_kl averages them unclamped, fastrl's clamped.)"""
+    t = _per_token_inputs(spread=(0.01, 0.1, 0.5, 1.0, 2.0, 3.0))
+    module = openrlhf.loss.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip,
+                                      token_level_loss=token_level)  # fmt: skip
+    inputs = {"log_probs": t["log_probs"], "old": t["old_log_probs"], "adv": t["advantages"], "mask": t["mask"]}
+    call = lambda _, log_probs, old, adv, mask: module(log_probs, old, adv, action_mask=mask, **info)  # noqa: E731
+    _parity(openrlhf.integration, lambda: vars(openrlhf.loss.PolicyLoss)["forward"], call, inputs, ["log_probs"],
+            "PolicyLoss")  # fmt: skip
+
+
+def test_openrlhf_value_and_sft_losses_aggregate_patched(openrlhf):
+    """OpenRLHF's own ValueLoss and SFTLoss call aggregate_loss from the loss module."""
+    t = _per_token_inputs()
+    value_loss, sft_loss = openrlhf.loss.ValueLoss(clip_eps=0.2), openrlhf.loss.SFTLoss(token_level_loss=False)
+
+    def call(_, values, old):
+        return value_loss(values, old, t["values"], action_mask=t["mask"]), sft_loss(values, t["mask"])
+
+    inputs = {"values": t["entropy"], "old": t["entropy"] + 0.3 * torch.randn(6, 40)}
+    _parity(openrlhf.integration, lambda: openrlhf.loss.aggregate_loss, call, inputs, ["values"], "ValueLoss/SFTLoss")
+
+
+def test_openrlhf_fallbacks(openrlhf):
+    t = _per_token_inputs()
+    rollout = t["old_log_probs"] + 0.1 * torch.randn(6, 40)
+    get = lambda: vars(openrlhf.loss.PolicyLoss)["forward"]  # noqa: E731
+    inputs = {"log_probs": t["log_probs"], "old": t["old_log_probs"], "adv": t["advantages"], "mask": t["mask"]}
+    for options, reason in [({"policy_loss_type": "gspo"}, "GSPO"), ({"is_correction_level": "token"}, "correction")]:
+        module = openrlhf.loss.PolicyLoss(**options)
+
+        def call(_, log_probs, old, adv, mask, module=module):
+            return module(log_probs, old, adv, mask, rollout_log_probs=rollout)
+
+        _fallback_matches(openrlhf.integration, get, call, inputs, reason, ["log_probs"])
+    kl_inputs = {"log_probs": t["log_probs"], "base": t["ref_log_probs"]}
+    kl = lambda fn, log_probs, base: fn(log_probs, base, t["old_log_probs"], "k3", True)  # noqa: E731
+    _fallback_matches(openrlhf.integration, lambda: openrlhf.utils.compute_approx_kl, kl, kl_inputs,
+                      "importance-weighted", ["log_probs"])  # fmt: skip
+    agg = lambda fn, loss: fn(loss, None)  # noqa: E731
+    _fallback_matches(openrlhf.integration, lambda: openrlhf.loss.aggregate_loss, agg, {"loss": t["values"]},
+                      "loss_mask is None", ["loss"])  # fmt: skip
+
+
+# ---------------------------------------------------------------- every framework
+
+
+FRAMEWORKS = [
+    ("verl", "veRL", "verl", "0.9.x", "verl.utils.torch_functional", "logprobs_from_logits"),
+    ("trl", "TRL", "trl", "1.16.x", "trl.trainer.utils", "selective_log_softmax"),
+    ("openrlhf", "OpenRLHF", "openrlhf", "0.11.x", "openrlhf.models.utils", "log_probs_from_logits"),
+]
+
+
+@pytest.mark.parametrize("name,display,distribution,supported,module,function", FRAMEWORKS, ids=[f[0] for f in FRAMEWORKS])
+def test_unsupported_version_or_layout_names_the_version(monkeypatch, name, display, distribution, supported, module,
+                                                         function):  # fmt: skip
+    _require(name, display)
+    if name == "openrlhf":
+        _import_openrlhf_loss_modules()
+    integration = importlib.import_module(f"fastrl.integrations.{name}")
+    installed = importlib.metadata.version(distribution)
+    target = importlib.import_module(module)
+    original = getattr(target, function)
+    try:
+        monkeypatch.setattr(target, function, lambda logits, labels: None)  # another signature
+        with pytest.raises(UnsupportedVersionError, match=rf"{display} {installed}, {module}\.{function} takes"):
+            integration.patch()
+        monkeypatch.setattr(target, function, original)
+        real_version = importlib.metadata.version
+        monkeypatch.setattr(
+            importlib.metadata, "version", lambda dist: "0.0.1" if dist == distribution else real_version(dist)
+        )
+        with pytest.raises(UnsupportedVersionError, match=rf"supports {display} {supported}.* is 0\.0\.1"):
+            integration.patch()
+        assert integration.patched() == []
+    finally:
+        integration.unpatch()
