@@ -18,6 +18,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+import subprocess
 import sys
 import types
 import warnings
@@ -432,6 +433,22 @@ def test_verl_patch_is_idempotent_and_reaches_late_imports(verl, monkeypatch):
     assert late.agg_loss is verl.core.agg_loss is functions["agg_loss"].__wrapped__
     assert verl.core.get_policy_loss_fn("vanilla") is verl.core.compute_policy_loss_vanilla
     assert verl.integration.patched() == []
+
+
+def test_verl_autopatch_through_verl_external_modules(verl):
+    """VERL_USE_EXTERNAL_MODULES: a fresh process (as a Ray worker is) that imports
+    verl comes up patched, with only the ops FASTRL_VERL_OPS names."""
+    code = (
+        "import verl, fastrl.integrations.verl as v; from verl.trainer.ppo import core_algos as c; "
+        "print(sorted(v.patched()), hasattr(c.get_policy_loss_fn('vanilla'), '__fastrl_original__'))"
+    )
+    env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none",
+           "VERL_USE_EXTERNAL_MODULES": "fastrl.integrations.verl_autopatch"}  # fmt: skip
+    for ops, expected in (("", f"{sorted(verl.integration.OPS)} True"), ("kl,agg_loss", "['agg_loss', 'kl'] False")):
+        run = subprocess.run([sys.executable, "-c", code], env={**env, "FASTRL_VERL_OPS": ops},
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.strip().splitlines()[-1] == expected
 
 
 def test_verl_ops_selection(verl):
