@@ -83,6 +83,13 @@ def _or_empty(t: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype) ->
     return _new(like, 0, dtype=dtype) if t is None else t
 
 
+def _per_row_fake(logits: torch.Tensor, columns: int = 0, wanted: bool = True) -> torch.Tensor:
+    """Fake of a per-row output of ``logits [N, V]``: [N] (or [N, columns] of
+    statistics), in the accumulation dtype; empty when not ``wanted``."""
+    shape = ((logits.shape[0], columns) if columns else (logits.shape[0],)) if wanted else (0,)
+    return _new(logits, *shape, dtype=_acc(logits))
+
+
 def _no_output(*args, **kwargs) -> None:
     """Fake of an op that only writes into its ``grad_out`` argument."""
     return None
@@ -101,11 +108,10 @@ def _logprobs_forward(logits, labels, temperature_rows, temperature, ignore_inde
 
 
 def _logprobs_forward_fake(logits, labels, temperature_rows, temperature, ignore_index, with_entropy, with_stats, backend):
-    n, acc = logits.shape[0], _acc(logits)
     return (
-        _new(logits, n if labels is not None else 0, dtype=acc),
-        _new(logits, n if with_entropy else 0, dtype=acc),
-        _new(logits, *((n, 2) if with_stats else (0,)), dtype=acc),
+        _per_row_fake(logits, wanted=labels is not None),
+        _per_row_fake(logits, wanted=with_entropy),
+        _per_row_fake(logits, 2, with_stats),
     )
 
 
@@ -149,8 +155,7 @@ def _sample_forward(logits, *args):
 
 
 def _sample_forward_fake(logits, *args):
-    n, acc = logits.shape[0], _acc(logits)
-    return _new(logits, n, dtype=torch.int64), _new(logits, n, dtype=acc), _new(logits, n, dtype=acc)
+    return _new(logits, logits.shape[0], dtype=torch.int64), _per_row_fake(logits), _per_row_fake(logits)
 
 
 sample_forward = _define(
@@ -170,8 +175,7 @@ def _truncated_forward(logits, labels, *args):
 
 def _truncated_forward_fake(logits, labels, *args):
     with_stats = args[-2]
-    n, acc = logits.shape[0], _acc(logits)
-    return _new(logits, n, dtype=acc), _new(logits, *((n, 3) if with_stats else (0,)), dtype=acc)
+    return _per_row_fake(logits), _per_row_fake(logits, 3, with_stats)
 
 
 truncated_forward = _define(
@@ -229,8 +233,7 @@ def _full_kl_forward(logits, ref_logits, temperature_rows, temperature, with_sta
 
 
 def _full_kl_forward_fake(logits, ref_logits, temperature_rows, temperature, with_stats, backend):
-    n, acc = logits.shape[0], _acc(logits)
-    return _new(logits, n, dtype=acc), _new(logits, *((n, 4) if with_stats else (0,)), dtype=acc)
+    return _per_row_fake(logits), _per_row_fake(logits, 4, with_stats)
 
 
 full_kl_forward = _define(
