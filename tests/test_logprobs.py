@@ -76,7 +76,13 @@ def test_values_and_gradients_match_float64_reference(device, backend, dtype, vo
     assert_close_to_reference(ent, ref_ent, tol, what="entropy")
     assert x.grad.dtype == dtype and x.grad.shape == logits.shape
     assert torch.isfinite(x.grad).all(), "gradient must be finite, -inf logits included"
-    assert_close_to_reference(x.grad, ref_grad, *_grad_bound(ref_grad, dtype), what="grad")
+    rtol, atol = _grad_bound(ref_grad, dtype)
+    if backend == "reference":
+        # The reference backend is the spec run by torch's own fp32 autograd (log_softmax's
+        # backward subtracts exp(out) * sum(grad) over the row): it reaches 1e-5 relative
+        # only most of the time (seed 631897978: 2.4e-5). The fused kernels are held to 1e-5.
+        rtol, atol = 4 * rtol, 4 * atol
+    assert_close_to_reference(x.grad, ref_grad, rtol, atol, what="grad")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
