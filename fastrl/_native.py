@@ -22,6 +22,11 @@ DTYPE_CODES = {
 }
 
 
+# Float64 columns of the policy and rollout-correction kernels' per-row statistics
+# (csrc/policy.h; kernels/policy.py's N_STATS).
+N_STATS = 8
+
+
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -225,7 +230,7 @@ def policy_forward(
     *, estimator: int, clip_low: float, clip_high: float, clip_c: float | None, sequence: bool, with_pg: bool,
 ) -> torch.Tensor:  # fmt: skip
     """The contract of ``fastrl.kernels.policy.policy_forward``, on the C++ kernels."""
-    stats = torch.empty(log_probs.shape[0], 8, dtype=torch.float64, device=log_probs.device)
+    stats = torch.empty(log_probs.shape[0], N_STATS, dtype=torch.float64, device=log_probs.device)
     native_module().policy_forward(
         _policy(log_probs, old_log_probs, advantages, mask, weights, ref_log_probs,
                 estimator, clip_low, clip_high, clip_c, sequence, with_pg),
@@ -275,7 +280,7 @@ def rollout_correction_forward(
     """The contract of ``fastrl.kernels.policy.rollout_correction_forward``, on the C++ kernels."""
     n_rows, length = old_log_probs.shape
     weights = torch.empty(n_rows, length, dtype=torch.float32, device=old_log_probs.device)
-    stats = torch.empty(n_rows, 8, dtype=torch.float64, device=old_log_probs.device)
+    stats = torch.empty(n_rows, N_STATS, dtype=torch.float64, device=old_log_probs.device)
     native_module().rollout_correction_forward(
         old_log_probs.data_ptr(), rollout_log_probs.data_ptr(), mask.data_ptr(), DTYPE_CODES[old_log_probs.dtype],
         n_rows, length, sequence, truncate, clip_min, clip_max, low_threshold, weights.data_ptr(),

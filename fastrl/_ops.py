@@ -30,6 +30,8 @@ from types import ModuleType
 
 import torch
 
+from ._native import N_STATS
+
 __all__ = ["launchers", "row_param", "split_row_param"]
 
 _LIB = torch.library.Library("fastrl", "DEF")
@@ -49,8 +51,9 @@ def launchers(backend: str, family: str) -> ModuleType:
     raise ValueError(f"backend must be 'triton' or 'native' for a kernel launch; got {backend!r}")
 
 
-def split_row_param(value: int | float | torch.Tensor) -> tuple[torch.Tensor | None, int | float]:
-    """(per-row tensor or None, scalar) of a per-row parameter, as the schemas take it."""
+def split_row_param(value: int | float | torch.Tensor | None) -> tuple[torch.Tensor | None, int | float | None]:
+    """(per-row tensor or None, scalar) of a per-row parameter, as the schemas take
+    it; None (an optional count not given) is (None, None)."""
     if isinstance(value, torch.Tensor):
         return value, 0
     return None, value
@@ -262,7 +265,6 @@ _POLICY_INPUTS = (
     "Tensor log_probs, Tensor? old_log_probs, Tensor? advantages, Tensor mask, Tensor? weights, Tensor? ref_log_probs"
 )
 _POLICY_OPTIONS = "float clip_low, float clip_high, float? clip_c, bool sequence, bool with_pg"
-_N_STATS = 8  # float64 columns of the per-row statistics (kernels/policy.py, csrc/policy.h)
 
 
 def _policy_forward(log_probs, old, adv, mask, weights, ref, values, estimator, clip_low, clip_high, clip_c,
@@ -275,7 +277,7 @@ def _policy_forward(log_probs, old, adv, mask, weights, ref, values, estimator, 
 
 policy_forward = _define(
     f"policy_forward({_POLICY_INPUTS}, Tensor? values, int estimator, {_POLICY_OPTIONS}, str backend) -> Tensor",
-    _policy_forward, lambda log_probs, *args: _new(log_probs, log_probs.shape[0], _N_STATS, dtype=torch.float64),
+    _policy_forward, lambda log_probs, *args: _new(log_probs, log_probs.shape[0], N_STATS, dtype=torch.float64),
 )  # fmt: skip
 
 
@@ -338,7 +340,7 @@ def _rollout_correction_forward(old, rollout, mask, sequence, truncate, clip_min
 
 
 def _rollout_correction_forward_fake(old, *args):
-    return _new(old, *old.shape, dtype=torch.float32), _new(old, old.shape[0], _N_STATS, dtype=torch.float64)
+    return _new(old, *old.shape, dtype=torch.float32), _new(old, old.shape[0], N_STATS, dtype=torch.float64)
 
 
 rollout_correction_forward = _define(

@@ -80,12 +80,10 @@ class _PolicyLoss(torch.autograd.Function):
                 options["clip_high"], options["clip_c"], options["sequence"], options["with_pg"], backend,
             )  # fmt: skip
         else:
-            stats = torch.zeros(n_rows, 8, dtype=torch.float64, device=log_probs.device)
+            stats = torch.zeros(n_rows, _ops.N_STATS, dtype=torch.float64, device=log_probs.device)
         factor = agg["loss_scale_factor"]
-        counts = [
-            x for name in ("batch_num_tokens", "global_batch_size")
-            for x in (_ops.split_row_param(agg[name]) if agg[name] is not None else (None, None))
-        ]  # fmt: skip
+        # (tensor, number) pairs of the global counts; None stays (None, None): not given.
+        counts = (*_ops.split_row_param(agg["batch_num_tokens"]), *_ops.split_row_param(agg["global_batch_size"]))
         loss, metrics, row_weights = _ops.policy_finalize(
             stats, reference.AGG_MODES.index(agg["loss_agg_mode"]), agg["dp_size"], *counts,
             length if factor is None else factor, options["kl_coef"], options["value_coef"], log_probs.dtype, backend,

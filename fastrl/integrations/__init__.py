@@ -54,6 +54,8 @@ from typing import Any
 
 import torch
 
+from .._validation import host_checks
+
 __all__ = [
     "FallbackWarning",
     "Framework",
@@ -460,16 +462,20 @@ def constant_reason(**tensors: Any) -> str | None:
 
 
 def mask_reason(mask: Any, name: str = "mask") -> str | None:
-    """None when ``mask`` is bool, or numbers all 0 or 1 (checking a non-bool mask
-    reads it on the host: one synchronisation on CUDA; pass a bool mask to avoid it).
-    Frameworks multiply by a weighted mask, fastrl only selects tokens."""
+    """None when ``mask`` is bool, or numbers all 0 or 1. Frameworks multiply by a
+    weighted mask, fastrl only selects tokens. Telling reads the mask's values, so it
+    happens where fastrl's own value checks run (``_validation.host_checks``: CPU, or
+    CUDA under ``FASTRL_CHECKS=1``, never inside torch.compile); elsewhere a mask is
+    taken as 0 / 1, so that a patched function adds no host synchronisation."""
     if not isinstance(mask, torch.Tensor):
         return f"{name} is not a tensor"
     if mask.is_complex():
         return f"{name} is complex"
     if mask.requires_grad:
         return f"{name} requires grad"
-    if mask.dtype != torch.bool and mask.numel() and not bool(((mask == 0) | (mask == 1)).all()):
+    if mask.dtype == torch.bool or not mask.numel() or not host_checks(mask.device):
+        return None
+    if not bool(((mask == 0) | (mask == 1)).all()):
         return f"{name} holds values other than 0 and 1 (a weighted mask)"
     return None
 

@@ -52,8 +52,8 @@ straight-through) or with train / rollout correction on (``is_correction_level``
 not ``"off"``); ``compute_approx_kl`` with ``unbiased_gradient=True`` and
 ``log_probs_old`` (an importance-weighted gradient) or with a k1 / k2 estimator;
 a ``None`` mask; tensors of different shapes (broadcasting), not floating or not
-on a CPU / CUDA device; a non-bool mask holding values other than 0 and 1 (one
-host synchronisation on CUDA to tell; OpenRLHF's masks are bool); old log-probs or
+on a CPU / CUDA device; a non-bool mask holding values other than 0 and 1 (told on
+CPU, and on CUDA only under ``FASTRL_CHECKS=1``; OpenRLHF's masks are bool); old log-probs or
 advantages that require grad; and every call fastrl's argument checks reject.
 """
 

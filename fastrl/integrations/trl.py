@@ -121,8 +121,9 @@ def _selective_log_softmax(original):
             anchor = logits.detach().argmax(dim=-1)
             anchor_logp = fastrl.logprobs_from_logits(logits, anchor, temperature=temperature)
             safe = index if row_mask is None else index.masked_fill(row_mask == 0, 0)
-            chosen = logits.gather(-1, safe).to(anchor_logp.dtype)
-            top = logits.gather(-1, anchor.unsqueeze(-1)).to(anchor_logp.dtype)
+            # One gather (one [..., V] scatter in its backward) for the K tokens and the anchor.
+            gathered = logits.gather(-1, torch.cat([safe, anchor.unsqueeze(-1)], dim=-1)).to(anchor_logp.dtype)
+            chosen, top = gathered[..., :-1], gathered[..., -1:]
             out = (chosen - top) / temperature + anchor_logp.unsqueeze(-1)
             if row_mask is not None:
                 out = out.masked_fill(row_mask == 0, 0.0)

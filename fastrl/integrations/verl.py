@@ -52,9 +52,10 @@ Calls fastrl does not reproduce exactly run veRL's own function instead (counted
 ``fastrl.integrations.fallbacks``, announced once per reason with a
 ``FallbackWarning``): tensors that are not floating or not on a CPU / CUDA device,
 tensors of different shapes (veRL broadcasts), a non-bool mask holding values
-other than 0 and 1 (veRL multiplies by it; telling needs one host synchronisation
-on CUDA, so pass bool masks), old log-probs, advantages or rollout weights that
-require grad (fastrl treats them as constants), a config that veRL's own function
+other than 0 and 1 (veRL multiplies by it; told on CPU, and on CUDA only under
+``FASTRL_CHECKS=1`` because it reads the mask on the host: pass bool masks), old
+log-probs, advantages or rollout weights that require grad (fastrl treats them as
+constants), a config that veRL's own function
 asserts on or whose ``global_batch_info`` has keys ``agg_loss`` does not take,
 ``entropy_from_logits_with_chunking`` on logits that are not 2-D, and every call
 fastrl's argument checks reject (veRL then raises its own error, or computes).
