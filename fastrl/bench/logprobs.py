@@ -77,6 +77,7 @@ def _peers(mode: str, device: torch.device, quick: bool, wrap) -> list[Impl]:
     def add(name: str, run, why: str | None) -> None:
         peers.append(Impl(name, wrap(run) if why is None else None, why))
 
+    gpu_only = None if device.type == "cuda" else "GPU only (Triton)"
     if mode == "logprobs fwd":
         add("torch eager log_softmax+gather", _log_softmax_gather, None)
     peers.append(compiled_reference(wrap, _reference(mode), quick))
@@ -85,13 +86,13 @@ def _peers(mode: str, device: torch.device, quick: bool, wrap) -> list[Impl]:
     if mode != "logprobs fwd":
         trl_kernels, why = import_peer("trl.kernels")
         fused = getattr(trl_kernels, "selective_log_softmax_and_entropy", None) if trl_kernels else None
-        add("TRL kernels.selective_log_softmax_and_entropy", fused, why or (None if fused else "not in this TRL version"))
+        add("TRL kernels.selective_log_softmax_and_entropy", fused,
+            gpu_only or why or (None if fused else "not in this TRL version"))  # fmt: skip
 
     if mode != "logprobs+entropy fwd":  # cross-entropy kernels return -logprob, no entropy
         liger, why = import_peer("liger_kernel.transformers.cross_entropy")
         ce = liger.LigerCrossEntropyLoss(reduction="none") if liger is not None else None
         add("Liger cross_entropy (no entropy)", lambda x, y: (ce(x, y),), why)
-        gpu_only = None if device.type == "cuda" else "GPU only"
         flash, why = import_peer("flash_attn.ops.triton.cross_entropy")
         add("flash-attn cross_entropy (no entropy)",
             lambda x, y: flash.cross_entropy_loss(x, y, inplace_backward=False)[:1], gpu_only or why)  # fmt: skip
