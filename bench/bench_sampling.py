@@ -4,7 +4,7 @@ FASTRL_BENCH_FULL=1).  Run: pytest bench/bench_sampling.py"""
 
 import pytest
 
-from fastrl.bench import sampling, pytest_benchmark_run, pytest_params
+from fastrl.bench import pytest_benchmark_run, pytest_params, sampling
 
 
 @pytest.mark.parametrize("case,impl", pytest_params(sampling))

@@ -3,7 +3,10 @@ the README performance section generated from the recorded results."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -51,6 +54,35 @@ def test_run_cases_times_fastrl_and_peers_and_lists_missing_ones():
     assert peer["fastrl_speedup"] == pytest.approx(peer["median_ms"] / ours["median_ms"])
     assert absent["unavailable"].startswith("not installed")
     assert "absent peer" in bench.format_table(rows, copy_gbps=10.0)
+
+
+def _sleeping_case(fastrl_sleeps):
+    """A toy case whose fastrl call sleeps for ``next(fastrl_sleeps)`` seconds and
+    whose torch peer sleeps 2 ms."""
+    sleeper = lambda seconds: bench.no_grad_step(lambda inputs: time.sleep(seconds()))  # noqa: E731
+    return bench.Case(
+        op="toy", shape=(1, 1), dtype=torch.float32, bytes_formula="4", min_bytes=4,
+        make_inputs=lambda device: {}, check=lambda inputs: 0.0,
+        impls=[bench.Impl("fastrl", sleeper(lambda: next(fastrl_sleeps))),
+               bench.Impl("torch eager toy", sleeper(lambda: 2e-3))],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fastrl_sleeps, fails",
+    [
+        (itertools.chain([20e-3] * 10, itertools.repeat(0.5e-3)), False),  # a burst of load during the first timing
+        (itertools.repeat(4e-3), True),  # fastrl really is slower
+    ],
+    ids=["burst", "regression"],
+)
+def test_speed_check_measures_a_short_ratio_again_before_failing(fastrl_sleeps, fails, monkeypatch, tmp_path, capsys):
+    family = types.SimpleNamespace(cases=lambda device, quick, shapes: [_sleeping_case(fastrl_sleeps)])
+    monkeypatch.setitem(bench_main.OPS, "toy", family)
+    status = bench_main.main(["--op", "toy", "--reps", "3", "--check-speed", "1.0", "--json", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert "re-measured toy [1, 1] float32 against torch eager toy" in err
+    assert status == int(fails) and ("FAIL" in err) == fails
 
 
 def test_peak_extra_memory_is_measured_on_the_cpu():

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import devices, kernel_backends
 
 import fastrl
 from fastrl import _ops
-from conftest import devices, kernel_backends
 
 KERNEL_BACKENDS = [
     pytest.param(d, b, id=f"{d}-{b}", marks=[pytest.mark.gpu] if d == "cuda" else [])

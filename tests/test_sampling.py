@@ -12,11 +12,11 @@ import torch
 import triton
 import triton.language as tl
 from conftest import assert_close_to_reference, backend_params
+from fastrl.kernels.random import philox4x32_10
 from scipy import stats
 
 import fastrl
 from fastrl import reference
-from fastrl.kernels.random import philox4x32_10
 
 BACKENDS = backend_params()
 KERNEL_BACKENDS = backend_params(include_reference=False)

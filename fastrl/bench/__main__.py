@@ -4,7 +4,8 @@ Prints a table and writes ``bench/results/<device>.json`` (or ``--json PATH``),
 and with ``--plot DIR`` one PNG per op.
 Exits non-zero if fastrl's result on a benchmark input is off the reference, or,
 with ``--check-speed``, if fastrl is slower than the torch reference in the same
-run (a ratio, with a margin for noise).
+run (a ratio, with a margin; a ratio that falls short is measured again before
+it fails the run).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from . import copy_bandwidth, device_slug, environment, print_table, run_cases, write_json
+from . import copy_bandwidth, device_slug, environment, print_table, remeasure_ratio, run_cases, write_json
 from . import kl as kl_cases
 from . import logprobs as logprobs_cases
 from . import policy as policy_cases
@@ -86,13 +87,17 @@ def main(argv: list[str] | None = None) -> int:
         if err is not None and not err <= MAX_REFERENCE_ERROR:
             failures.append(f"{r['op']} {r['shape']}: fastrl differs from the reference by {err:.3g}")
     if args.check_speed is not None:
+        case_of = {(c.op, tuple(c.shape), str(c.dtype).replace("torch.", "")): c for c in cases if not c.sweep}
         for r in rows:
             checked = r["impl"].startswith("torch eager") and not r.get("sweep") and "fastrl_speedup" in r
-            if checked and r["fastrl_speedup"] < args.check_speed:
-                failures.append(
-                    f"{r['op']} {r['shape']} {r['dtype']}: fastrl is {r['fastrl_speedup']:.2f}x the torch "
-                    f"reference, below the required {args.check_speed:.2f}x"
-                )
+            if not checked or r["fastrl_speedup"] >= args.check_speed:
+                continue
+            what = f"{r['op']} {r['shape']} {r['dtype']} against {r['impl']}"
+            ratio = remeasure_ratio(case_of[r["op"], tuple(r["shape"]), r["dtype"]], r["impl"], device, reps=reps)
+            print(f"re-measured {what}: {r['fastrl_speedup']:.2f}x, then {ratio:.2f}x", file=sys.stderr)
+            if ratio < args.check_speed:
+                failures.append(f"{what}: fastrl is {ratio:.2f}x the torch reference, below the required "
+                                f"{args.check_speed:.2f}x")  # fmt: skip
     for f in failures:
         print(f"FAIL: {f}", file=sys.stderr)
     return 1 if failures else 0

@@ -8,7 +8,6 @@ Minimum traffic per case (N rows, V vocabulary, e bytes per logit, l per label):
 
 from __future__ import annotations
 
-
 import torch
 
 import fastrl
