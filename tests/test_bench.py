@@ -3,8 +3,10 @@ the README performance section generated from the recorded results."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import subprocess
 import time
 import types
 from pathlib import Path
@@ -83,6 +85,37 @@ def test_speed_check_measures_a_short_ratio_again_before_failing(fastrl_sleeps, 
     err = capsys.readouterr().err
     assert "re-measured toy [1, 1] float32 against torch eager toy" in err
     assert status == int(fails) and ("FAIL" in err) == fails
+
+
+def test_merge_adds_one_op_familys_rows_to_the_results_file_of_the_same_commit(monkeypatch, tmp_path):
+    def family(op):
+        case = dataclasses.replace(_sleeping_case(itertools.repeat(0.1e-3)), op=op)
+        return types.SimpleNamespace(cases=lambda device, quick, shapes: [case])
+
+    monkeypatch.setitem(bench_main.OPS, "toy_a", family("toy a"))
+    monkeypatch.setitem(bench_main.OPS, "toy_b", family("toy b"))
+    out = tmp_path / "results.json"
+    run = lambda *args: bench_main.main(["--reps", "2", "--json", str(out), *args])  # noqa: E731
+    assert run("--op", "toy_a") == 0 and run("--op", "toy_b", "--merge") == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["op"] for r in rows] == ["toy a", "toy a", "toy b", "toy b"]
+    assert rows[0]["copy_gbps"] > 0 and "copy_gbps" not in rows[2]  # each row's % uses its own run's bandwidth
+    assert run("--op", "toy_b", "--merge") == 0  # a family run again replaces its rows
+    assert [r["op"] for r in json.loads(out.read_text())["rows"]] == ["toy a", "toy a", "toy b", "toy b"]
+
+    monkeypatch.setattr(bench, "_git_commit", lambda: "another")
+    assert run("--op", "toy_b", "--merge") == 2  # refused before anything is timed
+    assert run("--op", "toy_b") == 0  # without --merge the file is replaced
+    assert [r["op"] for r in json.loads(out.read_text())["rows"]] == ["toy b", "toy b"]
+
+
+def test_the_commit_comes_from_the_environment_where_the_tree_has_no_git(monkeypatch):
+    def no_git(*args, **kwargs):
+        raise subprocess.CalledProcessError(128, args[0])
+
+    monkeypatch.setattr(bench.subprocess, "run", no_git)
+    monkeypatch.setenv("FASTRL_BENCH_COMMIT", "0123abcd")
+    assert bench._git_commit() == "0123abcd"
 
 
 def test_peak_extra_memory_is_measured_on_the_cpu():

@@ -225,13 +225,15 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, reps: int = 
 
 
 def _git_commit() -> str | None:
+    """HEAD of the checkout, or FASTRL_BENCH_COMMIT where the tree was copied
+    without its .git (a GPU machine's copy of the working tree)."""
     try:
         root = Path(__file__).resolve().parents[2]
         return subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return None
+        return os.environ.get("FASTRL_BENCH_COMMIT")
 
 
 def environment(device: torch.device) -> dict:
@@ -329,7 +331,7 @@ def table_cells(rows: list[dict], copy_gbps: float) -> list[list[str]]:
         extra = r.get("peak_extra_bytes")
         lines.append(cells + [
             f"{r['median_ms']:.3f}", f"{r['p20_ms']:.3f}-{r['p80_ms']:.3f}", f"{r['gbps']:.1f}",
-            f"{100 * r['gbps'] / copy_gbps:.1f}%", f"{r['fastrl_speedup']:.2f}x" if "fastrl_speedup" in r else "",
+            f"{percent_of_copy(r, copy_gbps):.1f}%", f"{r['fastrl_speedup']:.2f}x" if "fastrl_speedup" in r else "",
             f"{extra / 2**20:.0f}" if extra is not None else "", "",
         ])  # fmt: skip
     return lines
@@ -360,6 +362,39 @@ def print_table(rows: list[dict], copy_gbps: float) -> None:
     for cells, row in zip(table_cells(rows, copy_gbps), rows):
         table.add_row(*cells, style="bold" if row["impl"] == "fastrl" else ("dim" if "unavailable" in row else None))
     console.print(table)
+
+
+def percent_of_copy(row: dict, copy_gbps: float) -> float:
+    """A measured row's GB/s as a percentage of the copy bandwidth of the run that
+    measured it (``copy_gbps`` for rows that do not record theirs)."""
+    return 100 * row["gbps"] / row.get("copy_gbps", copy_gbps)
+
+
+def copy_bandwidth_label(payload: dict, rows: list[dict] | None = None) -> str:
+    """The copy bandwidth behind ``rows`` (default: all) of a results file, for a
+    heading: one figure, or the range over the runs they come from (see ``merge_rows``)."""
+    rows = payload["rows"] if rows is None else rows
+    values = sorted({r.get("copy_gbps", payload["copy_bandwidth_gbps"]) for r in rows}) or [payload["copy_bandwidth_gbps"]]
+    return f"{values[0]:.1f} GB/s" if len(values) == 1 else f"{values[0]:.1f}-{values[-1]:.1f} GB/s"
+
+
+def merge_refusal(previous: dict, env: dict) -> str | None:
+    """Why the rows of ``previous`` (a results file's contents) cannot be merged
+    with a run in ``env``: another device, commit or torch; None when they can."""
+    for key in ("device", "commit", "torch"):
+        if previous.get(key) != env.get(key):
+            return f"the results file has {key} {previous.get(key)!r}, this run {env.get(key)!r}"
+    return None
+
+
+def merge_rows(previous: dict, rows: list[dict]) -> list[dict]:
+    """``rows`` after the rows of ``previous`` whose op was not measured now, so
+    that a suite run op family by op family (a GPU lease allows ten minutes a
+    command) adds up to one file; each row keeps the copy bandwidth of its own
+    run. Check :func:`merge_refusal` first."""
+    measured = {r["op"] for r in rows}
+    kept = [{"copy_gbps": previous["copy_bandwidth_gbps"], **r} for r in previous["rows"] if r["op"] not in measured]
+    return kept + rows
 
 
 def write_json(path: Path, env: dict, copy_gbps: float, rows: list[dict]) -> dict:

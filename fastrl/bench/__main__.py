@@ -1,7 +1,8 @@
 """``python -m fastrl.bench``: run the benchmark suite on the local device.
 
-Prints a table and writes ``bench/results/<device>.json`` (or ``--json PATH``),
-and with ``--plot DIR`` one PNG per op.
+Prints a table and writes ``bench/results/<device>.json`` (or ``--json PATH``;
+with ``--merge``, keeping that file's rows of the ops not run now), and with
+``--plot DIR`` one PNG per op.
 Exits non-zero if fastrl's result on a benchmark input is off the reference, or,
 with ``--check-speed``, if fastrl is slower than the torch reference in the same
 run (a ratio, with a margin; a ratio that falls short is measured again before
@@ -11,12 +12,23 @@ it fails the run).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import torch
 
-from . import copy_bandwidth, device_slug, environment, print_table, remeasure_ratio, run_cases, write_json
+from . import (
+    copy_bandwidth,
+    device_slug,
+    environment,
+    merge_refusal,
+    merge_rows,
+    print_table,
+    remeasure_ratio,
+    run_cases,
+    write_json,
+)
 from . import kl as kl_cases
 from . import logprobs as logprobs_cases
 from . import policy as policy_cases
@@ -41,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per row")
     parser.add_argument("--json", type=Path, default=None, help="results file (default bench/results/<device>.json)")
     parser.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write one PNG per op into DIR")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the results file's rows of the ops not run now (same device and commit)")  # fmt: skip
     parser.add_argument("--check-speed", type=float, default=None, metavar="MARGIN",
                         help="fail if fastrl is not faster than the torch reference by this factor")  # fmt: skip
     args = parser.parse_args(argv)
@@ -49,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps or (5 if args.quick or device.type == "cpu" else 20)
     cases = [c for op in (args.op or OPS) for c in OPS[op].cases(device, quick=args.quick, shapes=args.shape)]
     env = environment(device)
+    out = args.json or Path("bench/results") / f"{device_slug(device)}.json"
+    previous = json.loads(out.read_text()) if args.merge and out.exists() else None
+    if previous is not None and (why := merge_refusal(previous, env)) is not None:
+        print(f"--merge: cannot merge into {out}: {why}", file=sys.stderr)
+        return 2
     copy_bps = copy_bandwidth(device)
     print(f"fastrl bench on {env['device']} (torch {env['torch']}, triton {env['triton']}); "
           f"copy bandwidth {copy_bps / 1e9:.1f} GB/s", flush=True)  # fmt: skip
@@ -72,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
 
     copy_gbps = copy_bps / 1e9
     print_table(rows, copy_gbps)
-    out = args.json or Path("bench/results") / f"{device_slug(device)}.json"
+    measured_rows = rows
+    if previous is not None:
+        rows = merge_rows(previous, rows)
     payload = write_json(out, env, copy_gbps, rows)
     print(f"wrote {out}")
     if args.plot is not None:
@@ -82,13 +103,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {path}")
 
     failures = []
-    for r in rows:
+    for r in measured_rows:
         err = r.get("max_err_vs_reference")
         if err is not None and not err <= MAX_REFERENCE_ERROR:
             failures.append(f"{r['op']} {r['shape']}: fastrl differs from the reference by {err:.3g}")
     if args.check_speed is not None:
         case_of = {(c.op, tuple(c.shape), str(c.dtype).replace("torch.", "")): c for c in cases if not c.sweep}
-        for r in rows:
+        for r in measured_rows:
             checked = r["impl"].startswith("torch eager") and not r.get("sweep") and "fastrl_speedup" in r
             if not checked or r["fastrl_speedup"] >= args.check_speed:
                 continue

@@ -12,6 +12,8 @@ import json
 import re
 from pathlib import Path
 
+from . import copy_bandwidth_label, percent_of_copy
+
 
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
@@ -39,7 +41,7 @@ def write_plots(payload: dict, out_dir: Path) -> list[Path]:
             xs = [i for i, label in enumerate(labels) if label in points]
             style = {"linewidth": 2.8, "color": "black", "zorder": 3} if impl == "fastrl" else {"linewidth": 1.3}
             ax_time.plot(xs, [points[labels[i]]["median_ms"] for i in xs], marker="o", label=impl, **style)
-            ax_bw.plot(xs, [100 * points[labels[i]]["gbps"] / copy_gbps for i in xs], marker="o", label=impl, **style)
+            ax_bw.plot(xs, [percent_of_copy(points[labels[i]], copy_gbps) for i in xs], marker="o", label=impl, **style)
         ax_time.set_yscale("log")
         ax_time.set_ylabel("median time (ms, log scale)")
         ax_bw.set_ylabel("% of device copy bandwidth")
@@ -48,7 +50,7 @@ def write_plots(payload: dict, out_dir: Path) -> list[Path]:
             ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
             ax.grid(True, alpha=0.3)
         ax_bw.legend(fontsize=7, loc="best")
-        fig.suptitle(f"{op} on {device} (copy bandwidth {copy_gbps:.0f} GB/s; bytes: {rows[0]['bytes_formula']})", fontsize=10)
+        fig.suptitle(f"{op} on {device} (copy bandwidth {copy_bandwidth_label(payload, rows)}; bytes: {rows[0]['bytes_formula']})", fontsize=10)
         fig.tight_layout()
         path = out_dir / f"{_slug(device)}-{_slug(op)}.png"
         fig.savefig(path, dpi=100)

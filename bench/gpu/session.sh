@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Run ON a lent GPU machine (the device tool), from the repository root:
+#
+#     FASTRL_BENCH_COMMIT=<HEAD here> bash bench/gpu/session.sh STAGE...
+#
+# A lease gives 30 minutes of device time and 10 minutes a command, and the
+# machine may come back bare between commands, so every command starts with
+# `setup` (quick when the machine is still warm) and a few stages; with the
+# peers carried (bench/gpu/peers.sh, run here first, then `carry: [".whl"]`):
+#
+#     call 1: setup test                   build with CUDA, then every GPU test
+#     call 2: setup bench-logprobs pack
+#     call 3: setup bench-rest demo pack   (after unpacking call 2's results.tgz
+#                                           here, so that they travel with the tree)
+#
+# Stages:
+#   setup           installs the carried peers into /tmp/site and builds fastrl
+#                   in place (the CUDA kernels for sm_80 and sm_90)
+#   test            the GPU tests (pytest -m gpu: compiled Triton, the CUDA C++
+#                   kernels, CUDA graphs, torch.compile's reduce-overhead mode)
+#   test-all        the whole suite (the CPU part also runs in CI)
+#   bench-logprobs  python -m fastrl.bench --op logprobs (its torch.compile
+#                   peers take most of the time); starts bench/results/<gpu>.json
+#   bench-rest      sampling, policy and kl, merged into that file (same GPU
+#                   model, torch and FASTRL_BENCH_COMMIT, or refused)
+#   demo            examples/grpo_tiny.py --compare on the GPU
+#   pack            $OUT/results.tgz: bench/results (JSON, plots) and the README
+#                   regenerated from them, to unpack over the checkout here
+#                   (tar -xzf results.tgz)
+# fastrl is rebuilt only when the machine has no CUDA build of it: after changing
+# csrc/ on a warm machine, delete fastrl/_C*.so in the same command.
+# Each stage logs to $OUT/<stage>.log; the output ends with one line per stage.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-build/gpu-session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 VERL_USE_EXTERNAL_PLUGINS=none
+PY=${PY:-python3}
+SUMMARY=()
+
+run_stage() {  # run_stage NAME TIMEOUT_S COMMAND...
+    local name=$1 limit=$2 start=$SECONDS status
+    shift 2
+    echo "=== $name ($(date -u +%H:%M:%S))"
+    timeout "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
+    status=$?
+    SUMMARY+=("$(printf '%-15s exit %-3s %4ss' "$name" "$status" $((SECONDS - start)))")
+    return $status
+}
+
+setup() {
+    if [ -d .whl ]; then
+        if [ ! -f /tmp/site/.fastrl-peers ]; then
+            $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+                for pack in .whl/*.tar.gz; do [ -e "$pack" ] && tar -C /tmp/site -xzf "$pack"; done &&
+                touch /tmp/site/.fastrl-peers || return 1
+        fi
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    if ! $PY -c "from fastrl import _backend; assert _backend.native_cuda()" 2>/dev/null; then
+        $PY -m pip install -q --no-build-isolation --no-deps -e . || return 1
+    fi
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+    $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    $PY -m fastrl info
+}
+
+bench() {  # bench [--merge] OP...
+    local args=()
+    for arg in "$@"; do case $arg in --*) args+=("$arg") ;; *) args+=(--op "$arg") ;; esac; done
+    $PY -m fastrl.bench "${args[@]}" --plot bench/results/plots
+}
+
+status=0
+for stage in "$@"; do
+    case $stage in
+        setup) run_stage setup 420 bash -c "$(declare -f setup); PY=$PY; setup" ;;
+        test) run_stage test 540 $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider --junitxml "$OUT/junit.xml" ;;
+        test-all) run_stage test-all 540 $PY -m pytest -q -n 8 -p no:cacheprovider --junitxml "$OUT/junit-all.xml" ;;
+        bench-logprobs) run_stage bench-logprobs 570 bash -c "$(declare -f bench); PY=$PY; bench logprobs" ;;
+        bench-rest) run_stage bench-rest 420 bash -c "$(declare -f bench); PY=$PY; bench --merge sampling policy kl" ;;
+        demo) run_stage demo 300 $PY examples/grpo_tiny.py --compare --device cuda --plot "$OUT/reward_curve_cuda.png" ;;
+        pack) run_stage pack 120 bash -c "$PY -m fastrl.bench.report && tar -czf '$OUT/results.tgz' bench/results README.md" ;;
+        *) echo "unknown stage: $stage" >&2; exit 2 ;;
+    esac || status=1
+    if [ "$stage" = setup ]; then
+        [ $status -ne 0 ] && break
+        # setup's PYTHONPATH for the stages after it (run_stage ran it in a child shell)
+        [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+done
+echo "=== summary"
+printf '%s\n' "${SUMMARY[@]}"
+exit $status
