@@ -60,10 +60,16 @@ def _rows(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def _mask_rows(mask: torch.Tensor) -> torch.Tensor:
+    """The mask as contiguous [B, L] uint8 (0/1), as the kernels read it: a view of
+    a bool mask's bytes in eager. Inductor in torch 2.11 cannot lower a bool ->
+    uint8 view (LoweringException: torch.iinfo of bool), so a compiled graph
+    converts instead; it fuses the conversion into its own kernels."""
     rows = mask.reshape(-1, mask.shape[-1])
-    if rows.dtype == torch.bool:
-        return rows.contiguous().view(torch.uint8)
-    return (rows != 0).view(torch.uint8).contiguous()
+    if rows.dtype != torch.bool:
+        rows = rows != 0
+    if torch.compiler.is_compiling():
+        return rows.to(torch.uint8).contiguous()
+    return rows.contiguous().view(torch.uint8)
 
 
 class _PolicyLoss(torch.autograd.Function):

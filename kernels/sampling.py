@@ -48,23 +48,25 @@ def _acc(logits: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
 @triton.jit
 def _order_key(x):
     """Unsigned integer keys ordered as the logits (uint64; 32 significant bits
-    for fp32, 64 for fp64); -0.0 and +0.0 share a key."""
+    for fp32, 64 for fp64); -0.0 and +0.0 share a key. Bits are flipped by XOR
+    with all ones rather than ``~``: triton 3.6's interpreter builds ``~`` of an
+    unsigned tensor from a -1 that numpy 2 refuses to cast to it."""
     if x.dtype == tl.float64:
         b = (x + 0.0).to(tl.uint64, bitcast=True)
-        return tl.where((b >> 63) == 1, ~b, b | 0x8000000000000000)
+        return tl.where((b >> 63) == 1, b ^ 0xFFFFFFFFFFFFFFFF, b | 0x8000000000000000)
     else:
         b = (x + 0.0).to(tl.uint32, bitcast=True)
-        return tl.where((b >> 31) == 1, ~b, b | 0x80000000).to(tl.uint64)
+        return tl.where((b >> 31) == 1, b ^ 0xFFFFFFFF, b | 0x80000000).to(tl.uint64)
 
 
 @triton.jit
 def _key_to_value(key, ACC: tl.constexpr):
     """The logit whose key is ``key`` (the inverse of _order_key)."""
     if ACC == tl.float64:
-        return tl.where((key >> 63) == 1, key & 0x7FFFFFFFFFFFFFFF, ~key).to(tl.float64, bitcast=True)
+        return tl.where((key >> 63) == 1, key & 0x7FFFFFFFFFFFFFFF, key ^ 0xFFFFFFFFFFFFFFFF).to(tl.float64, bitcast=True)
     else:
         k = key.to(tl.uint32)
-        return tl.where((k >> 31) == 1, k & 0x7FFFFFFF, ~k).to(tl.float32, bitcast=True)
+        return tl.where((k >> 31) == 1, k & 0x7FFFFFFF, k ^ 0xFFFFFFFF).to(tl.float32, bitcast=True)
 
 
 @triton.jit
