@@ -5,9 +5,11 @@
 // is handled without sorting, on a shrinking list of candidate tokens:
 //   1. row_stats (softmax_stats.h): max m and s = sum_j e_j, e_j = exp((x_j - m) / T),
 //      in one vectorised read; a scan for the first argmax and the number of maxima;
-//   2. top-k: the k-th largest order-preserving key by radix select, 8 bits per
-//      pass; after each digit only the bucket holding the answer is kept, so
-//      later passes see a few candidates; then the candidates shrink to key >= it;
+//   2. top-k: a histogram of the order-preserving keys' top 11 bits (in the same
+//      read as the argmax scan) gives the bucket of the k-th largest; only the
+//      tokens at or above that bucket become candidates, and a radix select,
+//      8 bits per pass, finds the k-th largest key among them; the candidates
+//      then shrink to key >= it;
 //   3. top-p: the same descent with each bucket weighted by its mass, for the
 //      smallest logit whose mass strictly above is < p * (mass of the candidates);
 //   4. min-p: candidates with (x_j - m) / T >= log(min_p);
@@ -88,6 +90,14 @@ struct Candidates {
     n = out;
   }
 };
+
+// Top-k's first pass histograms the keys' top bits: 2^11 buckets (8 KiB of
+// counters) split each binade of float logits into 8, so the buckets at and
+// above the k-th largest hold few tokens beyond the k.
+constexpr int kTopDigitBits = 11;
+constexpr int64_t kTopBuckets = int64_t(1) << kTopDigitBits;
+template <typename Key>
+constexpr int kTopDigitShift = int(sizeof(Key)) * 8 - kTopDigitBits;
 
 // The k-th largest of n keys (1 <= k <= n), most significant digit first: at
 // each digit keep the bucket in which the k-th largest lies, counting down from
@@ -202,22 +212,49 @@ Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm,
   // NaN anywhere reaches s; a row of only -inf has m = -inf.
   sel.bad = st.s != st.s || st.m == neg_inf<Acc>() || !prm.valid();
   if (sel.bad) return sel;
-  for (int64_t i = 0; i < vocab; ++i) {
-    if (load_as<Acc>(x, i) == st.m) {
-      if (sel.argmax < 0) sel.argmax = i;
-      ++sel.n_max;
+  const bool top_k = !sel.greedy && prm.top_k > 0 && prm.top_k < vocab;
+  int64_t first_bucket = 0;  // top-k: the lowest top-digit bucket that can hold a kept token
+  if (top_k) {
+    // One pass: the maxima, and a histogram of the keys' top kTopDigitBits bits.
+    // The k-th largest key lies in the bucket where the count from the top
+    // reaches k, so only the tokens of that bucket and above (about k plus one
+    // bucket's population) become candidates: the row's keys are never all stored.
+    static_assert(kTopDigitBits <= 8 * sizeof(Key));
+    int32_t hist[kTopBuckets] = {};
+    for (int64_t i = 0; i < vocab; ++i) {
+      const Acc v = load_as<Acc>(x, i);
+      ++hist[order_key(v) >> kTopDigitShift<Key>];
+      if (v == st.m) {
+        if (sel.argmax < 0) sel.argmax = i;
+        ++sel.n_max;
+      }
+    }
+    int64_t above = 0;
+    for (first_bucket = kTopBuckets - 1; first_bucket > 0; --first_bucket) {
+      above += hist[first_bucket];
+      if (above >= prm.top_k) break;
+    }
+  } else {
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (load_as<Acc>(x, i) == st.m) {
+        if (sel.argmax < 0) sel.argmax = i;
+        ++sel.n_max;
+      }
     }
   }
   if (sel.greedy) return sel;
   sel.log_s = std::log(st.s);
 
-  cand.n = vocab;
+  cand.n = 0;
   for (int64_t i = 0; i < vocab; ++i) {
-    cand.keys[i] = order_key(load_as<Acc>(x, i));
-    cand.index[i] = i;
+    const Key key = order_key(load_as<Acc>(x, i));
+    if (int64_t(key >> kTopDigitShift<Key>) < first_bucket) continue;
+    cand.keys[cand.n] = key;
+    cand.index[cand.n] = i;
+    ++cand.n;
   }
   Key threshold = order_key(neg_inf<Acc>());  // keeps every non-NaN logit
-  if (prm.top_k > 0 && prm.top_k < vocab) {
+  if (top_k) {
     threshold = kth_largest_key(cand.keys.data(), cand.n, prm.top_k, cand.key_scratch.data());
     cand.filter([&](int64_t j) { return cand.keys[j] >= threshold; });
   }
