@@ -5,11 +5,12 @@
 // is handled without sorting, on a shrinking list of candidate tokens:
 //   1. row_stats (softmax_stats.h): max m and s = sum_j e_j, e_j = exp((x_j - m) / T),
 //      in one vectorised read; a scan for the first argmax and the number of maxima;
-//   2. top-k: a histogram of the order-preserving keys' top 11 bits (in the same
-//      read as the argmax scan) gives the bucket of the k-th largest; only the
-//      tokens at or above that bucket become candidates, and a radix select,
-//      8 bits per pass, finds the k-th largest key among them; the candidates
-//      then shrink to key >= it;
+//   2. the candidates, in one read that also finds the first argmax: every
+//      token, or for top-k only the tokens whose order-preserving key has its
+//      top 11 bits at or above a pivot bucket estimated from every 16th token
+//      (a few times k tokens; the exact histogram when that gathers fewer
+//      than k); a radix select, 8 bits per pass, finds the k-th largest key
+//      among them, and the candidates shrink to key >= it;
 //   3. top-p: the same descent with each bucket weighted by its mass, for the
 //      smallest logit whose mass strictly above is < p * (mass of the candidates);
 //   4. min-p: candidates with (x_j - m) / T >= log(min_p);
@@ -201,6 +202,62 @@ struct Selection {
   KeyOf<Acc> threshold = 0;  // kept: key >= threshold and (x - m) / T >= log_min_p
 };
 
+// Top-k's pivot: the highest top-digit bucket such that the buckets from it up
+// hold at least `need` of the counted tokens (every token when stride is 1, or
+// every stride-th), or 0 when none does.
+template <typename Acc, typename In>
+int64_t top_k_bucket(const In* x, int64_t vocab, int64_t stride, int64_t need) {
+  using Key = KeyOf<Acc>;
+  int32_t hist[kTopBuckets] = {};
+  for (int64_t i = 0; i < vocab; i += stride) ++hist[order_key(load_as<Acc>(x, i)) >> kTopDigitShift<Key>];
+  int64_t above = 0;
+  for (int64_t b = kTopBuckets - 1; b > 0; --b) {
+    above += hist[b];
+    if (above >= need) return b;
+  }
+  return 0;
+}
+
+// The pivot from every 16th token: the sample holds about k / 16 tokens above
+// the k-th largest, so asking for four standard deviations (and 2) more makes
+// the gathered buckets hold at least k tokens unless the row's order is
+// adversarial to the stride; then select_row falls back to exact_top_k_bucket.
+template <typename Acc, typename In>
+int64_t sampled_top_k_bucket(const In* x, int64_t vocab, int64_t k) {
+  constexpr int64_t stride = 16;
+  const double expected = double(k) / stride;
+  return top_k_bucket<Acc>(x, vocab, stride, int64_t(std::ceil(expected + 4 * std::sqrt(expected))) + 2);
+}
+
+template <typename Acc, typename In>
+int64_t exact_top_k_bucket(const In* x, int64_t vocab, int64_t k) {
+  return top_k_bucket<Acc>(x, vocab, 1, k);
+}
+
+// The candidates: the tokens whose key's top digit is >= `lowest`, in row
+// order; and the first argmax and the number of maxima (all candidates, as the
+// max's bucket is never below `lowest`).
+template <typename In, typename Acc>
+void gather_candidates(const In* x, int64_t vocab, int64_t lowest, Acc m, Selection<Acc>& sel,
+                       Candidates<Acc>& cand) {
+  using Key = KeyOf<Acc>;
+  cand.n = 0;
+  sel.argmax = -1;
+  sel.n_max = 0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    const Acc v = load_as<Acc>(x, i);
+    const Key key = order_key(v);
+    if (int64_t(key >> kTopDigitShift<Key>) < lowest) continue;
+    cand.keys[cand.n] = key;
+    cand.index[cand.n] = i;
+    ++cand.n;
+    if (v == m) {
+      if (sel.argmax < 0) sel.argmax = i;
+      ++sel.n_max;
+    }
+  }
+}
+
 template <typename In, typename Acc>
 Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm, Candidates<Acc>& cand) {
   using Key = KeyOf<Acc>;
@@ -212,47 +269,27 @@ Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm,
   // NaN anywhere reaches s; a row of only -inf has m = -inf.
   sel.bad = st.s != st.s || st.m == neg_inf<Acc>() || !prm.valid();
   if (sel.bad) return sel;
-  const bool top_k = !sel.greedy && prm.top_k > 0 && prm.top_k < vocab;
-  int64_t first_bucket = 0;  // top-k: the lowest top-digit bucket that can hold a kept token
-  if (top_k) {
-    // One pass: the maxima, and a histogram of the keys' top kTopDigitBits bits.
-    // The k-th largest key lies in the bucket where the count from the top
-    // reaches k, so only the tokens of that bucket and above (about k plus one
-    // bucket's population) become candidates: the row's keys are never all stored.
-    static_assert(kTopDigitBits <= 8 * sizeof(Key));
-    int32_t hist[kTopBuckets] = {};
-    for (int64_t i = 0; i < vocab; ++i) {
-      const Acc v = load_as<Acc>(x, i);
-      ++hist[order_key(v) >> kTopDigitShift<Key>];
-      if (v == st.m) {
-        if (sel.argmax < 0) sel.argmax = i;
-        ++sel.n_max;
-      }
-    }
-    int64_t above = 0;
-    for (first_bucket = kTopBuckets - 1; first_bucket > 0; --first_bucket) {
-      above += hist[first_bucket];
-      if (above >= prm.top_k) break;
-    }
-  } else {
+  if (sel.greedy) {  // T -> 0: only the first argmax and the number of maxima
     for (int64_t i = 0; i < vocab; ++i) {
       if (load_as<Acc>(x, i) == st.m) {
         if (sel.argmax < 0) sel.argmax = i;
         ++sel.n_max;
       }
     }
+    return sel;
   }
-  if (sel.greedy) return sel;
   sel.log_s = std::log(st.s);
 
-  cand.n = 0;
-  for (int64_t i = 0; i < vocab; ++i) {
-    const Key key = order_key(load_as<Acc>(x, i));
-    if (int64_t(key >> kTopDigitShift<Key>) < first_bucket) continue;
-    cand.keys[cand.n] = key;
-    cand.index[cand.n] = i;
-    ++cand.n;
-  }
+  // The candidates: every token, or for top-k the tokens of the top-digit
+  // buckets from `lowest` up, which must hold at least k of them (then the
+  // k-th largest is among them). The pivot bucket comes from a strided sample;
+  // when the sample misleads (fewer than k gathered), from the exact histogram.
+  const bool top_k = prm.top_k > 0 && prm.top_k < vocab;
+  int64_t lowest = 0;
+  if (top_k) lowest = sampled_top_k_bucket<Acc>(x, vocab, prm.top_k);
+  gather_candidates(x, vocab, lowest, st.m, sel, cand);
+  if (top_k && cand.n < prm.top_k)
+    gather_candidates(x, vocab, exact_top_k_bucket<Acc>(x, vocab, prm.top_k), st.m, sel, cand);
   Key threshold = order_key(neg_inf<Acc>());  // keeps every non-NaN logit
   if (top_k) {
     threshold = kth_largest_key(cand.keys.data(), cand.n, prm.top_k, cand.key_scratch.data());

@@ -138,6 +138,26 @@ def test_same_tokens_as_the_reference_sampler(device, backend):
 
 
 @pytest.mark.parametrize("device,backend", BACKENDS)
+def test_top_k_on_rows_that_mislead_a_sampled_pivot(device, backend):
+    """The native top-k estimates the bucket of the k-th largest logit from every
+    16th token. Rows where those tokens are the largest (fewer than k of them:
+    tied, or distinct) or are in sorted order take its exact fallback, and still
+    draw the reference's tokens with its log-probs."""
+    v = 4096
+    x = torch.randn(4, v, device=device)
+    x[0, ::16] = 8.0
+    x[1, ::16] = 8.0 + torch.rand(v // 16, device=device)
+    x[2] = x[2].sort().values
+    x[3] = x[3].sort(descending=True).values
+    kw = dict(temperature=0.9, top_k=300, seed=2024, offset=5)
+    expected = reference.sample(x, **kw)
+    with fastrl.use_backend(backend):
+        out = fastrl.sample(x, **kw)
+    assert torch.equal(out.tokens, expected[0])
+    torch.testing.assert_close(out.logprobs, expected[1], rtol=1e-5, atol=1e-5)  # the same kept mass
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
 def test_per_row_parameters_and_seeds(device, backend):
     """Different T / k / p / min-p / seed per row in one call; each row equals
     that row sampled alone with its own scalars and seed, wherever it sits."""
