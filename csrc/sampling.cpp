@@ -4,7 +4,7 @@
 // threshold logit (fastrl/reference.py, truncated_log_distribution), so a row
 // is handled without sorting, on a shrinking list of candidate tokens:
 //   1. row_stats (softmax_stats.h): max m and s = sum_j e_j, e_j = exp((x_j - m) / T),
-//      in one vectorised read; a scan for the first argmax and the number of maxima;
+//      in one vectorised read (a greedy row then only scans for its first argmax);
 //   2. the candidates, in one read that also finds the first argmax: every
 //      token, or for top-k only the tokens whose order-preserving key has its
 //      top 11 bits at or above a pivot bucket estimated from every 16th token
@@ -221,7 +221,7 @@ int64_t top_k_bucket(const In* x, int64_t vocab, int64_t stride, int64_t need) {
 // The pivot from every 16th token: the sample holds about k / 16 tokens above
 // the k-th largest, so asking for four standard deviations (and 2) more makes
 // the gathered buckets hold at least k tokens unless the row's order is
-// adversarial to the stride; then select_row falls back to exact_top_k_bucket.
+// adversarial to the stride; then select_row counts every token (stride 1).
 template <typename Acc, typename In>
 int64_t sampled_top_k_bucket(const In* x, int64_t vocab, int64_t k) {
   constexpr int64_t stride = 16;
@@ -229,9 +229,17 @@ int64_t sampled_top_k_bucket(const In* x, int64_t vocab, int64_t k) {
   return top_k_bucket<Acc>(x, vocab, stride, int64_t(std::ceil(expected + 4 * std::sqrt(expected))) + 2);
 }
 
-template <typename Acc, typename In>
-int64_t exact_top_k_bucket(const In* x, int64_t vocab, int64_t k) {
-  return top_k_bucket<Acc>(x, vocab, 1, k);
+// The first argmax and the number of maxima of a row whose max is m.
+template <typename In, typename Acc>
+void find_maxima(const In* x, int64_t vocab, Acc m, Selection<Acc>& sel) {
+  sel.argmax = -1;
+  sel.n_max = 0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (load_as<Acc>(x, i) == m) {
+      if (sel.argmax < 0) sel.argmax = i;
+      ++sel.n_max;
+    }
+  }
 }
 
 // The candidates: the tokens whose key's top digit is >= `lowest`, in row
@@ -250,12 +258,7 @@ void gather_candidates(const In* x, int64_t vocab, int64_t lowest, Acc m, Select
       cand.index[i] = i;
     }
     cand.n = vocab;
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (load_as<Acc>(x, i) == m) {
-        if (sel.argmax < 0) sel.argmax = i;
-        ++sel.n_max;
-      }
-    }
+    find_maxima(x, vocab, m, sel);
     return;
   }
   for (int64_t i = 0; i < vocab; ++i) {
@@ -284,12 +287,7 @@ Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm,
   sel.bad = st.s != st.s || st.m == neg_inf<Acc>() || !prm.valid();
   if (sel.bad) return sel;
   if (sel.greedy) {  // T -> 0: only the first argmax and the number of maxima
-    for (int64_t i = 0; i < vocab; ++i) {
-      if (load_as<Acc>(x, i) == st.m) {
-        if (sel.argmax < 0) sel.argmax = i;
-        ++sel.n_max;
-      }
-    }
+    find_maxima(x, vocab, st.m, sel);
     return sel;
   }
   sel.log_s = std::log(st.s);
@@ -303,7 +301,7 @@ Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm,
   if (top_k) lowest = sampled_top_k_bucket<Acc>(x, vocab, prm.top_k);
   gather_candidates(x, vocab, lowest, st.m, sel, cand);
   if (top_k && cand.n < prm.top_k)
-    gather_candidates(x, vocab, exact_top_k_bucket<Acc>(x, vocab, prm.top_k), st.m, sel, cand);
+    gather_candidates(x, vocab, top_k_bucket<Acc>(x, vocab, 1, prm.top_k), st.m, sel, cand);
   Key threshold = order_key(neg_inf<Acc>());  // keeps every non-NaN logit
   if (top_k) {
     threshold = kth_largest_key(cand.keys.data(), cand.n, prm.top_k, cand.key_scratch.data());

@@ -55,7 +55,6 @@ setup() {
                 for pack in .whl/*.tar.gz; do [ -e "$pack" ] && tar -C /tmp/site -xzf "$pack"; done &&
                 touch /tmp/site/.fastrl-peers || return 1
         fi
-        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     fi
     if ! $PY -c "from fastrl import _backend; assert _backend.native_cuda()" 2>/dev/null; then
         $PY -m pip install -q --no-build-isolation --no-deps -e . || return 1
@@ -65,27 +64,22 @@ setup() {
     $PY -m fastrl info
 }
 
-bench() {  # bench [--merge] OP...
-    local args=()
-    for arg in "$@"; do case $arg in --*) args+=("$arg") ;; *) args+=(--op "$arg") ;; esac; done
-    $PY -m fastrl.bench "${args[@]}" --plot bench/results/plots
-}
-
 status=0
 for stage in "$@"; do
     case $stage in
         setup) run_stage setup 420 bash -c "$(declare -f setup); PY=$PY; setup" ;;
         test) run_stage test 540 $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider --junitxml "$OUT/junit.xml" ;;
         test-all) run_stage test-all 540 $PY -m pytest -q -n 8 -p no:cacheprovider --junitxml "$OUT/junit-all.xml" ;;
-        bench-logprobs) run_stage bench-logprobs 570 bash -c "$(declare -f bench); PY=$PY; bench logprobs" ;;
-        bench-rest) run_stage bench-rest 420 bash -c "$(declare -f bench); PY=$PY; bench --merge sampling policy kl" ;;
+        bench-logprobs) run_stage bench-logprobs 570 $PY -m fastrl.bench --op logprobs --plot bench/results/plots ;;
+        bench-rest) run_stage bench-rest 420 $PY -m fastrl.bench --op sampling --op policy --op kl --merge \
+            --plot bench/results/plots ;;
         demo) run_stage demo 300 $PY examples/grpo_tiny.py --compare --device cuda --plot "$OUT/reward_curve_cuda.png" ;;
         pack) run_stage pack 120 bash -c "$PY -m fastrl.bench.report && tar -czf '$OUT/results.tgz' bench/results README.md" ;;
         *) echo "unknown stage: $stage" >&2; exit 2 ;;
     esac || status=1
     if [ "$stage" = setup ]; then
         [ $status -ne 0 ] && break
-        # setup's PYTHONPATH for the stages after it (run_stage ran it in a child shell)
+        # the peers setup installed, for the stages after it
         [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     fi
 done

@@ -50,6 +50,20 @@ class Case:
     check: Callable[[dict], float]  # largest error of fastrl's result against the float64 reference
     sweep: bool = False  # a point of a size sweep (plotted; not in the README table or the speed check)
 
+    def key(self) -> tuple:
+        """What identifies the case in its result rows: see :func:`row_key`."""
+        return self.op, tuple(self.shape), dtype_name(self.dtype)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for torch.bfloat16, as result rows name dtypes."""
+    return str(dtype).replace("torch.", "")
+
+
+def row_key(row: dict) -> tuple:
+    """(op, shape, dtype) of a result row: the rows of one case share it."""
+    return row["op"], tuple(row["shape"]), row["dtype"]
+
 
 @dataclasses.dataclass
 class Timing:
@@ -267,7 +281,7 @@ def run_cases(cases: list[Case], device: torch.device, *, reps: int, progress=No
         fastrl_time = None
         for impl in case.impls:
             row = {
-                "op": case.op, "shape": list(case.shape), "dtype": str(case.dtype).replace("torch.", ""),
+                "op": case.op, "shape": list(case.shape), "dtype": dtype_name(case.dtype),
                 "impl": impl.name, "min_bytes": case.min_bytes, "bytes_formula": case.bytes_formula,
                 "sweep": case.sweep,
             }  # fmt: skip
@@ -418,7 +432,7 @@ def pytest_params(family) -> list:
 
     quick = os.environ.get("FASTRL_BENCH_FULL", "0") in ("", "0")
     return [
-        pytest.param(case, impl, id=f"{case.op}-{'x'.join(map(str, case.shape))}-{str(case.dtype)[6:]}-{impl.name}")
+        pytest.param(case, impl, id=f"{case.op}-{'x'.join(map(str, case.shape))}-{dtype_name(case.dtype)}-{impl.name}")
         for case in family.cases(_pytest_device(), quick=quick)
         for impl in case.impls
     ]

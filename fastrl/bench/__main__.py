@@ -26,6 +26,7 @@ from . import (
     merge_rows,
     print_table,
     remeasure_ratio,
+    row_key,
     run_cases,
     write_json,
 )
@@ -108,13 +109,13 @@ def main(argv: list[str] | None = None) -> int:
         if err is not None and not err <= MAX_REFERENCE_ERROR:
             failures.append(f"{r['op']} {r['shape']}: fastrl differs from the reference by {err:.3g}")
     if args.check_speed is not None:
-        case_of = {(c.op, tuple(c.shape), str(c.dtype).replace("torch.", "")): c for c in cases if not c.sweep}
+        case_of = {c.key(): c for c in cases if not c.sweep}
         for r in measured_rows:
             checked = r["impl"].startswith("torch eager") and not r.get("sweep") and "fastrl_speedup" in r
             if not checked or r["fastrl_speedup"] >= args.check_speed:
                 continue
             what = f"{r['op']} {r['shape']} {r['dtype']} against {r['impl']}"
-            ratio = remeasure_ratio(case_of[r["op"], tuple(r["shape"]), r["dtype"]], r["impl"], device, reps=reps)
+            ratio = remeasure_ratio(case_of[row_key(r)], r["impl"], device, reps=reps)
             print(f"re-measured {what}: {r['fastrl_speedup']:.2f}x, then {ratio:.2f}x", file=sys.stderr)
             if ratio < args.check_speed:
                 failures.append(f"{what}: fastrl is {ratio:.2f}x the torch reference, below the required "
