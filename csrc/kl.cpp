@@ -19,6 +19,9 @@
 //   s <- a s,   t <- a (t + c s)
 // When it raises the reference max m' to M', every d'_v grows by c' = (m' - M') inv_t:
 //   s' <- exp(c') s',   t <- t - c' s
+// (shift_sums in softmax_stats.h; c may be -inf when a max rises beyond the
+// float range, which leaves nothing of the old terms, and s, s', t are summed
+// in double for the accuracy softmax_stats.h explains.)
 // While a running max is still -inf every value so far is -inf: there is
 // nothing to rescale, and the chunk is measured from 0 instead (d = -inf, not
 // -inf - -inf = NaN).
@@ -76,12 +79,14 @@ void kl_penalty_backward_impl(const Acc* logp, const Acc* ref, const Acc* grad, 
 
 template <typename Acc>
 struct KLRowStats {
-  Acc m, s, m_ref, s_ref, t;
+  Acc m, m_ref;
+  double s, s_ref, t;  // summed in double, as row_stats does (softmax_stats.h)
 };
 
 template <typename In, typename Acc>
 FASTRL_ISA_CLONES KLRowStats<Acc> full_kl_row(const In* x, const In* y, int64_t vocab, Acc inv_t) {
-  Acc m = neg_inf<Acc>(), s = 0, m_ref = neg_inf<Acc>(), s_ref = 0, t = 0;
+  Acc m = neg_inf<Acc>(), m_ref = neg_inf<Acc>();
+  double s = 0, s_ref = 0, t = 0;
   Acc xs[kStatsChunk], ys[kStatsChunk];
   for (int64_t start = 0; start < vocab; start += kStatsChunk) {
     const int64_t n = std::min(kStatsChunk, vocab - start);
@@ -94,18 +99,14 @@ FASTRL_ISA_CLONES KLRowStats<Acc> full_kl_row(const In* x, const In* y, int64_t 
       chunk_max_ref = ys[i] > chunk_max_ref ? ys[i] : chunk_max_ref;
     }
     Acc c;
-    if (raise_max(m, chunk_max, inv_t, c)) {  // every d_v grows by c, every e^{d_v} scales by e^c
-      const Acc a = std::exp(c);
-      t = a * (t + c * s);
-      s = a * s;
-    }
+    if (raise_max(m, chunk_max, inv_t, c)) shift_sums(c, s, t);  // every d_v grows by c
     if (raise_max(m_ref, chunk_max_ref, inv_t, c)) {  // every d'_v grows by c
-      s_ref = std::exp(c) * s_ref;
-      t = t - c * s;
+      s_ref = std::exp(double(c)) * s_ref;
+      if (s != 0) t -= double(c) * s;  // c may be -inf; s = 0 means no term yet
     }
     const Acc origin = m == neg_inf<Acc>() ? Acc(0) : m;
     const Acc origin_ref = m_ref == neg_inf<Acc>() ? Acc(0) : m_ref;
-    Acc chunk_s = 0, chunk_s_ref = 0, chunk_t = 0;
+    double chunk_s = 0, chunk_s_ref = 0, chunk_t = 0;
 #pragma omp simd reduction(+ : chunk_s, chunk_s_ref, chunk_t)
     for (int64_t i = 0; i < n; ++i) {
       const Acc d = (xs[i] - origin) * inv_t;
@@ -119,7 +120,7 @@ FASTRL_ISA_CLONES KLRowStats<Acc> full_kl_row(const In* x, const In* y, int64_t 
     s_ref += chunk_s_ref;
     t += chunk_t;
   }
-  return {m, s, m_ref, s_ref, t};
+  return {m, m_ref, s, s_ref, t};
 }
 
 template <typename In, typename Acc>
@@ -150,8 +151,8 @@ void full_kl_forward_impl(const FullKLArgs& a, Acc* kl, Acc* stats) {
     const KLRowStats<Acc> st = full_kl_row<In, Acc>(logits + r * a.row_stride,
                                                     ref_logits + r * a.ref_row_stride, a.vocab,
                                                     Acc(1) / temp);
-    const Acc log_s = std::log(st.s), log_s_ref = std::log(st.s_ref);
-    kl[r] = st.t / st.s - log_s + log_s_ref;
+    const double log_s = std::log(st.s), log_s_ref = std::log(st.s_ref);
+    kl[r] = static_cast<Acc>(st.t / st.s - log_s + log_s_ref);
     if (stats) {
       stats[4 * r] = st.m;
       stats[4 * r + 1] = log_s;

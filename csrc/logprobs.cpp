@@ -14,7 +14,8 @@
 //
 // Backward, with g = dL/dlogprob and h = dL/dentropy of the row:
 //   dL/dx_j = inv_t * ( g * ([j == label] - p_j)  -  h * p_j * (log p_j + entropy) )
-// a -inf logit has p_j = 0 and contributes nothing. One read of the row and one
+// a term with p_j = 0 (a -inf logit, or one so far below the max that
+// (x_j - m) / T overflows) contributes nothing. One read of the row and one
 // write of the gradient, which may alias the logits (inplace_backward): each
 // chunk is read fully before it is written.
 //
@@ -45,7 +46,9 @@ FASTRL_ISA_CLONES void row_grad(const In* x, In* grad, int64_t vocab, Acc inv_t,
         const Acc xi = load_as<Acc>(x, start + i);
         const Acc logp = (xi - m) * inv_t - log_s;
         const Acc p = exp_approx(logp);
-        const Acc logp_finite = xi == neg_inf<Acc>() ? Acc(0) : logp;  // p = 0 there
+        // p = 0 adds nothing; logp may be -inf there, also for a finite logit
+        // whose (x - m) / T overflowed, so the term is tested, not the logit.
+        const Acc logp_finite = p == 0 ? Acc(0) : logp;
         buf[i] = -g_logprob * p - g_entropy * p * (logp_finite + entropy);
       }
     } else {
@@ -80,12 +83,13 @@ void forward_impl(const LogprobsArgs& a, void* out_logprob, void* out_entropy, v
     }
     const Acc inv_t = Acc(1) / t;
     const RowStats<Acc> st = row_stats<In, Acc>(x, a.vocab, inv_t, want_w);
-    const Acc log_s = std::log(st.s);
+    const double log_s_exact = std::log(st.s);  // from the double sums (softmax_stats.h)
+    const Acc log_s = static_cast<Acc>(log_s_exact);
     if (stats) {
       stats[2 * r] = st.m;
       stats[2 * r + 1] = log_s;
     }
-    if (entropy) entropy[r] = log_s - st.w / st.s;
+    if (entropy) entropy[r] = static_cast<Acc>(log_s_exact - st.w / st.s);
     if (logprob) {
       const int64_t label = load_label(a.labels, a.label_dtype, r);
       if (label == a.ignore_index) {

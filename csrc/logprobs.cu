@@ -50,51 +50,80 @@ __device__ __forceinline__ double exp_acc(double x) { return exp(x); }
 template <typename Acc>
 __device__ __forceinline__ Acc neg_inf() { return -INFINITY; }
 
+// A thread's (or a merged group's) running statistic: the max m of the values
+// seen, and s = sum e^d, w = sum e^d d relative to it, in double (see accumulate).
+// s is 0 while no term was summed, or NaN once a NaN was seen.
 template <typename Acc>
 struct Stats {
-  Acc m, s, w;
+  Acc m;
+  double s, w;
 };
 
-// Merge two partial (m, s, w) of the same row onto the larger max.
+// st's sums moved to the reference point m >= st.m: s a, (w + c s) a with
+// c = (st.m - m) / T, a = e^c. c may be -inf (the max rose beyond the float
+// range): a = 0 then leaves nothing of the old terms, tested so that no
+// 0 * -inf appears. A statistic with no max has no terms to move (s 0 or NaN).
+template <typename Acc, bool WITH_W>
+__device__ __forceinline__ void shift_to(const Stats<Acc>& st, Acc m, Acc inv_t, double& s, double& w) {
+  s = st.s;
+  w = st.w;
+  if (st.m == neg_inf<Acc>() || st.m == m) return;
+  const double c = static_cast<double>((st.m - m) * inv_t), a = exp(c);
+  if (WITH_W) w = a == 0 ? 0.0 : a * (st.w + c * st.s);
+  s = a * st.s;
+}
+
+// Merge two partial statistics of the same row onto the larger max.
 template <typename Acc, bool WITH_W>
 __device__ __forceinline__ Stats<Acc> merge(Stats<Acc> a, Stats<Acc> b, Acc inv_t) {
   const Acc m = a.m > b.m ? a.m : b.m;
-  if (m == neg_inf<Acc>()) return {m, Acc(0), Acc(0)};
-  const bool a_empty = a.m == neg_inf<Acc>(), b_empty = b.m == neg_inf<Acc>();
-  const Acc ca = a_empty ? Acc(0) : (a.m - m) * inv_t, cb = b_empty ? Acc(0) : (b.m - m) * inv_t;
-  const Acc fa = a_empty ? Acc(0) : exp_acc(ca), fb = b_empty ? Acc(0) : exp_acc(cb);
-  Stats<Acc> r{m, fa * a.s + fb * b.s, Acc(0)};
-  if (WITH_W) r.w = fa * (a.w + ca * a.s) + fb * (b.w + cb * b.s);
-  return r;
+  double sa, wa, sb, wb;
+  shift_to<Acc, WITH_W>(a, m, inv_t, sa, wa);
+  shift_to<Acc, WITH_W>(b, m, inv_t, sb, wb);
+  return {m, sa + sb, wa + wb};
 }
 
 // Adds n values of the row (already widened) to a thread's running stats.
+// Accuracy: the vector's terms are summed in Acc, then added to the double
+// sums. The terms at the max are exactly 1 and are counted apart, so a peaked
+// row's tail of tiny terms is never added to a float 1 that would drop it
+// (softmax_stats.h and kernels/reduce.py explain why the entropy needs this).
+// Guards test the term: d may be -inf for a finite logit whose (x - m) / T
+// overflowed, where e = 0 must add 0 to w. A NaN makes s NaN for good.
 template <typename Acc, bool WITH_W, int N>
 __device__ __forceinline__ void accumulate(Stats<Acc>& st, const Acc (&xs)[N], Acc inv_t) {
   Acc vmax = neg_inf<Acc>();
+  bool nan = false;
 #pragma unroll
-  for (int k = 0; k < N; ++k) vmax = xs[k] > vmax ? xs[k] : vmax;
-  if (vmax > st.m) {
-    if (st.m != neg_inf<Acc>()) {
-      const Acc c = (st.m - vmax) * inv_t, a = exp_acc(c);
-      if (WITH_W) st.w = a * (st.w + c * st.s);
-      st.s *= a;
-    }
-    st.m = vmax;
+  for (int k = 0; k < N; ++k) {
+    vmax = xs[k] > vmax ? xs[k] : vmax;
+    nan |= xs[k] != xs[k];
   }
-  if (st.m == neg_inf<Acc>()) return;  // every value so far is -inf
+  if (nan) st.s = NAN;
+  if (vmax > st.m) {
+    double s, w;
+    shift_to<Acc, WITH_W>(st, vmax, inv_t, s, w);
+    st = {vmax, s, w};
+  }
+  if (st.m == neg_inf<Acc>()) return;  // every value so far is -inf (or NaN, flagged)
+  Acc tail = 0, w_vec = 0;
+  int at_max = 0;
 #pragma unroll
   for (int k = 0; k < N; ++k) {
     const Acc d = (xs[k] - st.m) * inv_t;
     const Acc e = exp_acc(d);
-    st.s += e;
-    if (WITH_W) st.w += xs[k] == neg_inf<Acc>() ? Acc(0) : e * d;
+    at_max += d == Acc(0);
+    tail += d == Acc(0) ? Acc(0) : e;
+    if (WITH_W) w_vec += e == Acc(0) ? Acc(0) : e * d;
   }
+  st.s += static_cast<double>(tail) + at_max;
+  if (WITH_W) st.w += static_cast<double>(w_vec);
 }
 
 template <typename Acc, bool WITH_W>
 __device__ Stats<Acc> block_reduce(Stats<Acc> st, Acc inv_t) {
-  __shared__ Acc sm[3][32];
+  __shared__ Acc sm_m[32];
+  __shared__ double sm_s[32], sm_w[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
@@ -103,14 +132,13 @@ __device__ Stats<Acc> block_reduce(Stats<Acc> st, Acc inv_t) {
     st = merge<Acc, WITH_W>(st, o, inv_t);
   }
   if (lane == 0) {
-    sm[0][warp] = st.m;
-    sm[1][warp] = st.s;
-    sm[2][warp] = st.w;
+    sm_m[warp] = st.m;
+    sm_s[warp] = st.s;
+    sm_w[warp] = st.w;
   }
   __syncthreads();
   if (warp == 0) {
-    st = lane < n_warps ? Stats<Acc>{sm[0][lane], sm[1][lane], sm[2][lane]}
-                        : Stats<Acc>{neg_inf<Acc>(), Acc(0), Acc(0)};
+    st = lane < n_warps ? Stats<Acc>{sm_m[lane], sm_s[lane], sm_w[lane]} : Stats<Acc>{neg_inf<Acc>(), 0.0, 0.0};
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
       Stats<Acc> o{__shfl_down_sync(0xffffffffu, st.m, off), __shfl_down_sync(0xffffffffu, st.s, off),
@@ -143,7 +171,7 @@ __global__ void forward_kernel(LogprobsArgs a, Acc* logprob, Acc* entropy, Acc* 
   const int64_t row = blockIdx.x;
   const In* x = static_cast<const In*>(a.logits) + row * a.row_stride;
   const Acc inv_t = row_inv_temperature<Acc>(a, row);
-  Stats<Acc> st{neg_inf<Acc>(), Acc(0), Acc(0)};
+  Stats<Acc> st{neg_inf<Acc>(), 0.0, 0.0};
   const int64_t n_packs = a.vocab / VEC;
   for (int64_t i = threadIdx.x; i < n_packs; i += blockDim.x) {
     const Pack<In, VEC> p = reinterpret_cast<const Pack<In, VEC>*>(x)[i];
@@ -158,12 +186,13 @@ __global__ void forward_kernel(LogprobsArgs a, Acc* logprob, Acc* entropy, Acc* 
   }
   st = block_reduce<Acc, WITH_W>(st, inv_t);
   if (threadIdx.x != 0) return;
-  const Acc log_s = log(st.s);
+  const double log_s_exact = log(st.s);
+  const Acc log_s = static_cast<Acc>(log_s_exact);
   if (stats) {
     stats[2 * row] = st.m;
     stats[2 * row + 1] = log_s;
   }
-  if (entropy) entropy[row] = log_s - st.w / st.s;
+  if (entropy) entropy[row] = static_cast<Acc>(log_s_exact - st.w / st.s);
   if (logprob) {
     const int64_t label = row_label(a, row);
     if (label == a.ignore_index) {
@@ -183,7 +212,7 @@ __device__ __forceinline__ Acc grad_element(In xv, int64_t j, Acc m, Acc log_s, 
   const Acc logp = (xj - m) * inv_t - log_s;
   const Acc p = exp_acc(logp);
   Acc grad = -g * p;
-  if (WITH_H) grad -= h * p * ((xj == neg_inf<Acc>() ? Acc(0) : logp) + entropy);
+  if (WITH_H) grad -= h * p * ((p == Acc(0) ? Acc(0) : logp) + entropy);  // logp may be -inf where p = 0
   if (j == label) grad += g;
   return grad * inv_t;
 }

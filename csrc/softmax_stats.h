@@ -4,7 +4,20 @@
 // so that logsumexp(x / T) = m / T + log s and the entropy is log s - w / s.
 // The row is read once in L1-sized chunks: each chunk's max is taken first and
 // (s, w) rescaled when the max grows, then the chunk's exponentials are added.
-// -inf logits add exactly nothing; a row of only -inf gives s = 0; NaN reaches s.
+//
+// Accuracy: each e^{d_j} is a float (exp_approx, about 1 ulp), but s and w are
+// summed in double. A peaked row (one logit far above the rest) has s = 1 + t
+// with t a sum of many tiny terms; a float accumulator holding the 1 drops each
+// term below half an ulp of 1 (6e-8), so at V = 32000 and T = 1.7 the entropy
+// (about log s - w / s = 0.013) came out 2e-3 off. In double the summation error
+// is below 1e-12 of s and what remains is the rounding of each term.
+//
+// Guards test the term, not the logit: (x - m) / T overflows to -inf for a
+// finite logit too (finfo.min masking at T < 1, or +-3e38 in one row), so a
+// term whose e^{d_j} is 0 adds exactly 0 to w (never 0 * -inf), and a rescale
+// by e^c = 0 drops the old sums outright. A NaN anywhere in the row makes s and
+// w NaN (a flag per row: a chunk of only NaN has no max and adds no term).
+// A row of only -inf gives s = 0.
 // Also here: each row's temperature, as every kernel on softmax rows reads it.
 #pragma once
 
@@ -34,6 +47,7 @@ bool usable_temperature(Acc t) {
 // c = (m_old - m_new) / T when terms already summed must move to the new
 // reference point (each of their exponents shifts by c, so e^d scales by e^c).
 // False when the max did not grow or nothing was summed yet (m was -inf).
+// c may be -inf: the max rose beyond the float range of (x - m) / T.
 template <typename Acc>
 FASTRL_INLINE bool raise_max(Acc& m, Acc chunk_max, Acc inv_t, Acc& c) {
   if (!(chunk_max > m)) return false;
@@ -43,39 +57,51 @@ FASTRL_INLINE bool raise_max(Acc& m, Acc chunk_max, Acc inv_t, Acc& c) {
   return rescale;
 }
 
+// Moves s = sum e^d and w = sum e^d d (or any sum of e^d times a quantity that
+// grows with d by the same c) to a reference point c lower:
+//   s' = a s,   w' = a (w + c s),   a = e^c.
+// a = 0 (c -inf or below the exp range) leaves nothing of the old terms; it is
+// tested so that 0 * -inf never appears. NaN in s stays in s.
+FASTRL_INLINE void shift_sums(double c, double& s, double& w) {
+  const double a = std::exp(c);
+  w = a == 0 ? 0.0 : a * (w + c * s);
+  s = a * s;
+}
+
 template <typename Acc>
 struct RowStats {
-  Acc m, s, w;
+  Acc m;
+  double s, w;  // see the accuracy note above
 };
 
 template <typename In, typename Acc>
 FASTRL_ISA_CLONES RowStats<Acc> row_stats(const In* x, int64_t vocab, Acc inv_t, bool want_w) {
-  Acc m = neg_inf<Acc>(), s = 0, w = 0;
+  Acc m = neg_inf<Acc>();
+  double s = 0, w = 0;
+  bool nan = false;
   Acc xs[kStatsChunk];
   for (int64_t start = 0; start < vocab; start += kStatsChunk) {
     const int64_t n = std::min(kStatsChunk, vocab - start);
     Acc chunk_max = neg_inf<Acc>();
-#pragma omp simd reduction(max : chunk_max)
+    int chunk_nan = 0;
+#pragma omp simd reduction(max : chunk_max) reduction(| : chunk_nan)
     for (int64_t i = 0; i < n; ++i) {
       xs[i] = load_as<Acc>(x, start + i);
       chunk_max = xs[i] > chunk_max ? xs[i] : chunk_max;
+      chunk_nan |= xs[i] != xs[i];
     }
+    nan |= chunk_nan != 0;
     Acc c;
-    if (raise_max(m, chunk_max, inv_t, c)) {
-      // Move (s, w) to the new reference point: s' = a s, w' = a (w + c s), a = exp(c).
-      const Acc a = std::exp(c);
-      w = a * (w + c * s);
-      s = a * s;
-    }
-    if (m == neg_inf<Acc>()) continue;  // every logit so far is -inf
-    Acc chunk_s = 0, chunk_w = 0;
+    if (raise_max(m, chunk_max, inv_t, c)) shift_sums(c, s, w);
+    if (m == neg_inf<Acc>()) continue;  // every logit so far is -inf (or NaN, flagged)
+    double chunk_s = 0, chunk_w = 0;
     if (want_w) {
 #pragma omp simd reduction(+ : chunk_s, chunk_w)
       for (int64_t i = 0; i < n; ++i) {
         const Acc d = (xs[i] - m) * inv_t;
         const Acc e = exp_approx(d);
         chunk_s += e;
-        chunk_w += xs[i] == neg_inf<Acc>() ? Acc(0) : e * d;
+        chunk_w += e == 0 ? Acc(0) : e * d;  // d may be -inf where e = 0
       }
     } else {
 #pragma omp simd reduction(+ : chunk_s)
@@ -84,6 +110,7 @@ FASTRL_ISA_CLONES RowStats<Acc> row_stats(const In* x, int64_t vocab, Acc inv_t,
     s += chunk_s;
     w += chunk_w;
   }
+  if (nan) s = w = std::numeric_limits<double>::quiet_NaN();
   return {m, s, w};
 }
 

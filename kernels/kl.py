@@ -8,6 +8,7 @@ d = logp - ref (J. Schulman, "Approximating KL divergence", 2020):
     code 2  "mse" / "k2"         v = d^2 / 2                 d
     code 3  "low_var_kl" / "k3"  v = clamp(e^c - c - 1, +-10),  c = clamp(-d, +-20)
                                  dv/dlogp = (1 - e^c) where neither clamp is active, else 0
+                                 (e^c - c - 1 and e^c - 1 by _expm1_parts, accurate near c = 0)
 
 A straight-through variant ("k3+") keeps the value and takes k2's gradient d.
 The gradients are the ones autograd gives for fastrl.reference.kl_penalty
@@ -38,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .logprobs import _acc_dtypes, _launch_config, _row_inv_temperature, _temperature_args
-from .reduce import rebase
+from .reduce import rebase, shift_sums
 
 # veRL's clamps of the k3 estimator: its log-ratio and its value.
 K3_LOG_RATIO_CLAMP = tl.constexpr(20.0)
@@ -51,6 +52,27 @@ _ELEMENTWISE_BLOCK = 1024
 def clamp_nan(x, lo, hi):
     """torch.clamp: x limited to [lo, hi], NaN kept."""
     return tl.where(x < lo, lo, tl.where(x > hi, hi, x))
+
+
+@triton.jit
+def _expm1_parts(c):
+    """(e^c - 1, e^c - 1 - c), each to a few ulps for every c (csrc/kl.h, expm1_parts,
+    gives the error analysis): for |c| <= 1, e^c - 1 - c = c^2/2 q(c) with the
+    nested Taylor series q = 1 + c/3 (1 + c/4 (1 + ... (1 + c/top))), top = 10 in
+    float32, 18 in float64, where e^c - c - 1 would cancel (error ~ eps / c^2); the
+    direct forms beyond. The divisors are integers, exact in either precision."""
+    small = tl.abs(c) <= 1.0
+    x = tl.where(small, c, 0.0)
+    q = tl.zeros_like(c) + 1.0
+    if c.dtype == tl.float64:
+        for n in tl.static_range(18, 2, -1):
+            q = 1.0 + x * q / n
+    else:
+        for n in tl.static_range(10, 2, -1):
+            q = 1.0 + x * q / n
+    k_small = 0.5 * x * x * q
+    em1 = tl.exp(c) - 1.0
+    return tl.where(small, x + k_small, em1), tl.where(small, k_small, em1 - c)
 
 
 @triton.jit
@@ -68,12 +90,11 @@ def kl_estimate(logp, ref, ESTIMATOR: tl.constexpr, STRAIGHT_THROUGH: tl.constex
         grad = d
     else:
         c = clamp_nan(-d, -K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
-        e = tl.exp(c)
-        k = e - c - 1.0
+        em1, k = _expm1_parts(c)
         value = clamp_nan(k, -K3_VALUE_CLAMP, K3_VALUE_CLAMP)
         active = (-d >= -K3_LOG_RATIO_CLAMP) & (-d <= K3_LOG_RATIO_CLAMP)
         active = active & (k >= -K3_VALUE_CLAMP) & (k <= K3_VALUE_CLAMP)
-        grad = tl.where(active, 1.0 - e, 0.0).to(d.dtype)
+        grad = tl.where(active, -em1, 0.0).to(d.dtype)
     if STRAIGHT_THROUGH:
         grad = d
     return value, grad
@@ -137,9 +158,9 @@ def _full_kl_fwd_kernel(
     neg_inf = float("-inf")
     m = tl.full([], neg_inf, ACC)
     m_ref = tl.full([], neg_inf, ACC)
-    s = tl.zeros([], ACC)
-    s_ref = tl.zeros([], ACC)
-    t = tl.zeros([], ACC)
+    s = tl.zeros([], tl.float64)  # float64 running sums, as reduce.softmax_stats keeps them
+    s_ref = tl.zeros([], tl.float64)
+    t = tl.zeros([], tl.float64)
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         x = tl.load(x_row + offs, mask=offs < V, other=neg_inf).to(ACC)
@@ -150,19 +171,22 @@ def _full_kl_fwd_kernel(
         d_ref = (y - ref_point_ref) * inv_t
         e = tl.exp(d)
         term = tl.where(e > 0, e * (d - d_ref), 0.0)
-        t = a * (t + (c - c_ref) * s) + tl.sum(term, axis=0)
-        s = a * s + tl.sum(e, axis=0)
-        s_ref = a_ref * s_ref + tl.sum(tl.exp(d_ref), axis=0)
+        # t' = a (t + c s) - c_ref a s: the x shift first, then the reference's
+        # (c_ref may be -inf; with no term summed yet, s = 0 adds nothing).
+        s, t = shift_sums(s, t, c, a)
+        t = tl.where(s == 0, t, t - c_ref * s) + tl.sum(term, axis=0).to(tl.float64)
+        s += tl.sum(e, axis=0).to(tl.float64)
+        s_ref = a_ref * s_ref + tl.sum(tl.exp(d_ref), axis=0).to(tl.float64)
         m = m_new
         m_ref = m_ref_new
     log_s = tl.log(s)
     log_s_ref = tl.log(s_ref)
-    tl.store(kl_ptr + row, t / s - log_s + log_s_ref)
+    tl.store(kl_ptr + row, (t / s - log_s + log_s_ref).to(ACC))
     if WITH_STATS:
         tl.store(stats_ptr + 4 * row, m)
-        tl.store(stats_ptr + 4 * row + 1, log_s)
+        tl.store(stats_ptr + 4 * row + 1, log_s.to(ACC))
         tl.store(stats_ptr + 4 * row + 2, m_ref)
-        tl.store(stats_ptr + 4 * row + 3, log_s_ref)
+        tl.store(stats_ptr + 4 * row + 3, log_s_ref.to(ACC))
 
 
 @triton.jit

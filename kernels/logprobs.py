@@ -11,7 +11,8 @@ and, when a gradient will be needed, the row's (m, log s) are saved.
 Backward, one read and one write, with g = dL/dlogprob and h = dL/dentropy:
     dL/dx_j = (1/T) (g ([j == label] - p_j) - h p_j (log p_j + entropy)),
     log p_j = (x_j - m) / T - log s,
-where a -inf logit (p_j = 0) contributes 0. The entropy term is compiled out
+where a term with p_j = 0 (a -inf logit, or (x_j - m) / T beyond the float
+range) contributes 0. The entropy term is compiled out
 when entropy's gradient is not needed. The gradient may be written over the
 logits (inplace_backward): each block is loaded before it is stored.
 """
@@ -64,12 +65,13 @@ def _logprobs_fwd_kernel(
     row_ptr = logits_ptr + row * row_stride
     inv_t = _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
     m, s, w = softmax_stats(row_ptr, V, inv_t, WITH_ENTROPY, BLOCK_V, ACC)
-    log_s = tl.log(s)
+    log_s_exact = tl.log(s)  # float64, as s and w are (reduce.py)
+    log_s = log_s_exact.to(ACC)
     if WITH_STATS:
         tl.store(stats_ptr + 2 * row, m)
         tl.store(stats_ptr + 2 * row + 1, log_s)
     if WITH_ENTROPY:
-        tl.store(entropy_ptr + row, log_s - w / s)
+        tl.store(entropy_ptr + row, (log_s_exact - w / s).to(ACC))
     if HAS_LABELS:
         label = tl.load(labels_ptr + row).to(tl.int64)
         in_range = (label >= 0) & (label < V)
@@ -114,7 +116,9 @@ def _logprobs_bwd_kernel(
         p = tl.exp(logp)
         grad = -g * p
         if HAS_GRAD_ENTROPY:
-            logp_finite = tl.where(x == float("-inf"), 0.0, logp)  # p = 0 there; avoid 0 * -inf
+            # p = 0 adds nothing; logp may be -inf there, also for a finite logit whose
+            # (x - m) / T overflowed, so the term is tested, not the logit (no 0 * -inf).
+            logp_finite = tl.where(p == 0, 0.0, logp)
             grad -= h * p * (logp_finite + entropy)
         grad = tl.where(offs == label, grad + g, grad)
         tl.store(grad_row_ptr + offs, (grad * inv_t).to(grad_ptr.dtype.element_ty), mask=mask)

@@ -17,8 +17,20 @@ running max from m to m', the sums move to the new reference point:
 
     s' = a s,   w' = a (w + c s),   c = (m - m') * inv_t,   a = exp(c).
 
--inf logits (masked vocabulary) add exactly nothing; a row that is all -inf
-gives s = 0 (log-probs NaN, as log_softmax gives); NaN propagates into s.
+Accuracy on peaked rows, where users watch the entropy collapse: s = n + t,
+with n the count of terms at the max (each exactly 1) and t the tail of tiny
+terms. A float32 sum that holds a 1 drops every term below half an ulp of 1
+(6e-8), which at V = 32000, T = 1 is the whole tail (entropy 1e-7, off by
+3%). So each block sums its terms below the max on their own (in ACC, a tree)
+and counts those at the max, and the running s and w are float64 scalars.
+
+Guards test the term, not the logit: (x - m) * inv_t overflows to -inf for
+finite logits too (finfo.min masking at T < 1, or +-3e38 in one row), so a
+term with exp(d) = 0 adds exactly 0 to w (never 0 * -inf), and a rescale with
+a = 0 drops the old sums (c may be -inf). -inf logits (masked vocabulary) add
+exactly nothing; a row that is all -inf gives s = 0 (log-probs NaN, as
+log_softmax gives); NaN propagates into s (a block of only NaN has no max but
+its terms are still summed, from the reference point 0).
 """
 
 import triton
@@ -30,32 +42,44 @@ def rebase(m, block_max, inv_t, ACC: tl.constexpr):
     """A running max m meeting a block's max: (m', ref, c, a) with m' the new max,
     ref the reference point the block's terms are taken from (m', or 0 while the
     row is all -inf so far, so that no -inf - -inf appears), c = (m - ref) inv_t
-    the shift of the old terms' exponents and a = exp(c) their scale (both 0
-    while m is -inf: there is nothing to rescale)."""
+    the shift of the old terms' exponents (0 while m is -inf; -inf when the max
+    rose beyond the float range) and a = exp(c), in float64, their scale (0 while
+    m is -inf: there is nothing to rescale)."""
     neg_inf = float("-inf")
     m_new = tl.maximum(m, block_max)
     ref = tl.where(m_new == neg_inf, 0.0, m_new).to(ACC)
     c = tl.where(m == neg_inf, 0.0, (m - ref) * inv_t).to(ACC)
-    a = tl.where(m == neg_inf, 0.0, tl.exp(c)).to(ACC)
+    a = tl.where(m == neg_inf, 0.0, tl.exp(c.to(tl.float64)))
     return m_new, ref, c, a
 
 
 @triton.jit
+def shift_sums(s, w, c, a):
+    """(s', w') = (a s, a (w + c s)): sums of e^d and of e^d times a quantity
+    that grows with d by c, moved to the new reference point; a = 0 leaves
+    nothing of the old terms (tested, so that 0 * -inf never appears)."""
+    return a * s, tl.where(a == 0, 0.0, a * (w + c * s))
+
+
+@triton.jit
 def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
-    """(m, s, w) of the row as defined above; w is 0 unless WITH_W."""
+    """(m, s, w) of the row as defined above (s and w in float64); w is 0 unless WITH_W."""
     neg_inf = float("-inf")
     m = tl.full([], neg_inf, ACC)
-    s = tl.zeros([], ACC)
-    w = tl.zeros([], ACC)
+    s = tl.zeros([], tl.float64)
+    w = tl.zeros([], tl.float64)
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
         m_new, ref, c, a = rebase(m, tl.max(x, axis=0), inv_t, ACC)
         d = (x - ref) * inv_t
         e = tl.exp(d)
+        s, w = shift_sums(s, w, c, a)
         if WITH_W:
-            d_finite = tl.where(x == neg_inf, 0.0, d)  # e = 0 there; avoid 0 * -inf
-            w = a * (w + c * s) + tl.sum(e * d_finite, axis=0)
-        s = a * s + tl.sum(e, axis=0)
+            w += tl.sum(tl.where(e == 0, 0.0, e * d), axis=0).to(tl.float64)  # d may be -inf where e = 0
+        # The terms at the max are exactly 1: counted apart, so that the tail of a
+        # peaked row is summed on its own, not into a float32 1 that drops it.
+        at_max = d == 0
+        s += tl.sum(tl.where(at_max, 0.0, e), axis=0).to(tl.float64) + tl.sum(at_max.to(tl.int32), axis=0)
         m = m_new
     return m, s, w
