@@ -82,13 +82,16 @@ class _FullKL(torch.autograd.Function):
         rows = _as_rows(logits)
         temps, temp_scalar = _ops.split_row_param(temperature)
         kl, stats = _ops.full_kl_forward(rows, ref_rows, temps, temp_scalar, True, backend)
-        ctx.save_for_backward(rows, ref_rows, temps, stats, kl)
+        # The logits, not the rows view made here, so that a later in-place write to
+        # them is caught by torch's version check with its usual message.
+        ctx.save_for_backward(logits, ref_rows, temps, stats, kl)
         ctx.temp_scalar, ctx.backend, ctx.logits_shape = temp_scalar, backend, logits.shape
         return kl
 
     @staticmethod
     def backward(ctx, grad_kl):
-        rows, ref_rows, temps, stats, kl = ctx.saved_tensors
+        logits, ref_rows, temps, stats, kl = ctx.saved_tensors
+        rows = _as_rows(logits)
         grad = torch.empty_like(rows, memory_format=torch.contiguous_format)
         _ops.full_kl_backward(
             rows, ref_rows, temps, ctx.temp_scalar, stats, kl, grad_kl.to(kl.dtype).contiguous(), grad, ctx.backend

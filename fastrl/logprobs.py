@@ -10,10 +10,17 @@ which the kernels accept so that their gradients can be checked with gradcheck).
 
 Memory: the forward reads the logits once and, when a gradient is needed, keeps
 three fp32 numbers per row (max logit, log-normaliser, and entropy if it was
-asked for); under
-``torch.no_grad`` it keeps nothing. The backward reads the logits once and
-writes the gradient once; with ``inplace_backward=True`` the gradient is written
-into the logits' own storage (the logits must not be used after the backward).
+asked for); under ``torch.no_grad`` it keeps nothing. The backward reads the
+logits once and writes the gradient once.
+
+``inplace_backward=True`` writes the gradient into the logits' own storage, and
+then bumps their version counter, as any in-place op does: every other autograd
+node that saved the logits (another op on them, ``retain_graph`` and a second
+backward) raises torch's "modified by an inplace operation" error instead of
+reading a gradient as logits. Where overwriting cannot be right it is not done
+and a fresh buffer is used: a leaf tensor (its data would become its own
+``.grad``), and rows that share memory (expanded, stride-0 rows). What remains
+the caller's to know: after the backward, the logits tensor holds the gradient.
 """
 
 from __future__ import annotations
@@ -35,6 +42,23 @@ def _as_rows(logits: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def _can_overwrite(logits: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether the backward may write the gradient over ``rows`` (a view of
+    ``logits``) for ``inplace_backward``: never a leaf, and only when no two
+    elements share memory (sufficient test: with the dims sorted by stride, each
+    stride clears the extent of the smaller ones)."""
+    if logits.is_leaf:
+        return False
+    extent = 0
+    for size, stride in sorted(zip(rows.shape, rows.stride()), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride <= extent:
+            return False
+        extent += stride * (size - 1)
+    return True
+
+
 class _LogprobsEntropy(torch.autograd.Function):
     """Outputs, in order: logprob (if labels are given), entropy (if asked for)."""
 
@@ -45,16 +69,20 @@ class _LogprobsEntropy(torch.autograd.Function):
         logprob, entropy, stats = _ops.logprobs_forward(
             rows, labels, temps, temp_scalar, ignore_index, with_entropy, True, backend
         )
-        ctx.save_for_backward(rows, labels, temps, stats, entropy if with_entropy else None)
+        # The logits themselves, not the rows view made here: a write over them is
+        # then reported by torch's own "modified by an inplace operation" check.
+        ctx.save_for_backward(logits, labels, temps, stats, entropy if with_entropy else None)
         ctx.temp_scalar, ctx.ignore_index, ctx.backend = temp_scalar, ignore_index, backend
-        ctx.inplace_backward, ctx.logits_shape = inplace_backward, logits.shape
+        ctx.inplace_backward = inplace_backward and _can_overwrite(logits, rows)
+        ctx.logits_shape = logits.shape
         ctx.has_labels, ctx.with_entropy = labels is not None, with_entropy
         ctx.set_materialize_grads(False)
         return tuple(t for t, wanted in ((logprob, ctx.has_labels), (entropy, with_entropy)) if wanted)
 
     @staticmethod
     def backward(ctx, *grads):
-        rows, labels, temps, stats, entropy = ctx.saved_tensors
+        logits, labels, temps, stats, entropy = ctx.saved_tensors
+        rows = _as_rows(logits)
         grads = list(grads)
         grad_logprob = grads.pop(0) if ctx.has_labels else None
         grad_entropy = grads.pop(0) if ctx.with_entropy else None
@@ -70,6 +98,11 @@ class _LogprobsEntropy(torch.autograd.Function):
             rows, labels, temps, ctx.temp_scalar, ctx.ignore_index, stats, entropy, grad_logprob, grad_entropy,
             grad_rows, ctx.backend,
         )  # fmt: skip
+        if ctx.inplace_backward and not torch.compiler.is_compiling():
+            # The kernel wrote through a raw pointer: tell autograd, so that any node
+            # that saved the logits fails loudly instead of reading the gradient.
+            # (A compiled graph sees the write from the operator's schema.)
+            torch.autograd.graph.increment_version(rows)
         return grad_rows.reshape(ctx.logits_shape), None, None, None, None, None, None
 
 
@@ -132,7 +165,10 @@ def logprobs_from_logits(
         logits: ``[..., V]`` bf16 / fp16 / fp32 (fp64 accepted, computed in fp64).
         labels: ``[...]`` int32 / int64, in ``[0, V)`` or ``ignore_index``.
         inplace_backward: write the gradient into ``logits``' storage instead of
-            allocating a new ``[..., V]`` tensor.
+            allocating a new ``[..., V]`` tensor (module docstring: the logits'
+            version counter moves, so other users of them raise; a leaf or
+            overlapping rows get a fresh buffer). Default False, where veRL's
+            defaults to True.
         temperature: positive float, or a tensor of per-row temperatures
             broadcastable to ``labels.shape``.
         ignore_index: label whose log-prob is 0 and whose gradient is 0.

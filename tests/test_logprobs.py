@@ -184,6 +184,76 @@ def test_per_row_temperature_broadcasts(device, backend):
     assert_close_to_reference(out, expected, 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_finfo_min_masking_and_extreme_rows(device, backend, dtype):
+    """``logits.masked_fill(~allowed, finfo.min)`` at T < 1, and a row holding
+    both +-finfo.max: (x - m) / T overflows to -inf for finite logits, which must
+    give p = 0 there (entropy and gradients finite, as in float64), never 0 * -inf."""
+    finfo = torch.finfo(dtype)
+    logits = torch.randn(4, 50, dtype=torch.float64)
+    logits[:2, 10:] = finfo.min  # a masked vocabulary, the common idiom
+    logits[2, 3], logits[2, 4] = finfo.max, finfo.min  # both extremes in one row
+    logits[3, 7] = finfo.min
+    logits = logits.to(dtype).to(device)
+    labels = torch.tensor([1, 2, 3, 0], device=device)  # row 2: its argmax (finite log-prob 0)
+    w_lp, w_ent = torch.randn(4, device=device), torch.randn(4, device=device)
+    ref_lp, ref_ent, ref_grad = _reference_with_grads(logits, labels, 0.7, w_lp, w_ent)
+    x = logits.clone().requires_grad_(True)
+    with fastrl.use_backend(backend):
+        lp, ent = fastrl.logprobs_and_entropy(x, labels, temperature=0.7)
+        ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+        loss, _ = fastrl.policy_loss_from_logits(
+            logits.clone().unsqueeze(0).requires_grad_(True), labels.view(1, 4), torch.zeros(1, 4, device=device),
+            torch.randn(1, 4, device=device), torch.ones(1, 4, device=device), temperature=0.7,
+            entropy_coef=0.01,
+        )  # fmt: skip
+    assert_close_to_reference(lp, ref_lp, 1e-5, what="logprob")
+    assert_close_to_reference(ent, ref_ent, 1e-5, what="entropy")
+    assert torch.isfinite(x.grad).all(), "no NaN gradient from a finite, masked logit"
+    assert_close_to_reference(x.grad, ref_grad, *_grad_bound(ref_grad, dtype), what="grad")
+    assert torch.isfinite(loss), "the policy loss with an entropy term stays finite"
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_nan_anywhere_in_a_row_gives_nan(device, backend):
+    """A NaN logit makes its row's log-prob, entropy and gradient NaN wherever it
+    sits: a whole leading chunk of NaN (which has no max), one NaN at the end, a
+    row of only NaN; the other rows stay exact."""
+    logits = torch.randn(4, 3000, device=device)
+    logits[0, :2048] = float("nan")
+    logits[1, -1] = float("nan")
+    logits[2] = float("nan")
+    labels = torch.tensor([2500, 5, 7, 9], device=device)
+    x = logits.clone().requires_grad_(True)
+    with fastrl.use_backend(backend):
+        lp, ent = fastrl.logprobs_and_entropy(x, labels)
+        (lp.sum() + ent.sum()).backward()
+    assert lp[:3].isnan().all() and ent[:3].isnan().all()
+    assert x.grad[:3].isnan().all(dim=1).all(), "NaN in, NaN out for the row's gradient"
+    assert torch.isfinite(lp[3]) and torch.isfinite(ent[3]) and torch.isfinite(x.grad[3]).all()
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+@pytest.mark.parametrize("vocab", [32000, 151936])
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_entropy_of_peaked_rows_is_accurate(device, backend, vocab, temperature):
+    """One logit 30 above the rest (entropy 1e-18 to 0.04): the entropy to 1e-5
+    relative. Error bound: each term e^d and e^d d is within (|d| + 3) ulps of
+    float32, |d| <= 40 here, so (s - 1) and w, and with them the entropy
+    (about (s - 1) - w), are within 43 * 2^-24 = 2.6e-6 relative, since they are
+    summed without a float32 1 in the sum (the old kernels lost the tail
+    to it: 2e-3 off at V = 32000, T = 1.7)."""
+    logits = torch.randn(3, vocab, dtype=torch.float64)
+    logits[:, 5] += 30.0
+    logits[1, vocab // 2] += 30.0  # two tied peaks
+    logits = logits.float().to(device)
+    ref = reference.entropy_from_logits(logits.double(), temperature=temperature)
+    with fastrl.use_backend(backend):
+        ent = fastrl.entropy_from_logits(logits, temperature=temperature)
+    assert_close_to_reference(ent, ref, 1e-5, atol=0.0, what="entropy")
+
+
 @pytest.mark.parametrize("layout", ["transposed", "sliced-vocab", "strided-rows"])
 @pytest.mark.parametrize("device,backend", BACKENDS)
 def test_non_contiguous_logits(device, backend, layout):
@@ -229,6 +299,59 @@ def test_inplace_backward_writes_into_logits_storage(device, backend, dtype):
     assert torch.equal(h, grad), "the logits buffer now holds the gradient"
     torch.testing.assert_close(grad, expected, rtol=0, atol=0)
     torch.testing.assert_close(leaf.grad, expected, rtol=0, atol=0)
+
+
+def _inplace_misuse(case, logits, labels):
+    """Runs one misuse of inplace_backward=True on ``h = logits * 2`` (a model's
+    activation) and returns (the input tensor, d loss / d input)."""
+    x = logits.clone().requires_grad_(True)
+    h = x * 2
+    if case == "other-op-saved-logits":  # created first, so its backward runs after fastrl's
+        other = fastrl.entropy_from_logits(h).sum()
+    elif case == "elementwise-op-saved-logits":
+        other = (h**2).sum()
+    elif case == "full-kl-saved-logits":
+        other = fastrl.full_kl(h, torch.zeros_like(logits)).sum()
+    else:
+        other = 0.0
+    if case == "leaf":
+        h = x
+    elif case == "expanded-rows":
+        x = logits[:1].clone().requires_grad_(True)
+        h = (x * 2).expand(logits.shape)
+    loss = fastrl.logprobs_from_logits(h, labels, True).sum() + other
+    loss.backward(retain_graph=case == "retain-graph")
+    if case == "retain-graph":
+        loss.backward()
+    return x, x.grad
+
+
+@pytest.mark.parametrize(
+    "case, loud",
+    [
+        ("other-op-saved-logits", True), ("elementwise-op-saved-logits", True), ("full-kl-saved-logits", True),
+        ("retain-graph", True), ("leaf", False), ("expanded-rows", False),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_inplace_backward_misuse_is_loud_or_safe(device, backend, case, loud):
+    """inplace_backward=True never corrupts a gradient silently: where another
+    node still needs the logits, torch's version check raises; where writing over
+    them cannot be right (a leaf, overlapping rows), a fresh buffer is used and
+    the gradient equals the out-of-place one."""
+    logits = torch.randn(4, 100, device=device)
+    labels = torch.randint(100, (4,), device=device)
+    with fastrl.use_backend(backend):
+        if loud:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                _inplace_misuse(case, logits, labels)
+            return
+        leaf, grad = _inplace_misuse(case, logits, labels)
+        x = (logits[:1] if case == "expanded-rows" else logits).clone().requires_grad_(True)
+        h = x if case == "leaf" else (x * 2).expand(logits.shape)
+        fastrl.logprobs_from_logits(h, labels).sum().backward()
+    torch.testing.assert_close(grad, x.grad, rtol=0, atol=0)
+    assert torch.equal(leaf.detach(), x.detach()), "the input keeps its values"
 
 
 @pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
