@@ -43,6 +43,12 @@ def check_logits(logits: object, name: str = "logits") -> torch.Tensor:
     return logits
 
 
+def check_ignore_index(value: object) -> int:
+    """An int the kernels can compare labels with: int64."""
+    return check_scalar(value, "ignore_index", integer=True, ok=lambda v: (-(2**63) <= v) & (v < 2**63),
+                        accepted="an int64, in [-2**63, 2**63)")  # fmt: skip
+
+
 def check_labels(labels: object, logits: torch.Tensor, ignore_index: object, name: str = "labels") -> torch.Tensor:
     """``labels`` must be integer ``[...]`` matching ``logits[..., V]``; on CPU
     (or under FASTRL_CHECKS=1) every label must be in [0, V) or equal
@@ -51,8 +57,8 @@ def check_labels(labels: object, logits: torch.Tensor, ignore_index: object, nam
         raise TypeError(f"{name} must be a torch.Tensor; got {type(labels).__name__}")
     if labels.dtype not in LABEL_DTYPES:
         raise TypeError(f"{name} must have an integer dtype ({_names(LABEL_DTYPES)}); got {labels.dtype}")
-    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral)):
-        raise TypeError(f"ignore_index must be an int; got {type(ignore_index).__name__}")
+    if ignore_index is not None:
+        check_ignore_index(ignore_index)
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
             f"{name} must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}; got {tuple(labels.shape)}"
@@ -164,16 +170,19 @@ def check_mask(mask: object, name: str, like: torch.Tensor) -> torch.Tensor:
 
 
 def check_count(value: object, name: str, device: torch.device) -> int | float | torch.Tensor | None:
-    """None, a non-negative number, or a one-element tensor (a global token or
-    sequence count, perhaps all-reduced on the device)."""
+    """None, a non-negative finite number, or a one-element tensor holding one (a
+    global token or sequence count, perhaps all-reduced on the device; its value is
+    checked where that needs no host sync: on the CPU, or under FASTRL_CHECKS=1)."""
     if value is None:
         return None
+    ok, accepted = (lambda v: (v >= 0) & (v < math.inf)), "non-negative and finite"
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
             raise ValueError(f"{name} must be a number or a one-element real tensor; got shape {tuple(value.shape)}")
+        if host_checks(value.device) and not bool(ok(value).all()):
+            raise ValueError(f"{name} must be {accepted}; got {value.item()}")
         return value.reshape(()).to(device=device, dtype=torch.float64)
-    return check_scalar(value, name, ok=lambda v: (v >= 0) & (v < math.inf), accepted="non-negative and finite",
-                        also="or a one-element tensor")  # fmt: skip
+    return check_scalar(value, name, ok=ok, accepted=accepted, also="or a one-element tensor")
 
 
 def flat_per_row(value: int | float | torch.Tensor, rows: torch.Size, dtype: torch.dtype) -> int | float | torch.Tensor:
@@ -184,13 +193,25 @@ def flat_per_row(value: int | float | torch.Tensor, rows: torch.Size, dtype: tor
     return value
 
 
-def check_temperature(temperature: object, shape: torch.Size, device: torch.device) -> float | torch.Tensor:
-    """A positive finite number, or a floating tensor of such numbers that
-    broadcasts to ``shape`` (one temperature per row) on ``device``."""
-    return check_row_param(
-        temperature, "temperature", shape, device, integer=False,
-        ok=lambda t: (t > 0) & (t < math.inf), accepted="positive and finite",
-    )  # fmt: skip
+def check_temperature(
+    temperature: object, shape: torch.Size, device: torch.device, dtype: torch.dtype, *, greedy_ok: bool = False
+) -> float | torch.Tensor:
+    """A temperature the kernels can divide by, as a number or a floating tensor
+    that broadcasts to ``shape`` (one per row) on ``device``: checked as the
+    kernel will see it, rounded to ``dtype`` (the compute dtype), where it must
+    lie in [finfo.tiny, finfo.max] so that it and 1 / T are finite normal numbers
+    (1e300 rounds to inf in float32, and 1 / 1e-40 overflows). With ``greedy_ok``
+    0 is accepted too (greedy sampling)."""
+    finfo = torch.finfo(dtype)
+
+    def ok(t):
+        t = torch.as_tensor(t, dtype=torch.float64).to(dtype)  # the kernel's rounding
+        in_range = (t >= finfo.tiny) & (t <= finfo.max)
+        return in_range | (t == 0) if greedy_ok else in_range
+
+    low = "0 (greedy) or " if greedy_ok else ""
+    accepted = f"{low}between {finfo.tiny:.3g} and {finfo.max:.3g} in {str(dtype).replace('torch.', '')}, the compute dtype"
+    return check_row_param(temperature, "temperature", shape, device, integer=False, ok=ok, accepted=accepted)
 
 
 def check_bool(value: object, name: str) -> bool:

@@ -123,11 +123,11 @@ def full_kl(
     if ref_logits.device != logits.device:
         raise ValueError(f"ref_logits is on {ref_logits.device} but logits is on {logits.device}; they must share a device")
     token_shape = logits.shape[:-1]
-    temperature = _validation.check_temperature(temperature, token_shape, logits.device)
+    acc = reference.compute_dtype(logits)
+    temperature = _validation.check_temperature(temperature, token_shape, logits.device, acc)
     backend = select_backend(logits.device, has_cuda_kernel=False)
     if backend == "reference" or logits.numel() == 0:
         return reference.full_kl(logits, ref_logits, temperature=temperature)
-    acc = reference.compute_dtype(logits)
     temperature = _validation.flat_per_row(temperature, token_shape, acc)
     ref_rows = _as_rows(ref_logits.detach())
     if torch.is_grad_enabled() and logits.requires_grad:

@@ -110,11 +110,13 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entro
     """Validates, picks the backend and runs the op. Returns (logprob, entropy),
     either None when not asked for, shaped like ``logits.shape[:-1]``."""
     _validation.check_logits(logits)
+    _validation.check_ignore_index(ignore_index)
     if labels is not None:
         _validation.check_labels(labels, logits, ignore_index)
     _validation.check_bool(inplace_backward, "inplace_backward")
     token_shape = logits.shape[:-1]
-    temperature = _validation.check_temperature(temperature, token_shape, logits.device)
+    acc = reference.compute_dtype(logits)
+    temperature = _validation.check_temperature(temperature, token_shape, logits.device, acc)
 
     backend = select_backend(logits.device)
     if backend == "reference" or logits.numel() == 0:
@@ -124,7 +126,6 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entro
             return reference.logprobs_from_logits(logits, labels, temperature=temperature, ignore_index=ignore_index), None
         return reference.logprobs_and_entropy(logits, labels, temperature=temperature, ignore_index=ignore_index)
 
-    acc = reference.compute_dtype(logits)
     temperature = _validation.flat_per_row(temperature, token_shape, acc)
     flat_labels = labels.reshape(-1).contiguous() if labels is not None else None
 

@@ -523,20 +523,26 @@ def test_bad_tensors_raise_before_any_kernel(make_args, error, match, backend):
 @pytest.mark.parametrize(
     "temperature,error,match",
     [
-        (0.0, ValueError, "temperature must be positive and finite"),
-        (-1.0, ValueError, "temperature must be positive and finite"),
-        (float("nan"), ValueError, "temperature must be positive and finite"),
-        (float("inf"), ValueError, "temperature must be positive and finite"),
+        (0.0, ValueError, "temperature must be between 1.18e-38 and 3.4e[+]38 in float32"),
+        (-1.0, ValueError, "temperature must be between"),
+        (float("nan"), ValueError, "temperature must be between"),
+        (float("inf"), ValueError, "temperature must be between"),
+        (1e-40, ValueError, "temperature must be between"),  # positive, but 1 / T overflows float32
+        (1e300, ValueError, "temperature must be between"),  # finite in float64, inf in float32
         (True, TypeError, "temperature must be a float"),
         ("0.7", TypeError, "temperature must be a float"),
-        (torch.tensor([1.0, 0.0]).view(2, 1), ValueError, "temperature must be positive and finite in every row"),
-        (torch.tensor([[1.0, float("nan"), 1.0]] * 2), ValueError, "temperature must be positive and finite in every row"),
+        (torch.tensor([1.0, 0.0]).view(2, 1), ValueError, "temperature must be between .* in every row"),
+        (torch.tensor([[1.0, float("nan"), 1.0]] * 2), ValueError, "temperature must be between .* in every row"),
+        (torch.tensor([[1.0, 1e-40, 1.0]] * 2, dtype=torch.float64), ValueError, "in every row; found 1e-40"),
         (torch.ones(3, 2), ValueError, "temperature must broadcast"),
         (torch.ones(2, 3, dtype=torch.long), TypeError, "temperature must be a float or a floating tensor"),
         (torch.ones(2, 3, device="meta"), ValueError, "temperature is on meta"),
     ],
-    ids=["zero", "negative", "nan", "inf", "bool", "str", "tensor-zero", "tensor-nan", "shape", "int-tensor", "device"],
-)
+    ids=[
+        "zero", "negative", "nan", "inf", "1/T-overflows", "rounds-to-inf", "bool", "str", "tensor-zero", "tensor-nan",
+        "tensor-tiny", "shape", "int-tensor", "device",
+    ],
+)  # fmt: skip
 def test_bad_temperature(temperature, error, match):
     logits, labels = _ok()
     with pytest.raises(error, match=match):
@@ -551,6 +557,28 @@ def test_bad_flags():
         fastrl.logprobs_from_logits(logits, labels, "yes")
     with pytest.raises(TypeError, match="ignore_index must be an int"):
         fastrl.logprobs_from_logits(logits, labels, ignore_index=1.5)
+    with pytest.raises(TypeError, match="ignore_index must be an int; got NoneType"):
+        fastrl.logprobs_from_logits(logits, labels, ignore_index=None)
+    with pytest.raises(ValueError, match=r"ignore_index must be an int64"):
+        fastrl.logprobs_and_entropy(logits, labels, ignore_index=2**70)
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_extreme_temperatures_within_the_compute_dtype(device, backend):
+    """The accepted extremes (finfo.tiny and finfo.max of the compute dtype) give
+    what float64 gives, on every backend; float64 logits accept float64's range."""
+    logits = torch.randn(3, 40, device=device)
+    labels = torch.tensor([0, 1, 2], device=device)
+    for temperature in (torch.finfo(torch.float32).tiny, 1e-30, 1e30, torch.finfo(torch.float32).max):
+        ref_lp, ref_ent = reference.logprobs_and_entropy(logits.double(), labels, temperature=temperature)
+        with fastrl.use_backend(backend):
+            lp, ent = fastrl.logprobs_and_entropy(logits, labels, temperature=temperature)
+        # log-probs of tokens below the max are -inf at tiny T (beyond float32), finite at huge T
+        assert_close_to_reference(lp, ref_lp.float().double(), 1e-5, what=f"logprob at T={temperature}")
+        assert_close_to_reference(ent, ref_ent, 1e-5, what=f"entropy at T={temperature}")
+    with fastrl.use_backend(backend):
+        lp = fastrl.logprobs_from_logits(logits.double(), labels, temperature=1e-300)
+    assert torch.isfinite(lp[lp != float("-inf")]).all()
 
 
 @pytest.mark.gpu
