@@ -20,8 +20,10 @@
 //   dual clip, A < 0:  dl = dmax if max < l3, dmax / 2 if max == l3, else 0
 //
 // Rollout correction, per valid token: u = old - rollout, log w = u (token) or
-// the row's sum of u (sequence), raw = exp(clamp(log w, -20, 20)); truncate
-// clamps raw to [clip_min, clip_max], mask mode zeroes it outside.
+// the row's sum S of u (sequence), raw = exp(clamp(log w, -20, 20)); truncate
+// clamps raw to [clip_min, clip_max], mask mode zeroes it outside. The extremes
+// and the high / low counts are of the applied weights and the raw ones per token,
+// or of the raw sequence weight e^S once per sequence (veRL's metrics).
 //
 // Finalize: the rows' stats become the aggregated loss, the row weights w_b
 // with loss = sum_b w_b (row b's sums) that the backward scales each row by,
@@ -243,10 +245,21 @@ FASTRL_ISA_CLONES void rollout_correction_row(const RolloutCorrectionArgs& a, in
     n += 1;
     sum += wd;
     sum_sq += wd * wd;
-    w_max = nan_max(w_max, wd);
-    w_min = nan_min(w_min, wd);
-    high += raw > clip_max;
-    low_count += raw < low;
+    if (!a.sequence) {
+      w_max = nan_max(w_max, wd);
+      w_min = nan_min(w_min, wd);
+      high += raw > clip_max;
+      low_count += raw < low;
+    }
+  }
+  if (a.sequence && n > 0) {
+    // veRL's sequence-level extremes and fractions are of the sequence's raw weight
+    // e^S, one per sequence: max e^min(S, 20), min e^S, and whether e^S is high / low.
+    const Acc e = std::exp(seq_log_w);
+    w_max = std::exp(std::min(seq_log_w, lim));
+    w_min = e;
+    high = e > clip_max;
+    low_count = e < low;
   }
   double* out = stats + b * kNumStats;
   out[kRCTokens] = n;
@@ -320,7 +333,7 @@ void policy_finalize(const double* stats, int64_t n_rows, const PolicyFinalizeAr
       case kTokenSum: return a.dp_size;
       case kSeqMeanTokenSum: return seq_weight;
       case kSeqMeanTokenMean: return safe_div(seq_weight, n);
-      default: return seq_weight / a.norm;  // kSeqMeanTokenSumNorm
+      default: return safe_div(seq_weight, a.norm);  // kSeqMeanTokenSumNorm (norm = L may be 0)
     }
   };
   // Second pass: the weighted sums (pg, kl, values) and the plain ones (clip counts, ppo_kl).

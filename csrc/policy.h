@@ -84,7 +84,7 @@ struct PolicyFinalizeArgs {
 //   N = batch_num_tokens, default sum_b n_b;  G = global_batch_size, default #{b : n_b > 0}
 //   w_b = token-mean dp / N;  token-sum dp;  seq-mean-token-sum dp / G;
 //         seq-mean-token-mean dp / G / n_b;  seq-mean-token-sum-norm dp / G / norm
-//         (x / 0 := 0 for the counts N, G, n_b)
+//         (x / 0 := 0 for the counts N, G, n_b and for norm = L = 0)
 //   PG, KL, VAL = sum_b w_b (pg_b, kl_b, values_b)
 //   loss = PG + kl_coef KL + value_coef VAL, stored as loss_dtype (float32 / float64)
 //   metrics (float32 [6]) = [PG, KL, VAL, clipped / T, clipped_lower / T, ppo_kl / T],
@@ -112,16 +112,22 @@ struct RolloutCorrectionArgs {
 };
 
 // Writes the weights (float32 [n_rows, length], 0 on invalid tokens) and each
-// row's float64 stats [n_rows, 8]: 0 tokens, 1 sum w, 2 sum w^2, 3 max w (-inf
-// for no token), 4 min w (+inf), 5 raw weights > clip_max, 6 raw weights <
-// low_threshold, 7 weights zeroed by mask mode.
+// row's float64 stats [n_rows, 8]: 0 tokens, 1 sum w, 2 sum w^2, 3 max, 4 min,
+// 5 high, 6 low, 7 weights zeroed by mask mode, where (veRL's metrics)
+//   token level:     3 / 4 max / min of w (-inf / +inf for no token), 5 / 6 the
+//                    tokens whose raw weight is > clip_max / < low_threshold
+//   sequence level:  with the row's summed log-ratio S (for a row with a valid
+//                    token; else as above): 3 e^min(S, 20), 4 e^S, 5 / 6 whether
+//                    e^S > clip_max / < low_threshold (0 or 1: the row counts once)
 void rollout_correction_forward(const RolloutCorrectionArgs& args, float* weights, double* stats);
 
 // Combines rollout_correction_forward's stats [n_rows, 8] into the metrics
 // (float32 [8]), in double, on one thread, rows in order; x / 0 := 0:
 //   T = sum n,  mean = sum w / T,  mean_sq = sum w^2 / T
-//   [mean, max w, min w (both 0 when T = 0), std = sqrt(max(mean_sq - mean^2, 0)),
+//   [mean, max, min (both 0 when T = 0), std = sqrt(max(mean_sq - mean^2, 0)),
 //    ess = mean^2 / mean_sq, n_high / T, n_low / T, n_masked / T]
+// (at sequence level the caller divides n_high and n_low by the number of rows
+// with a valid token instead: fastrl/policy.py).
 void rollout_finalize(const double* stats, int64_t n_rows, float* metrics);
 
 }  // namespace fastrl

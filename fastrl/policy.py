@@ -20,6 +20,8 @@ the loss, its gradient and the metrics come from those sums on the device.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _ops, _validation, reference
@@ -33,6 +35,8 @@ __all__ = ["agg_loss", "policy_loss", "policy_loss_from_logits", "rollout_correc
 _CORRECTION_METRICS = (
     "mean", "max", "min", "std", "eff_sample_size", "ratio_fraction_high", "ratio_fraction_low", "masked_fraction",
 )  # fmt: skip
+# rollout_correction_forward's stats columns: valid tokens, and the high / low counts.
+_RC_TOKENS, _RC_HIGH_LOW = 0, slice(5, 7)
 
 
 def _check_agg(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, device) -> dict:
@@ -54,9 +58,15 @@ def _check_agg(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss
     }  # fmt: skip
 
 
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A per-token tensor [..., L] as [B, L], B the product of the leading dims
+    (spelled out: ``reshape(-1, 0)`` cannot infer B when L == 0)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 def _rows(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """A per-token tensor as contiguous [B, L] of ``dtype`` (a view when it already is)."""
-    return None if t is None else t.reshape(-1, t.shape[-1]).to(dtype).contiguous()
+    return None if t is None else _as_rows(t).to(dtype).contiguous()
 
 
 def _mask_rows(mask: torch.Tensor) -> torch.Tensor:
@@ -64,7 +74,7 @@ def _mask_rows(mask: torch.Tensor) -> torch.Tensor:
     a bool mask's bytes in eager. Inductor in torch 2.11 cannot lower a bool ->
     uint8 view (LoweringException: torch.iinfo of bool), so a compiled graph
     converts instead; it fuses the conversion into its own kernels."""
-    rows = mask.reshape(-1, mask.shape[-1])
+    rows = _as_rows(mask)
     if rows.dtype != torch.bool:
         rows = rows != 0
     if torch.compiler.is_compiling():
@@ -310,11 +320,15 @@ def rollout_correction(
     (clip_min None: no lower bound), and w = 0 outside ``response_mask``.
     Returns ``(weights, metrics)``: fp32 weights shaped like the inputs, detached
     (pass them as ``policy_loss(rollout_is_weights=...)``), and 0-d fp32 metrics
-    over the valid tokens: ``rollout_is_mean``, ``_max``, ``_min``, ``_std``,
-    ``rollout_is_eff_sample_size`` (mean(w)^2 / mean(w^2)),
+    defined as veRL's (``compute_is_metrics``): ``rollout_is_mean``, ``_std``,
+    ``rollout_is_eff_sample_size`` (mean(w)^2 / mean(w^2)) of the applied weights
+    over the valid tokens; ``rollout_is_max`` / ``_min`` and
     ``rollout_is_ratio_fraction_high`` / ``_low`` (raw weight above clip_max /
-    below clip_min, or 1 / clip_max without one), and in mode "mask"
-    ``rollout_is_masked_fraction``."""
+    below clip_min, or 1 / clip_max without one) over the valid tokens at token
+    level (the extremes of the applied weights), over the sequences at sequence
+    level (the extremes of the raw weight e^S, the max clamped at e^20; a sequence
+    with no valid token is left out); and in mode "mask"
+    ``rollout_is_masked_fraction``. ``fastrl.reference.rollout_correction`` is the spec."""
     _validation.check_per_token(old_log_probs, "old_log_probs")
     _validation.check_per_token(rollout_log_probs, "rollout_log_probs", like=old_log_probs)
     _validation.check_mask(response_mask, "response_mask", old_log_probs)
@@ -340,6 +354,13 @@ def rollout_correction(
     )  # fmt: skip
     names = [f"rollout_is_{name}" for name in _CORRECTION_METRICS]
     metrics = dict(zip(names, _ops.rollout_finalize(stats, backend).unbind()))
+    if level == "sequence":
+        # veRL's sequence-level fractions count sequences, not tokens: each row with a
+        # valid token wrote 0 / 1 in the high / low columns (x / 0 := 0).
+        sequences = (stats[:, _RC_TOKENS] > 0).sum()
+        fractions = stats[:, _RC_HIGH_LOW].sum(dim=0) / sequences.clamp(min=1)
+        high, low = fractions.float().unbind()
+        metrics["rollout_is_ratio_fraction_high"], metrics["rollout_is_ratio_fraction_low"] = high, low
     if mode != "mask":
         del metrics["rollout_is_masked_fraction"]
     return weights.view(old_log_probs.shape), metrics

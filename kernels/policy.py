@@ -40,7 +40,11 @@ from .logprobs import _acc_dtypes
 
 # The per-row statistics, 8 float64 columns:
 #   policy_forward              n, sum l, sum kl, sum values, n clipped, n clipped lower, sum ppo_kl, mean u
-#   rollout_correction_forward  n, sum w, sum w^2, max w, min w, n high, n low, n masked
+#   rollout_correction_forward  n, sum w, sum w^2, max, min, n high, n low, n masked
+#       (token level: max / min of w, tokens with raw weight > clip_max / < low_threshold;
+#        sequence level, veRL's metrics of the row's summed log-ratio S: e^min(S, 20), e^S,
+#        and 0 / 1 for e^S > clip_max / < low_threshold; fastrl/policy.py divides those
+#        by the sequences, not the tokens)
 N_STATS = 8
 
 # veRL's clamps: the token log-ratio, the GSPO sequence log-ratio (above only),
@@ -253,10 +257,20 @@ def _rollout_correction_kernel(
         count += tl.sum(valid.to(f64), axis=0)
         w_sum += tl.sum(w64, axis=0)
         w_sq_sum += tl.sum(w64 * w64, axis=0)
-        w_max = tl.maximum(w_max, tl.max(tl.where(valid, w64, float("-inf")), axis=0))
-        w_min = tl.minimum(w_min, tl.min(tl.where(valid, w64, float("inf")), axis=0))
-        high += tl.sum((valid & (raw > clip_max)).to(f64), axis=0)
-        low += tl.sum((valid & (raw < low_threshold)).to(f64), axis=0)
+        if not SEQUENCE:
+            w_max = tl.maximum(w_max, tl.max(tl.where(valid, w64, float("-inf")), axis=0))
+            w_min = tl.minimum(w_min, tl.min(tl.where(valid, w64, float("inf")), axis=0))
+            high += tl.sum((valid & (raw > clip_max)).to(f64), axis=0)
+            low += tl.sum((valid & (raw < low_threshold)).to(f64), axis=0)
+    if SEQUENCE:
+        # veRL's sequence-level extremes and fractions are of the raw sequence weight
+        # e^S, once per sequence with a valid token: max e^min(S, 20), min e^S.
+        e = tl.exp(log_w_row)
+        has_token = count > 0
+        w_max = tl.where(has_token, tl.exp(tl.where(log_w_row > CORRECTION_LOG_CLAMP, CORRECTION_LOG_CLAMP, log_w_row)).to(f64), w_max)
+        w_min = tl.where(has_token, e.to(f64), w_min)
+        high = (has_token & (e > clip_max)).to(f64)
+        low = (has_token & (e < low_threshold)).to(f64)
     _store_row_stats(stats_ptr, row, count, w_sum, w_sq_sum, w_max, w_min, high, low, zeroed)
 
 
@@ -309,7 +323,7 @@ def _policy_finalize_kernel(
     else:  # seq-mean-*
         base_weight = _safe_div(dp64, _count(g_ptr, g_scalar, sequences, G_GIVEN))
         if MODE == 4:  # seq-mean-token-sum-norm
-            base_weight = base_weight / norm
+            base_weight = _safe_div(base_weight, norm)  # norm = L may be 0
     pg = tl.zeros([], f64)
     kl = tl.zeros([], f64)
     values = tl.zeros([], f64)

@@ -198,12 +198,38 @@ def test_all_zero_mask_gives_zero_loss_metrics_and_gradient(device, backend):
             assert float(fastrl.agg_loss(inputs["entropy"], inputs["response_mask"], mode)) == 0.0
 
 
+@pytest.mark.parametrize("shape", [(3, 0), (0, 5), (2, 0, 4)], ids=["no-tokens", "no-sequences", "3-d"])
 @pytest.mark.parametrize("device,backend", BACKENDS)
-def test_empty_and_one_dimensional_inputs(device, backend):
+def test_empty_inputs_give_zero_loss_metrics_and_empty_gradients(device, backend, shape):
+    """What the reference's math gives on no tokens (x / 0 := 0, L = 0 included):
+    loss 0 and metrics 0 (never NaN), gradients of the inputs' (empty) shape, empty weights."""
+    empty = torch.zeros(shape, device=device)
+    mask = empty.bool()
     with fastrl.use_backend(backend):
-        empty = torch.zeros(0, 5, device=device)
-        loss, metrics = fastrl.policy_loss(empty, empty, empty, empty.bool())
-        assert float(loss) == 0.0 and all(float(v) == 0.0 for v in metrics.values())
+        for level, mode in itertools.product(reference.RATIO_LEVELS, reference.AGG_MODES):
+            logp, entropy = empty.clone().requires_grad_(True), empty.clone().requires_grad_(True)
+            loss, metrics = fastrl.policy_loss(
+                logp, empty, empty, mask, ratio_level=level, loss_agg_mode=mode, clip_ratio_c=3.0,
+                rollout_is_weights=empty, ref_log_probs=empty, kl_coef=0.1, entropy=entropy, entropy_coef=0.01,
+            )  # fmt: skip
+            loss.backward()
+            assert loss.shape == () and float(loss.detach()) == 0.0, (level, mode)
+            assert set(metrics) == set(METRICS) | {"kl", "entropy"}
+            assert all(float(v) == 0.0 for v in metrics.values()), (level, mode, metrics)
+            assert logp.grad.shape == shape and entropy.grad.shape == shape
+            values = empty.clone().requires_grad_(True)
+            agg = fastrl.agg_loss(values, mask.float(), mode)
+            agg.backward()
+            assert agg.shape == () and float(agg.detach()) == 0.0 and values.grad.shape == shape, mode
+        for level, mode in itertools.product(reference.RATIO_LEVELS, reference.CORRECTION_MODES):
+            weights, metrics = fastrl.rollout_correction(empty, empty, mask, level=level, mode=mode)
+            assert weights.shape == shape and weights.dtype == torch.float32
+            assert metrics and all(float(v) == 0.0 for v in metrics.values()), (level, mode, metrics)
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_one_dimensional_inputs(device, backend):
+    with fastrl.use_backend(backend):
         inputs = per_token_inputs((1, 40), device)
         flat = {k: v[0] for k, v in inputs.items()}
         options = {"loss_agg_mode": "seq-mean-token-mean", "ratio_level": "sequence"}
@@ -333,6 +359,13 @@ def _bad_policy_calls(device):
         (call(dp_size=2), ValueError, "batch_num_tokens .* is required when dp_size > 1"),
         (call(dp_size=2, loss_agg_mode="seq-mean-token-mean"), ValueError, "global_batch_size .* is required"),
         (call(batch_num_tokens=-1), ValueError, "batch_num_tokens must be non-negative"),
+        # Tensor counts (on the CPU, so checked whatever the op's device): a negative one flips the loss.
+        (call(batch_num_tokens=torch.tensor(-5.0)), ValueError, "batch_num_tokens must be non-negative and finite"),
+        (call(batch_num_tokens=torch.tensor([-3])), ValueError, "batch_num_tokens must be non-negative and finite"),
+        (call(loss_agg_mode="seq-mean-token-sum", global_batch_size=torch.tensor(float("nan"))), ValueError,
+         "global_batch_size must be non-negative and finite"),
+        (lambda: fastrl.agg_loss(x, mask, "seq-mean-token-mean", global_batch_size=torch.tensor([math.inf])),
+         ValueError, "global_batch_size must be non-negative and finite"),
         (call(loss_scale_factor=0), ValueError, "loss_scale_factor must be positive"),
         (lambda: fastrl.agg_loss(x, mask, "seq-mean"), ValueError, "loss_agg_mode must be one of"),
         (lambda: fastrl.rollout_correction(x, x, mask, level="tok"), ValueError, "level must be one of"),
@@ -350,6 +383,46 @@ def test_bad_input_raises_naming_the_argument(device, backend):
         for call, error, match in _bad_policy_calls(device):
             with pytest.raises(error, match=match):
                 call()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_device_tensor_counts_are_checked_only_under_fastrl_checks(monkeypatch):
+    """A count on the GPU is read only under FASTRL_CHECKS=1 (no host sync otherwise)."""
+    x = torch.zeros(2, 3, device="cuda")
+    count = torch.tensor(-4.0, device="cuda")
+    fastrl.agg_loss(x, x.bool(), batch_num_tokens=count)
+    monkeypatch.setenv("FASTRL_CHECKS", "1")
+    with pytest.raises(ValueError, match="batch_num_tokens must be non-negative and finite"):
+        fastrl.agg_loss(x, x.bool(), batch_num_tokens=count)
+
+
+@pytest.mark.parametrize("estimator", ["low_var_kl", "k3+"])
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_kl_term_is_accurate_for_tiny_log_ratios(device, backend, estimator):
+    """The policy kernels' k3 term near d = logp - ref = 0 (|d| from 1e-7 to 1e-2),
+    against float64 expm1(c) - c, c = -d (relative error <= 2^-52 / |c|, below 1e-9
+    here). Bound, 48 eps relative: 24 eps per token (tests/test_kl.py derives it)
+    for values of one sign, so their sum keeps it, plus the reference backend's
+    float32 summation (<= log2(256) = 8 eps) and the final rounding; the gradient is
+    kl_coef / N (1 - e^c) per token, within the same bound."""
+    shape = (4, 64)
+    logp = -0.5 - 3 * torch.rand(shape, dtype=torch.float64)
+    d = torch.logspace(-7, -2, logp.numel(), dtype=torch.float64).view(shape) * torch.sign(torch.randn(shape))
+    logp, ref = logp.float(), (logp + d).float()
+    c = -(logp.double() - ref.double())  # the kernels' difference exactly (Sterbenz)
+    k3 = torch.special.expm1(c) - c
+    mask = torch.ones(shape, dtype=torch.bool)
+    zeros = torch.zeros(shape)
+    x = logp.clone().to(device).requires_grad_(True)
+    with fastrl.use_backend(backend):
+        loss, metrics = fastrl.policy_loss(x, x.detach(), zeros.to(device), mask.to(device),
+                                           ref_log_probs=ref.to(device), kl_coef=1.0, kl_estimator=estimator)  # fmt: skip
+        loss.backward()
+    bound = 48 * torch.finfo(torch.float32).eps / 2
+    assert_close_to_reference(metrics["kl"], k3.mean(), bound, atol=0.0, what="kl")
+    grad = -torch.special.expm1(c) if estimator == "low_var_kl" else -c
+    assert_close_to_reference(x.grad, grad / k3.numel(), bound, atol=0.0, what="grad log_probs")
 
 
 def test_metrics_and_loss_need_no_host_sync_on_the_cpu_path_either():

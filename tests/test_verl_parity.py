@@ -146,39 +146,39 @@ def test_agg_loss_matches_verl(device, backend, loss_agg_mode, global_info):
     _close(got, core_algos.agg_loss(values, mask, loss_agg_mode, **global_info), loss_agg_mode)
 
 
+@pytest.mark.parametrize("threshold,spread", [(2.0, "near"), (2.0, "far"), ("0.5_2.0", "near")],
+                         ids=["truncate-near", "truncate-far", "icepop"])  # fmt: skip
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("device,backend", BACKENDS)
-def test_truncated_rollout_correction_matches_verl(device, backend, level):
+def test_rollout_correction_matches_verl(device, backend, level, threshold, spread):
+    """Weights and every metric fastrl reports, with veRL's definitions
+    (compute_is_metrics): at sequence level the extremes and the high / low
+    fractions are of the raw sequence weights, one per sequence (far: sums past
+    the +-20 clamp, where the raw extremes and the truncated ones differ). fastrl
+    also gets a fully masked sequence, which it leaves out and veRL would count
+    as a sequence of weight 1: the metrics must be those of the others. (Near:
+    log-ratios of 0.3 per token, or 0.05 at sequence level so that sums of up to 40
+    keep most sequences inside IcePop's band; veRL divides by zero when none is.)"""
     inputs = _inputs()
     old, mask = inputs["log_probs"].to(device), inputs["response_mask"].to(device)
-    rollout = old + 0.3 * torch.randn(old.shape, device=device)
-    if level == "sequence":
-        rollout = old + 0.02 * torch.randn(old.shape, device=device)  # sequence sums stay inside +-20
+    mask[:, 0] = 1.0  # every sequence has a valid token for veRL
+    scale = 3.0 if spread == "far" else 0.3 if level == "token" else 0.05
+    rollout = old + scale * torch.randn(old.shape, device=device)
     verl_w, verl_metrics = rollout_corr_helper.compute_rollout_correction_weights(
-        old - rollout, mask, rollout_is=level, rollout_is_threshold=2.0
+        old - rollout, mask, rollout_is=level, rollout_is_threshold=threshold
     )
+    icepop = isinstance(threshold, str)
+    options = {"mode": "mask", "clip_min": 0.5} if icepop else {}
+    masked_row = torch.zeros_like(mask[:1])
     with fastrl.use_backend(backend):
-        weights, metrics = fastrl.rollout_correction(old, rollout, mask, level=level, clip_max=2.0)
-    _close(weights, verl_w, "weights")
-    _close(metrics["rollout_is_mean"], verl_metrics["rollout_is_mean"], "rollout_is_mean")
-    _close(metrics["rollout_is_std"], verl_metrics["rollout_is_std"], "rollout_is_std")
-    if level == "token":  # veRL's sequence-level extremes and fractions are per sequence
-        for name in ("rollout_is_max", "rollout_is_min", "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low"):
-            _close(metrics[name], verl_metrics[name], name)
-
-
-@pytest.mark.parametrize("device,backend", BACKENDS)
-def test_icepop_rollout_correction_matches_verl(device, backend):
-    inputs = _inputs()
-    old, mask = inputs["log_probs"].to(device), inputs["response_mask"].to(device)
-    rollout = old + 0.5 * torch.randn(old.shape, device=device)
-    verl_w, verl_metrics = rollout_corr_helper.compute_rollout_correction_weights(
-        old - rollout, mask, rollout_is="token", rollout_is_threshold="0.5_2.0"
-    )
-    with fastrl.use_backend(backend):
-        weights, metrics = fastrl.rollout_correction(old, rollout, mask, mode="mask", clip_min=0.5, clip_max=2.0)
-    _close(weights, verl_w, "weights")
-    _close(metrics["rollout_is_masked_fraction"], verl_metrics["rollout_is_oob_ratio"], "masked fraction")
+        weights, metrics = fastrl.rollout_correction(
+            torch.cat([old, old[:1]]), torch.cat([rollout, rollout[:1] + 5.0]), torch.cat([mask, masked_row]),
+            level=level, clip_max=2.0, **options,
+        )  # fmt: skip
+    _close(weights[:-1], verl_w, "weights")
+    assert set(metrics) <= set(verl_metrics) | {"rollout_is_masked_fraction"}
+    for name, value in metrics.items():
+        _close(value, verl_metrics["rollout_is_oob_ratio" if name == "rollout_is_masked_fraction" else name], name)
 
 
 @pytest.mark.parametrize("device,backend", BACKENDS)
