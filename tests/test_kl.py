@@ -202,7 +202,7 @@ def test_bad_input_raises_naming_the_argument(device, backend):
         (lambda: fastrl.kl_penalty(x, None), TypeError, "ref_log_probs must be a torch.Tensor"),
         (lambda: fastrl.full_kl(x, x[:, :2]), ValueError, "ref_logits must have the shape of logits"),
         (lambda: fastrl.full_kl(x, x.double()), TypeError, "ref_logits must have the dtype of logits"),
-        (lambda: fastrl.full_kl(x, x, temperature=0.0), ValueError, "temperature must be positive"),
+        (lambda: fastrl.full_kl(x, x, temperature=0.0), ValueError, "temperature must be between"),
         (lambda: fastrl.full_kl(x.int(), x), TypeError, "logits must have a floating dtype"),
     ]
     with fastrl.use_backend(backend):
