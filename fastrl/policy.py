@@ -193,7 +193,8 @@ def policy_loss(
 
     ``ratio_level="token"`` equals veRL's ``compute_policy_loss_vanilla`` followed
     by ``agg_loss``; ``"sequence"`` is GSPO (veRL's ``compute_policy_loss_gspo``,
-    which always aggregates with "seq-mean-token-mean": pass that mode to match it):
+    which in veRL 0.9.0 always aggregates with "seq-mean-token-mean", so pass that
+    mode to match it, and from 0.9.1 on with the loss_agg_mode it is given):
 
         u = log_probs - old_log_probs;  r = exp(clamp(u, -20, 20))   (token)
                                         r = exp(min(mean of u over the sequence, 10)), straight-through (sequence)

@@ -267,7 +267,8 @@ def _rollout_correction_kernel(
         # e^S, once per sequence with a valid token: max e^min(S, 20), min e^S.
         e = tl.exp(log_w_row)
         has_token = count > 0
-        w_max = tl.where(has_token, tl.exp(tl.where(log_w_row > CORRECTION_LOG_CLAMP, CORRECTION_LOG_CLAMP, log_w_row)).to(f64), w_max)
+        capped = tl.where(log_w_row > CORRECTION_LOG_CLAMP, CORRECTION_LOG_CLAMP, log_w_row)  # NaN kept
+        w_max = tl.where(has_token, tl.exp(capped).to(f64), w_max)
         w_min = tl.where(has_token, e.to(f64), w_min)
         high = (has_token & (e > clip_max)).to(f64)
         low = (has_token & (e < low_threshold)).to(f64)

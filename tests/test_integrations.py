@@ -14,8 +14,11 @@ only when that framework is not installed (make setup installs all three).
 
 from __future__ import annotations
 
+import collections
+import functools
 import importlib
 import importlib.metadata
+import itertools
 import importlib.util
 import os
 import subprocess
@@ -26,7 +29,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import backend_params
 
+import fastrl
 from fastrl import integrations
 from fastrl.integrations import (
     FallbackWarning,
@@ -435,6 +440,97 @@ def test_verl_patch_is_idempotent_and_reaches_late_imports(verl, monkeypatch):
     assert verl.integration.patched() == []
 
 
+def _verl_091_gspo(agg_loss, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                   rollout_is_weights=None):  # fmt: skip
+    """veRL 0.9.1's compute_policy_loss_gspo (verl/trainer/ppo/core_algos.py), transcribed:
+    0.9.0's with ``loss_agg_mode`` passed to ``agg_loss`` in place of the fixed
+    "seq-mean-token-mean" (the only change between the two); loss only."""
+    clip_ratio_low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+    clip_ratio_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    negative_approx_kl = log_prob - old_log_prob
+    seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
+    negative_approx_kl_seq = torch.sum(negative_approx_kl * response_mask, dim=-1) / seq_lengths
+    log_seq_importance_ratio = log_prob - log_prob.detach() + negative_approx_kl_seq.detach().unsqueeze(-1)
+    seq_importance_ratio = torch.exp(torch.clamp(log_seq_importance_ratio, max=10.0))
+    pg_losses1 = -advantages * seq_importance_ratio
+    pg_losses2 = -advantages * torch.clamp(seq_importance_ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    return agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
+                    **config.global_batch_info)  # fmt: skip
+
+
+@pytest.mark.parametrize("version", ["0.9.0", "0.9.1"])
+def test_verl_gspo_aggregates_as_the_installed_version(verl, monkeypatch, version):
+    """veRL 0.9.0's GSPO ignores loss_agg_mode (always "seq-mean-token-mean"); 0.9.1
+    aggregates with it. The adapter follows the version patch() finds (here
+    simulated): 0.9.0's real function, or 0.9.1's transcribed semantics."""
+    installed = importlib.metadata.version("verl")
+    assert installed == "0.9.0", f"the 0.9.0 case below runs veRL's installed function, which is {installed}"
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: version if dist == "verl" else real_version(dist))
+    t = _per_token_inputs()
+    inputs = {"old_log_prob": t["old_log_probs"], "log_prob": t["log_probs"], "advantages": t["advantages"],
+              "response_mask": t["mask"], "rollout_is_weights": t["weights"]}  # fmt: skip
+    agg_loss = verl.core.agg_loss
+    for mode in ("token-mean", "seq-mean-token-sum"):
+        config = _verl_config(verl, {"global_batch_size": 7}, loss_agg_mode=mode)
+
+        def loss_and_grad(fn):
+            def call(fn, **kw):
+                out = fn(kw["old_log_prob"], kw["log_prob"], kw["advantages"], kw["response_mask"], mode, config,
+                         rollout_is_weights=kw["rollout_is_weights"])  # fmt: skip
+                return out[0] if isinstance(out, tuple) else out  # veRL's (loss, metrics); the transcription's loss
+
+            out, [(_, grad)] = _run(fn, call, inputs, ["log_prob"])
+            return out, grad
+
+        verl.integration.unpatch()
+        verl_090, verl_091 = verl.core.get_policy_loss_fn("gspo"), functools.partial(_verl_091_gspo, agg_loss)
+        semantics = (verl_090, verl_091) if version == "0.9.0" else (verl_091, verl_090)
+        expected, other = (loss_and_grad(f) for f in semantics)
+        verl.integration.patch()
+        loss, grad = loss_and_grad(verl.core.get_policy_loss_fn("gspo"))
+        assert not integrations.fallbacks, dict(integrations.fallbacks)
+        _close(loss, expected[0], f"{version} {mode} loss")
+        _close(grad, expected[1], f"{version} {mode} grad")
+        assert not torch.allclose(expected[0], other[0]), "the two versions' semantics coincide on these inputs"
+
+
+_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, *_DTYPES], ids=str)
+def test_verl_dtypes_follow_verl_for_every_dtype_combination(verl, mask_dtype):
+    """agg_loss and the vanilla and GSPO losses return the dtype veRL's own functions
+    return, for every per-token dtype, mask dtype, second-input dtype (old log-probs
+    and rollout weights), aggregation mode and kind of global counts (a float mask
+    takes part in veRL's promotion, its seq-mean modes lift bf16 to fp32, a 0-d
+    float count tensor takes part too)."""
+    t = _per_token_inputs((4, 12))
+    mask = t["mask"].to(mask_dtype)
+    modes = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+    infos = [{}, {"dp_size": 2, "batch_num_tokens": torch.tensor(30.0, dtype=torch.float64), "global_batch_size": 4}]
+    for dtype, other, mode, info in itertools.product(_DTYPES, (torch.bfloat16, torch.float32), modes, infos):
+        config = _verl_config(verl, info, loss_agg_mode=mode)
+        log_prob, advantages = t["log_probs"].to(dtype), t["advantages"].to(dtype)
+        old, weights = t["old_log_probs"].to(other), t["weights"].to(other)
+
+        def results():
+            out = [verl.core.agg_loss(log_prob, mask, mode, **info)]
+            for name in ("vanilla", "gspo"):
+                out.append(verl.core.get_policy_loss_fn(name)(old, log_prob, advantages, mask, mode, config,
+                                                              rollout_is_weights=weights)[0])  # fmt: skip
+            return [r.dtype for r in out]
+
+        verl.integration.unpatch()
+        expected = results()
+        verl.integration.patch()
+        assert results() == expected, (dtype, other, mode, info)
+    assert not integrations.fallbacks, dict(integrations.fallbacks)
+
+
 def test_verl_autopatch_through_verl_external_modules(verl):
     """VERL_USE_EXTERNAL_MODULES: a fresh process (as a Ray worker is) that imports
     verl comes up patched, with only the ops FASTRL_VERL_OPS names."""
@@ -589,6 +685,50 @@ def test_trl_bf16_dtype_kept(trl):
         _close(got.double(), exact, f"bf16 {what}", rtol=8e-3)
 
 
+@pytest.mark.parametrize("device,backend", backend_params())
+def test_trl_grpo_delta_is_fastrl_dual_clip(trl, device, backend):
+    """README's TRL mapping: TRL's two-sided clipping ``delta`` is fastrl's
+    ``clip_ratio_c = delta`` when delta > 1 + epsilon_high. TRL caps the unclipped
+    ratio, min(r, delta), inside -min(r' A, clip(r) A): for A >= 0 the cap is below
+    the clip and changes nothing; for A < 0 and r > delta it gives -A delta with no
+    gradient, which is the dual clip. Checked on TRL 1.16's own GRPOTrainer._compute_loss
+    (loss_type "grpo"), run on a stand-in trainer that hands it the log-probs."""
+    grpo = importlib.import_module("trl.trainer.grpo_trainer")
+    n_rows, length = 6, 30
+    t = _per_token_inputs((n_rows, length), spread=(0.05, 0.2, 0.5, 1.0, 1.5, 2.0))  # ratios past delta
+    mask = t["mask"].clone()
+    mask[:, 0] = True  # TRL averages over every sequence, fastrl over those with a valid token
+    mask[5] = True  # a whole sequence of spread 2 with A < 0: about 40% of its ratios pass delta = 1.5
+    advantages = torch.rand(n_rows) * torch.tensor([1.0, -1.0]).repeat(n_rows // 2)  # both signs
+    ids = torch.zeros(n_rows, length, dtype=torch.long)
+    inputs = {"prompt_ids": ids[:, :2], "prompt_mask": torch.ones(n_rows, 2), "completion_ids": ids,
+              "completion_mask": mask.float(), "advantages": advantages,
+              "old_per_token_logps": t["old_log_probs"]}  # fmt: skip
+    for delta in (None, 1.5):
+        x = t["log_probs"].clone().requires_grad_(True)
+        accelerator = SimpleNamespace(gather=lambda v: v, reduce=lambda v, reduction: v)
+        trainer = SimpleNamespace(
+            _get_per_token_logps_and_entropies=lambda *a, **k: (x, torch.zeros_like(x), None),
+            top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
+            beta=0.0, loss_type="grpo", epsilon_low=0.2, epsilon_high=0.28, use_vllm=False,
+            args=SimpleNamespace(delta=delta), model=SimpleNamespace(training=False), _entropy_bonus_enabled=False,
+            aux_loss_enabled=False, accelerator=accelerator, _metrics={"eval": collections.defaultdict(list)},
+        )  # fmt: skip
+        trl_loss = grpo.GRPOTrainer._compute_loss(trainer, None, inputs)
+        trl_grad = torch.autograd.grad(trl_loss, x)[0]
+        y = t["log_probs"].to(device).requires_grad_(True)
+        with fastrl.use_backend(backend):
+            loss, _ = fastrl.policy_loss(
+                y, t["old_log_probs"].to(device), advantages[:, None].expand(n_rows, length).to(device),
+                mask.to(device), clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=delta,
+                loss_agg_mode="seq-mean-token-mean",
+            )  # fmt: skip
+        _close(loss.cpu(), trl_loss, f"loss, delta={delta}")
+        _close(torch.autograd.grad(loss, y)[0].cpu(), trl_grad, f"grad, delta={delta}")
+        capped = (advantages[:, None] < 0) & ((x - t["old_log_probs"]).exp() > 1.5) & mask
+        assert delta is None or bool(capped.any()), "no token reaches the cap: the test would prove nothing"
+
+
 def test_trl_fallbacks(trl):
     get = lambda: trl.utils.selective_log_softmax  # noqa: E731
     broadcast = {"logits": _logits((3, 17, 100)), "index": torch.randint(100, (1, 17))}  # TRL broadcasts the index
@@ -697,6 +837,32 @@ def test_openrlhf_value_and_sft_losses_aggregate_patched(openrlhf):
 
     inputs = {"values": t["entropy"], "old": t["entropy"] + 0.3 * torch.randn(6, 40)}
     _parity(openrlhf.integration, lambda: openrlhf.loss.aggregate_loss, call, inputs, ["values"], "ValueLoss/SFTLoss")
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, *_DTYPES], ids=str)
+def test_openrlhf_dtypes_follow_openrlhf_for_every_dtype_combination(openrlhf, mask_dtype):
+    """aggregate_loss and PolicyLoss's (loss, clip_ratio, ppo_kl) have OpenRLHF's own
+    dtypes for every per-token and mask dtype, both aggregations, with and without
+    the global counts (a 0-d float64 tensor among them) and dual clip."""
+    t = _per_token_inputs((4, 12))
+    mask = t["mask"].to(mask_dtype)
+    infos = [{}, {"dp_size": 2, "batch_num_tokens": 150.0, "global_batch_size": torch.tensor(9.0, dtype=torch.float64)}]
+    for dtype, other, token_level, dual_clip, info in itertools.product(
+        _DTYPES, (torch.bfloat16, torch.float32), (True, False), (None, 3.0), infos
+    ):
+        module = openrlhf.loss.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip,
+                                          token_level_loss=token_level)  # fmt: skip
+        log_probs, old, adv = t["log_probs"].to(dtype), t["old_log_probs"].to(other), t["advantages"].to(dtype)
+
+        def results():
+            out = [openrlhf.loss.aggregate_loss(log_probs, mask, token_level, **info)]
+            return [r.dtype for r in out + list(module(log_probs, old, adv, action_mask=mask, **info)[:3])]
+
+        openrlhf.integration.unpatch()
+        expected = results()
+        openrlhf.integration.patch()
+        assert results() == expected, (dtype, other, token_level, dual_clip, info)
+    assert not integrations.fallbacks, dict(integrations.fallbacks)
 
 
 def test_openrlhf_fallbacks(openrlhf):

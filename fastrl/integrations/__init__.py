@@ -44,6 +44,7 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
+import numbers
 import re
 import sys
 import threading
@@ -162,9 +163,15 @@ def framework_version(framework: Framework) -> str:
     return version
 
 
+def release(version: str) -> tuple[int, ...]:
+    """The leading numbers of a version string: "0.9.1rc2" -> (0, 9, 1); () if none."""
+    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", version)
+    return tuple(int(part) for part in match.group(1).split(".")) if match else ()
+
+
 def _major_minor(version: str) -> tuple[int, int] | None:
-    match = re.match(r"\s*v?(\d+)\.(\d+)", version)
-    return (int(match.group(1)), int(match.group(2))) if match else None
+    parts = release(version)
+    return parts[:2] if len(parts) >= 2 else None
 
 
 def check_version(framework: Framework) -> str:
@@ -485,6 +492,50 @@ def first_reason(*reasons: str | None) -> str | None:
 
 
 def promoted(*tensors: Any) -> torch.dtype:
-    """The dtype the framework's own arithmetic on these tensors gives."""
+    """The dtype the framework's own elementwise arithmetic on these tensors gives
+    (non-floating ones, such as a bool mask, do not take part)."""
     dtypes = [t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return functools.reduce(torch.promote_types, dtypes) if dtypes else torch.get_default_dtype()
+
+
+def stand_in(dtype: torch.dtype, ndim: int) -> torch.Tensor:
+    """A meta tensor (no data) of this dtype and number of dimensions: what torch's
+    type promotion sees of a tensor."""
+    return torch.empty((1,) * ndim, dtype=dtype, device="meta")
+
+
+def _key(value: Any) -> Any:
+    """What of an argument can decide the dtype of a framework's result: a tensor's
+    dtype and dimensions, a number's type (int / float; bools and strings kept)."""
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.dim())
+    if isinstance(value, numbers.Number) and not isinstance(value, bool):
+        return int if isinstance(value, numbers.Integral) else float
+    return value  # None, a bool, a string: kept as they are
+
+
+def _from_key(key: Any) -> Any:
+    if isinstance(key, tuple):
+        return stand_in(*key)
+    return key(1) if key in (int, float) else key
+
+
+@functools.lru_cache(maxsize=1024)
+def _result_dtype(fn: Callable, args: tuple, kwargs: tuple) -> torch.dtype:
+    out = fn(*map(_from_key, args), **{name: _from_key(key) for name, key in kwargs})
+    return out.dtype
+
+
+def result_dtype(fn: Callable, *args: Any, **kwargs: Any) -> torch.dtype:
+    """The dtype of ``fn(*args, **kwargs)``, a framework's own tensor function,
+    exactly as torch's type promotion gives it for every mix of dtypes, 0-d
+    tensors and Python numbers (a float mask takes part, a ``.float()`` inside
+    lifts bf16 to float32): ``fn`` runs on meta tensors (no data, no
+    arithmetic) of the arguments' dtypes and dimensions, numbers replaced by 1 /
+    1.0, once per such signature. For functions without data-dependent control flow."""
+    return _result_dtype(fn, tuple(map(_key, args)), tuple(sorted((k, _key(v)) for k, v in kwargs.items())))
+
+
+def original_of(fn: Callable) -> Callable:
+    """The framework's own function behind a replacement (itself when not replaced)."""
+    return getattr(fn, "__fastrl_original__", fn)

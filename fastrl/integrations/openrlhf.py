@@ -31,8 +31,10 @@ OpenRLHF's conventions kept:
 - ``aggregate_loss`` / ``PolicyLoss``: ``token_level_loss=True`` is fastrl's
   ``"token-mean"`` (over ``batch_num_tokens``, times ``dp_size``, when given; else the
   local masked mean, ``dp_size`` ignored, as in OpenRLHF), ``False`` is
-  ``"seq-mean-token-mean"`` (over ``global_batch_size`` likewise). The result has
-  the loss's dtype.
+  ``"seq-mean-token-mean"`` (over ``global_batch_size`` likewise).
+- Every result has the dtype OpenRLHF's own arithmetic gives: a float mask takes
+  part in its type promotion (bf16 losses with a float32 mask give float32), found
+  by running OpenRLHF's function on meta tensors (``integrations.result_dtype``).
 - ``PolicyLoss.forward`` returns OpenRLHF's 5-tuple ``(loss, clip_ratio, ppo_kl,
   vllm_kl, is_filter_ratio)``: 0-d tensors (no host sync), the last two ``None``
   (no rollout correction); ``dual_clip`` is fastrl's ``clip_ratio_c``.
@@ -73,8 +75,11 @@ from . import (
     delegate,
     first_reason,
     mask_reason,
+    original_of,
     promoted,
+    result_dtype,
     same_shape_reason,
+    stand_in,
     tensor_reason,
 )
 from . import patch as _patch
@@ -167,7 +172,7 @@ def _aggregate_loss(original):
 
         def compute():
             options = _agg(token_level_loss, dp_size, batch_num_tokens, global_batch_size)
-            return fastrl.agg_loss(loss, loss_mask, **options).to(promoted(loss, loss_mask))
+            return fastrl.agg_loss(loss, loss_mask, **options).to(result_dtype(original, *args))
 
         return delegate(_NAME, "aggregate_loss", original, args, {}, compute, reason)
 
@@ -175,6 +180,21 @@ def _aggregate_loss(original):
 
 
 def _policy_loss_forward(original):
+    env = original.__globals__
+
+    def dtypes(log_probs, old_log_probs, advantages, action_mask, aggregation):
+        """The dtypes of OpenRLHF's loss, clip_ratio and ppo_kl: its per-token loss
+        aggregated by its own aggregate_loss, and masked_mean of a float32 clip
+        indicator and of the log-ratio (both multiply by the mask and divide by its sum)."""
+        ndim, log_ratio = log_probs.dim(), promoted(log_probs, old_log_probs)
+        per_token = stand_in(promoted(log_probs, old_log_probs, advantages), ndim)
+        masked_mean = env["masked_mean"]
+        return (
+            result_dtype(original_of(env["aggregate_loss"]), per_token, action_mask, *aggregation),
+            result_dtype(masked_mean, stand_in(torch.float32, ndim), action_mask, None),
+            result_dtype(masked_mean, stand_in(log_ratio, ndim), action_mask, None),
+        )
+
     def forward(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None, dp_size=1,
                 batch_num_tokens=None, global_batch_size=None):  # fmt: skip
         args = (self, log_probs, old_log_probs, advantages, action_mask, rollout_log_probs, dp_size,
@@ -202,9 +222,10 @@ def _policy_loss_forward(original):
                 clip_ratio_high=self.clip_eps_high, clip_ratio_c=self.dual_clip,
                 **_agg(self.token_level_loss, dp_size, batch_num_tokens, global_batch_size),
             )  # fmt: skip
-            dtype = promoted(log_probs, old_log_probs, advantages)
-            ppo_kl = metrics["ppo_kl"].to(promoted(log_probs, old_log_probs))
-            return loss.to(dtype), metrics["pg_clipfrac"].float(), ppo_kl, None, None
+            aggregation = (self.token_level_loss, dp_size, batch_num_tokens, global_batch_size)
+            loss_dtype, clip_dtype, kl_dtype = dtypes(log_probs, old_log_probs, advantages, action_mask, aggregation)
+            clip_ratio, ppo_kl = metrics["pg_clipfrac"].to(clip_dtype), metrics["ppo_kl"].to(kl_dtype)
+            return loss.to(loss_dtype), clip_ratio, ppo_kl, None, None
 
         return delegate(_NAME, "PolicyLoss.forward", original, args, {}, compute, reason)
 

@@ -38,6 +38,13 @@ Where fastrl's semantics intentionally differ from TRL's: ``-inf`` logits (a mas
 vocabulary) give a finite entropy where TRL's ``exp(logp) * logp`` gives NaN, and a
 label of -100 (outside ``row_mask``) gives 0 where TRL's gather fails.
 
+Half precision: fastrl computes in float32 and rounds the result once, so a bf16 /
+fp16 log-prob or entropy is the exact value rounded to that dtype (half an ulp at
+most). TRL computes ``log_softmax`` and the entropy's sum in the logits' dtype and
+rounds at every step, and TRL's own tests pin that rounding (``torch.equal`` on bf16
+results): they fail against the patch, whose results are not TRL's bit for bit but
+more accurate. In float32 the two agree to float32 rounding.
+
 Calls fastrl does not reproduce exactly run TRL's own function instead (counted in
 ``fastrl.integrations.fallbacks``, announced once per reason with a
 ``FallbackWarning``): logits that are not floating or not on a CPU / CUDA device,

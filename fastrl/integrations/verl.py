@@ -29,13 +29,20 @@ Conventions kept:
 - ``entropy_from_logits`` returns the logits' dtype, ``entropy_from_logits_with_chunking``
   the default dtype (float32), as veRL does; the chunking is not needed (fastrl never
   allocates an ``[N, V]`` temporary) and ``chunk_size`` is ignored.
-- ``kl_penalty`` and ``agg_loss`` return the dtype of veRL's arithmetic on the inputs.
+- ``kl_penalty``, ``agg_loss`` and the policy losses return the dtype of veRL's
+  arithmetic on the inputs, for every combination of dtypes: a float mask takes part
+  (bf16 losses with a float32 mask give float32), and the seq-mean modes give at
+  least float32 (veRL's ``.float()`` sequence mask). ``agg_loss``'s and the losses'
+  are found by running veRL's own ``agg_loss`` on meta tensors
+  (``integrations.result_dtype``).
 - The policy losses return ``(loss, metrics)`` with ``metrics`` the Python floats veRL
   returns (``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower``; read
   with one host synchronisation where veRL makes three). The vanilla loss reads
   ``clip_ratio``, ``clip_ratio_low`` / ``_high``, ``clip_ratio_c`` and
-  ``global_batch_info`` from the config as veRL does; GSPO always aggregates with
-  ``"seq-mean-token-mean"`` and reports ``pg_clipfrac_lower = 0.0``, as veRL does.
+  ``global_batch_info`` from the config as veRL does. GSPO reports
+  ``pg_clipfrac_lower = 0.0`` and aggregates as the installed veRL does: always with
+  ``"seq-mean-token-mean"`` in veRL 0.9.0 (whatever ``loss_agg_mode`` it is given),
+  with the ``loss_agg_mode`` given from veRL 0.9.1 on.
 
 Where fastrl's semantics intentionally differ from veRL's (README, "Policy loss and
 KL semantics"), the patched functions follow fastrl's:
@@ -78,9 +85,14 @@ from . import (
     constant_reason,
     delegate,
     first_reason,
+    framework_version,
     mask_reason,
+    original_of,
     promoted,
+    release,
+    result_dtype,
     same_shape_reason,
+    stand_in,
     tensor_reason,
 )
 from . import patch as _patch
@@ -94,6 +106,9 @@ _F = "verl.utils.torch_functional"
 _CORE = "verl.trainer.ppo.core_algos"
 _AGG_KEYS = frozenset({"dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor"})
 _ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+# veRL 0.9.0's compute_policy_loss_gspo aggregates with "seq-mean-token-mean" whatever
+# loss_agg_mode it is given; from 0.9.1 on it aggregates with the loss_agg_mode given.
+_GSPO_TAKES_LOSS_AGG_MODE = (0, 9, 1)
 
 
 class _Unsupported(Exception):
@@ -182,7 +197,7 @@ def _agg_loss(original):
                 loss_mat, loss_mask, loss_agg_mode, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
                 global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor,
             )  # fmt: skip
-            return loss.to(promoted(loss_mat, loss_mask))
+            return loss.to(result_dtype(original, *args))
 
         return delegate(_NAME, "agg_loss", original, args, {}, compute, reason)
 
@@ -220,6 +235,16 @@ def _options(config, env, *, gspo: bool) -> dict:
 def _policy_loss(original, *, gspo: bool):
     env = original.__globals__
     name = "compute_policy_loss_gspo" if gspo else "compute_policy_loss_vanilla"
+    # The installed veRL's semantics: its GSPO took no loss_agg_mode before 0.9.1.
+    fixed_mode = gspo and release(framework_version(FRAMEWORK)) < _GSPO_TAKES_LOSS_AGG_MODE
+
+    def loss_dtype(log_prob, old_log_prob, advantages, response_mask, rollout_is_weights, mode, info):
+        """The dtype veRL's function returns: its per-token loss's (GSPO's sequence
+        ratio divides by the mask's sums, so a float mask takes part), aggregated by
+        veRL's own agg_loss (which multiplies by the mask)."""
+        per_token = promoted(log_prob, old_log_prob, advantages, rollout_is_weights, response_mask if gspo else None)
+        return result_dtype(original_of(env["agg_loss"]), stand_in(per_token, log_prob.dim()), response_mask, mode,
+                            **info)  # fmt: skip
 
     def body(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights):
         args = (old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
@@ -240,15 +265,17 @@ def _policy_loss(original, *, gspo: bool):
             )  # fmt: skip
 
         def compute():
+            mode = "seq-mean-token-mean" if fixed_mode else loss_agg_mode
             loss, metrics = fastrl.policy_loss(
                 log_prob, old_log_prob, advantages, response_mask, ratio_level="sequence" if gspo else "token",
-                loss_agg_mode="seq-mean-token-mean" if gspo else loss_agg_mode,
-                rollout_is_weights=rollout_is_weights, **options,
+                loss_agg_mode=mode, rollout_is_weights=rollout_is_weights, **options,
             )  # fmt: skip
             clipfrac, ppo_kl, clipfrac_lower = torch.stack(
                 [metrics["pg_clipfrac"], metrics["ppo_kl"], metrics["pg_clipfrac_lower"]]
             ).tolist()  # one host sync for the three floats veRL returns
-            return loss.to(promoted(log_prob, old_log_prob, advantages, rollout_is_weights)), {
+            info = {k: v for k, v in options.items() if k in _AGG_KEYS}
+            dtype = loss_dtype(log_prob, old_log_prob, advantages, response_mask, rollout_is_weights, mode, info)
+            return loss.to(dtype), {
                 "actor/pg_clipfrac": clipfrac,
                 "actor/ppo_kl": ppo_kl,
                 "actor/pg_clipfrac_lower": 0.0 if gspo else clipfrac_lower,
