@@ -5,7 +5,8 @@
 // is handled without sorting, on a shrinking list of candidate tokens:
 //   1. row_stats (softmax_stats.h): max m and s = sum_j e_j, e_j = exp((x_j - m) / T),
 //      in one vectorised read (a greedy row then only scans for its first argmax);
-//   2. the candidates, in one read that also finds the first argmax: every
+//   2. the candidates, in one read that also finds the first argmax and any
+//      NaN (a row with NaN or +inf, or of only -inf, is bad: token -1): every
 //      token, or for top-k only the tokens whose order-preserving key has its
 //      top 11 bits at or above a pivot bucket estimated from every 16th token
 //      (a few times k tokens; the exact histogram when that gathers fewer
@@ -178,9 +179,12 @@ template <typename Acc>
 struct RowParams {
   Acc t, top_p, min_p;
   int64_t top_k;
+  // T is 0 (greedy) or positive with a finite 1/T: the kernels scale by 1/T,
+  // and an infinite one would turn the max's (x - m) / T = 0 * inf into NaN.
   bool valid() const {
-    return t >= 0 && t < std::numeric_limits<Acc>::infinity() && top_k >= 0 && top_p > 0 &&
-           top_p <= 1 && min_p >= 0 && min_p <= 1;
+    constexpr Acc inf = std::numeric_limits<Acc>::infinity();
+    const bool t_ok = t == 0 || (t > 0 && t < inf && Acc(1) / t < inf);
+    return t_ok && top_k >= 0 && top_p > 0 && top_p <= 1 && min_p >= 0 && min_p <= 1;
   }
 };
 
@@ -193,7 +197,8 @@ RowParams<Acc> row_params(const TruncationArgs& a, int64_t r) {
 }
 
 // Everything the three entry points need to know about one row. After
-// select_row, the candidates are exactly the kept tokens.
+// select_row, the candidates are exactly the kept tokens. A bad row (all -inf,
+// a NaN or +inf logit, or an invalid parameter) has nothing to sample.
 template <typename Acc>
 struct Selection {
   bool bad = false, greedy = false;
@@ -229,17 +234,30 @@ int64_t sampled_top_k_bucket(const In* x, int64_t vocab, int64_t k) {
   return top_k_bucket<Acc>(x, vocab, stride, int64_t(std::ceil(expected + 4 * std::sqrt(expected))) + 2);
 }
 
+// Ends a row's full read (find_maxima or gather_candidates): a NaN logit, or
+// a max that no token equals, leaves nothing to sample. The verdict is this
+// file's own (it does not rest on how row_stats treats NaN), and it keeps an
+// argmax of -1 from ever indexing the row.
+template <typename Acc>
+void mark_unsampleable(Selection<Acc>& sel, bool has_nan) {
+  sel.bad = has_nan || sel.argmax < 0;
+}
+
 // The first argmax and the number of maxima of a row whose max is m.
 template <typename In, typename Acc>
 void find_maxima(const In* x, int64_t vocab, Acc m, Selection<Acc>& sel) {
   sel.argmax = -1;
   sel.n_max = 0;
+  bool has_nan = false;
   for (int64_t i = 0; i < vocab; ++i) {
-    if (load_as<Acc>(x, i) == m) {
+    const Acc v = load_as<Acc>(x, i);
+    has_nan |= v != v;
+    if (v == m) {
       if (sel.argmax < 0) sel.argmax = i;
       ++sel.n_max;
     }
   }
+  mark_unsampleable(sel, has_nan);
 }
 
 // The candidates: the tokens whose key's top digit is >= `lowest`, in row
@@ -250,8 +268,6 @@ void gather_candidates(const In* x, int64_t vocab, int64_t lowest, Acc m, Select
                        Candidates<Acc>& cand) {
   using Key = KeyOf<Acc>;
   cand.n = 0;
-  sel.argmax = -1;
-  sel.n_max = 0;
   if (lowest == 0) {  // every token: a branch-free fill the compiler vectorises, then the maxima
     for (int64_t i = 0; i < vocab; ++i) {
       cand.keys[i] = order_key(load_as<Acc>(x, i));
@@ -261,8 +277,12 @@ void gather_candidates(const In* x, int64_t vocab, int64_t lowest, Acc m, Select
     find_maxima(x, vocab, m, sel);
     return;
   }
+  sel.argmax = -1;
+  sel.n_max = 0;
+  bool has_nan = false;
   for (int64_t i = 0; i < vocab; ++i) {
     const Acc v = load_as<Acc>(x, i);
+    has_nan |= v != v;
     const Key key = order_key(v);
     if (int64_t(key >> kTopDigitShift<Key>) < lowest) continue;
     cand.keys[cand.n] = key;
@@ -273,6 +293,7 @@ void gather_candidates(const In* x, int64_t vocab, int64_t lowest, Acc m, Select
       ++sel.n_max;
     }
   }
+  mark_unsampleable(sel, has_nan);
 }
 
 template <typename In, typename Acc>
@@ -283,8 +304,9 @@ Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm,
   sel.inv_t = prm.t > 0 ? Acc(1) / prm.t : Acc(1);
   const RowStats<Acc> st = row_stats<In, Acc>(x, vocab, sel.inv_t, false);
   sel.m = st.m;
-  // NaN anywhere reaches s; a row of only -inf has m = -inf.
-  sel.bad = st.s != st.s || st.m == neg_inf<Acc>() || !prm.valid();
+  // A row of only -inf has m = -inf, one with +inf m = +inf (where softmax is
+  // NaN); NaN is looked for in the full read that follows.
+  sel.bad = !(st.m > neg_inf<Acc>() && st.m < std::numeric_limits<Acc>::infinity()) || !prm.valid();
   if (sel.bad) return sel;
   if (sel.greedy) {  // T -> 0: only the first argmax and the number of maxima
     find_maxima(x, vocab, st.m, sel);
@@ -302,6 +324,7 @@ Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm,
   gather_candidates(x, vocab, lowest, st.m, sel, cand);
   if (top_k && cand.n < prm.top_k)
     gather_candidates(x, vocab, top_k_bucket<Acc>(x, vocab, 1, prm.top_k), st.m, sel, cand);
+  if (sel.bad) return sel;
   Key threshold = order_key(neg_inf<Acc>());  // keeps every non-NaN logit
   if (top_k) {
     threshold = kth_largest_key(cand.keys.data(), cand.n, prm.top_k, cand.key_scratch.data());
@@ -411,9 +434,10 @@ void truncated_forward_impl(const TruncationArgs& a, const void* labels, int lab
     out[r] = lp;
     if (stats) {
       // The threshold as a logit value; keys compare like logits, so the
-      // backward rebuilds the same kept set from it.
+      // backward rebuilds the same kept set from it. A bad row's log-mass is
+      // NaN, which makes its gradient NaN too.
       stats[3 * r] = sel.m;
-      stats[3 * r + 1] = sel.log_s_kept;
+      stats[3 * r + 1] = sel.bad ? quiet_nan<Acc>() : sel.log_s_kept;
       stats[3 * r + 2] = key_to_value<Acc>(sel.threshold);
     }
   });

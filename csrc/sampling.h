@@ -39,16 +39,17 @@ struct RandomArgs {
   int64_t offset;
 };
 
-// tokens [n_rows] int64 (-1 for a row that is all -inf, has NaN, or has an
-// invalid parameter; its log-probs are NaN), logprobs under the processed
+// tokens [n_rows] int64 (-1 for a row that is all -inf, has NaN or +inf, or
+// has an invalid parameter; its log-probs are NaN), logprobs under the processed
 // distribution and raw_logprobs under log_softmax(logits / T), both of the
 // accumulation type.
 void sample_forward(const TruncationArgs& args, const RandomArgs& rng, int64_t* tokens,
                     void* logprobs, void* raw_logprobs);
 
 // Log-prob of labels under the processed distribution (-inf outside the kept
-// set), and per-row stats [n_rows, 3] (max logit, log of the kept mass, the
-// threshold logit) that the backward needs when stats is non-null.
+// set; NaN for a bad row), and per-row stats [n_rows, 3] (max logit, log of
+// the kept mass (NaN for a bad row), the threshold logit) that the backward
+// needs when stats is non-null.
 void truncated_logprobs_forward(const TruncationArgs& args, const void* labels, int label_dtype,
                                 void* out_logprob, void* stats);
 
