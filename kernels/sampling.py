@@ -23,6 +23,8 @@ L2 between passes.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -104,22 +106,30 @@ def _largest_key_reaching(row_ptr, V, m, inv_t, floor_key, target, WEIGHTED: tl.
 
 @triton.jit
 def _row_param(ptr, scalar, row, PER_ROW: tl.constexpr, DTYPE: tl.constexpr):
+    """This row's value of a parameter: ptr[row], or the scalar. A float scalar
+    arrives as the int64 bits of its float64 value (``_scalar_arg``) and is
+    rounded once to DTYPE here, as the C++ kernels' cast does."""
     if PER_ROW:
         return tl.load(ptr + row).to(DTYPE)
-    else:
+    elif DTYPE == tl.int64:
         return tl.full([], scalar, DTYPE)
+    else:
+        return tl.full([], scalar, tl.int64).to(tl.float64, bitcast=True).to(DTYPE)
 
 
 @triton.jit
 def _row_params(row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
                 PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr,
                 PER_ROW_MIN_P: tl.constexpr, ACC: tl.constexpr):
-    """This row's (T, top_k, top_p, min_p, whether they are all valid)."""
+    """This row's (T, top_k, top_p, min_p, whether they are all valid). T is 0
+    (greedy) or positive with a finite 1/T: the kernels scale by 1/T, and an
+    infinite one would make the max's (x - m) / T = 0 * inf NaN."""
     t = _row_param(temps_ptr, temp, row, PER_ROW_T, ACC)
     k = _row_param(top_k_ptr, top_k, row, PER_ROW_K, tl.int64)
     p = _row_param(top_p_ptr, top_p, row, PER_ROW_P, ACC)
     mp = _row_param(min_p_ptr, min_p, row, PER_ROW_MIN_P, ACC)
-    valid = (t >= 0) & (t < float("inf")) & (k >= 0) & (p > 0) & (p <= 1) & (mp >= 0) & (mp <= 1)
+    t_ok = (t == 0) | ((t > 0) & (t < float("inf")) & (1.0 / t < float("inf")))
+    valid = t_ok & (k >= 0) & (p > 0) & (p <= 1) & (mp >= 0) & (mp <= 1)
     return t, k, p, mp, valid
 
 
@@ -129,7 +139,9 @@ def _select(row_ptr, V, t, k, p, min_p, valid, BLOCK_V: tl.constexpr, SEARCH_BLO
     """Everything about one row's processed distribution: (bad, greedy, m, first
     argmax, number of maxima, 1/T, log s, threshold key, log min_p, log s_kept)
     with s = sum_j e_j over the row, e_j = exp((x_j - m) / T), and s_kept over
-    the kept tokens (key >= threshold and (x - m) / T >= log min_p)."""
+    the kept tokens (key >= threshold and (x - m) / T >= log min_p). A row is bad
+    (nothing to sample) with a NaN, a +inf (m = inf: softmax is NaN), only -inf
+    (m = -inf), or an invalid parameter."""
     neg_inf = float("-inf")
     m = tl.full([], neg_inf, ACC)
     arg = tl.full([], 0, tl.int64)
@@ -145,7 +157,7 @@ def _select(row_ptr, V, t, k, p, min_p, valid, BLOCK_V: tl.constexpr, SEARCH_BLO
         n_max = tl.where(b_max > m, b_cnt, tl.where(b_max == m, n_max + b_cnt, n_max))
         arg = tl.where(b_max > m, b_arg, arg)
         m = tl.maximum(m, b_max)
-    bad = has_nan | (m == neg_inf) | (~valid)
+    bad = has_nan | (m == neg_inf) | (m == float("inf")) | (~valid)
     greedy = t == 0
     inv_t = tl.where(greedy | bad, 1.0, 1.0 / t).to(ACC)
     m_safe = tl.where(bad, 0.0, m).to(ACC)
@@ -222,7 +234,7 @@ def _sample_kernel(
         winner = tl.where(b_best > best, b_arg, winner)
         best = tl.maximum(best, b_best)
     winner = tl.where(greedy, arg, winner)
-    d_win = (tl.load(row_ptr + winner).to(ACC) - m) * inv_t
+    d_win = (tl.load(row_ptr + winner, mask=~bad, other=0.0).to(ACC) - m) * inv_t  # a bad row's winner may be anything
     logprob = tl.where(greedy, 0.0, d_win - log_s_kept)
     raw = tl.where(greedy, -tl.log(n_max.to(ACC)), d_win - log_s)
     tl.store(tokens_ptr + row, tl.where(bad, -1, winner))
@@ -300,12 +312,21 @@ def _truncated_bwd_kernel(
         tl.store(grad_row_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
+def _scalar_arg(value: int | float) -> int:
+    """A scalar parameter as the kernels take it. Triton passes a Python float as
+    float32, which would round a float64 kernel's T, top-p and min-p; a float
+    goes as the int64 bits of its float64 value instead (``_row_param``)."""
+    if isinstance(value, float):
+        return struct.unpack("<q", struct.pack("<d", value))[0]
+    return value
+
+
 def _params(temperature, top_k, top_p, min_p) -> tuple[list, dict]:
     """Kernel arguments (pointer-or-None, scalar) per parameter, and the PER_ROW_* flags."""
     args, flags = [], {}
     for value, flag in ((temperature, "PER_ROW_T"), (top_k, "PER_ROW_K"), (top_p, "PER_ROW_P"), (min_p, "PER_ROW_MIN_P")):
         per_row = isinstance(value, torch.Tensor)
-        args += [value if per_row else None, 0 if per_row else value]
+        args += [value if per_row else None, 0 if per_row else _scalar_arg(value)]
         flags[flag] = per_row
     return args, flags
 
