@@ -13,6 +13,12 @@ Off: top_k None or 0, top_p None or 1, min_p None or 0. Every step keeps the
 tokens at or above a threshold logit; the kernels find the thresholds by radix /
 pivot search, never sorting the vocabulary or writing a [B, V] temporary.
 
+Parameters are checked as the kernels hold them: float32 for bf16 / fp16 / fp32
+logits, float64 for float64 logits, int64 for top_k and offset (``_held``). A
+row with NaN or +inf (softmax of +inf is NaN: inf - inf), or of only -inf, has
+nothing to sample: ValueError on CPU, token -1 and NaN log-probs where rows
+are not rejected (CUDA, torch.compile), on every backend alike.
+
 Randomness is counter-based (Philox4x32-10): key = the row's seed, counter =
 (vocab index, salt, offset), with salt = the row's index for a batch-wide seed
 and 0 for per-row seeds, so a row with its own seed draws the same token alone
@@ -42,30 +48,56 @@ class SampleOutput(NamedTuple):
     raw_logprobs: torch.Tensor  # fp32 [...]
 
 
+_INT64 = range(-(2**63), 2**63)
+
+
+def _held(value: int | float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The value a kernel computing in ``dtype`` holds for a parameter (a Python
+    number or a tensor): floats rounded once to nearest, as the C++ kernels'
+    cast, the Triton kernels' conversion and the reference's ``.to`` all do;
+    None for an int that int64 cannot hold."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype)
+    if isinstance(value, int) and value not in _INT64:
+        return None
+    return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64).to(dtype)
+
+
 def _truncation(logits, temperature, top_k, top_p, min_p) -> dict:
     """Checked processed-distribution parameters: Python scalars, or flat
-    contiguous per-row tensors (accumulation dtype; int64 for top_k)."""
+    contiguous per-row tensors (accumulation dtype; int64 for top_k). Each value
+    is checked as the kernel will hold it (``_held``): top_p = 1e-50 is 0 in
+    float32, and T = 1e-40 is positive there but its 1/T is not finite."""
     rows, dev = logits.shape[:-1], logits.device
     acc = reference.compute_dtype(logits)
+    in_acc = f" in {str(acc).replace('torch.', '')}"
 
     def row(value, name, integer, ok, accepted):
-        value = _validation.check_row_param(value, name, rows, dev, integer=integer, ok=ok, accepted=accepted)
-        return _validation.flat_per_row(value, rows, torch.int64 if integer else acc)
+        dtype = torch.int64 if integer else acc
+        value = _validation.check_row_param(
+            value, name, rows, dev, integer=integer, accepted=accepted if integer else accepted + in_acc,
+            ok=lambda v: (held := _held(v, dtype)) is not None and ok(v, held),
+        )  # fmt: skip
+        return _validation.flat_per_row(value, rows, dtype)
 
     return {
-        "temperature": row(temperature, "temperature", False, lambda t: (t >= 0) & (t < math.inf),
-                           "non-negative and finite (0 is greedy)"),
-        "top_k": row(0 if top_k is None else top_k, "top_k", True, lambda t: t >= 0, "an int >= 0 (0 is off)"),
-        "top_p": row(1.0 if top_p is None else top_p, "top_p", False, lambda t: (t > 0) & (t <= 1),
+        # T itself tells greedy (0) from a positive T that rounds to 0.
+        "temperature": row(temperature, "temperature", False,
+                           lambda t, h: (t == 0) | ((t > 0) & (h < math.inf) & (1 / h < math.inf)),
+                           "0 (greedy) or positive with a finite 1/T"),
+        "top_k": row(0 if top_k is None else top_k, "top_k", True, lambda t, h: h >= 0,
+                     "an int in [0, 2**63) (0 is off)"),
+        "top_p": row(1.0 if top_p is None else top_p, "top_p", False, lambda t, h: (h > 0) & (h <= 1),
                      "in (0, 1] (1 is off)"),
-        "min_p": row(0.0 if min_p is None else min_p, "min_p", False, lambda t: (t >= 0) & (t <= 1),
+        "min_p": row(0.0 if min_p is None else min_p, "min_p", False, lambda t, h: (h >= 0) & (h <= 1),
                      "in [0, 1] (0 is off)"),
     }  # fmt: skip
 
 
 def _seed_and_offset(seed, offset, rows: torch.Size, device: torch.device):
     """seed: an int64 (Python ints wrap to 64 bits) or a flat int64 tensor of
-    per-row seeds; offset: an int or a one-element int64 tensor on the device."""
+    per-row seeds; offset: an int in [0, 2**63) or a one-element int64 tensor on
+    the device, whose value (as int64) is checked where that needs no host sync."""
     if seed is None and torch.compiler.is_compiling():  # a graph cannot read a drawn number back: per-row seeds
         seed = torch.randint(-(2**63), 2**63 - 1, (math.prod(rows),), dtype=torch.int64, device=device)
     elif seed is None:  # one draw from torch's default (CPU) generator: no device sync
@@ -83,10 +115,11 @@ def _seed_and_offset(seed, offset, rows: torch.Size, device: torch.device):
         if offset.device != device:
             raise ValueError(f"offset is on {offset.device} but logits is on {device}; they must share a device")
         offset = offset.to(torch.int64).reshape(1).contiguous()
-    elif isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise (ValueError if isinstance(offset, int) and not isinstance(offset, bool) else TypeError)(
-            f"offset must be an int >= 0 or a one-element integer tensor; got {offset!r}"
-        )
+        if _validation.host_checks(device) and int(offset) < 0:
+            raise ValueError(f"offset must be in [0, 2**63) as an int64; got a tensor holding {int(offset)}")
+    else:
+        _validation.check_scalar(offset, "offset", integer=True, ok=lambda o: o in _INT64 and o >= 0,
+                                 accepted="an int in [0, 2**63)", also="or a one-element integer tensor")  # fmt: skip
     return seed, offset
 
 
@@ -97,19 +130,18 @@ def _rejects_bad_rows(device: torch.device) -> bool:
 
 
 def _reject_bad_rows(bad: torch.Tensor, rows: torch.Size) -> None:
-    """A row that is all -inf or has NaN (or, for per-row tensors without host
-    checks, an invalid parameter) cannot be sampled."""
+    """A row that is all -inf or has NaN or +inf (or, for per-row tensors without
+    host checks, an invalid parameter) cannot be sampled: every backend marks it
+    (token -1, NaN log-probs), and on CPU that raises here."""
     if bool(bad.any()):
         where = torch.nonzero(bad.reshape(rows)).tolist()[:5]
-        raise ValueError(f"logits rows {where} are all -inf or contain NaN: there is nothing to sample from")
+        raise ValueError(f"logits rows {where} are all -inf or contain NaN or +inf: there is nothing to sample from")
 
 
 def _reference_args(logits: torch.Tensor, params: dict) -> dict:
-    """The reference backend's view of the checked parameters (per-row tensors
-    back in the row shape), after rejecting unsampleable rows on CPU."""
+    """The reference backend's view of the checked parameters: per-row tensors
+    back in the row shape."""
     rows = logits.shape[:-1]
-    if logits.numel() and _rejects_bad_rows(logits.device):
-        _reject_bad_rows(logits.isnan().any(-1) | torch.isneginf(logits).all(-1), rows)
     return {k: v.view(rows) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
 
 
@@ -145,10 +177,12 @@ def sample(
         return SampleOutput(empty(torch.int64), empty(acc), empty(acc))
     if backend == "reference":
         args = _reference_args(logits, {**params, "seed": seed})
-        return SampleOutput(*reference.sample(logits, **args, offset=offset))
-    tokens, logprobs, raw = _ops.sample_forward(
-        _as_rows(logits), *_truncation_args(params), *_ops.split_row_param(seed), *_ops.split_row_param(offset), backend
-    )
+        tokens, logprobs, raw = reference.sample(logits, **args, offset=offset)
+    else:
+        tokens, logprobs, raw = _ops.sample_forward(
+            _as_rows(logits), *_truncation_args(params), *_ops.split_row_param(seed), *_ops.split_row_param(offset),
+            backend,
+        )  # fmt: skip
     if _rejects_bad_rows(logits.device):
         _reject_bad_rows(tokens < 0, rows)
     return SampleOutput(tokens.view(rows), logprobs.view(rows), raw.view(rows))
@@ -203,13 +237,13 @@ def truncated_logprobs(
     rows = logits.shape[:-1]
     backend = select_backend(logits.device, has_cuda_kernel=False)
     if backend == "reference" or logits.numel() == 0:
-        return reference.truncated_logprobs(logits, labels, **_reference_args(logits, params))
-    flat_labels = labels.reshape(-1).contiguous()
-    truncation = _truncation_args(params)
-    if torch.is_grad_enabled() and logits.requires_grad:
-        out = _TruncatedLogprobs.apply(logits, flat_labels, truncation, backend)
+        out = reference.truncated_logprobs(logits, labels, **_reference_args(logits, params))
+    elif torch.is_grad_enabled() and logits.requires_grad:
+        out = _TruncatedLogprobs.apply(logits, labels.reshape(-1).contiguous(), _truncation_args(params), backend)
     else:
-        out, _ = _ops.truncated_forward(_as_rows(logits), flat_labels, *truncation, False, backend)
+        out, _ = _ops.truncated_forward(
+            _as_rows(logits), labels.reshape(-1).contiguous(), *_truncation_args(params), False, backend
+        )
     if _rejects_bad_rows(logits.device):
         _reject_bad_rows(out.isnan(), rows)
     return out.view(rows)
