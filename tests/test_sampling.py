@@ -228,6 +228,112 @@ def test_edge_rows(device, backend):
         assert set(out.tokens.tolist()) <= {2, 6}
 
 
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_float64_logits_take_the_parameters_in_float64(device, backend):
+    """float64 logits are computed with T, top-p and min-p exactly as given. The
+    reference rounded its scalars to float32 first, and the Triton kernels got
+    theirs as float32 arguments. Token 1 of each row is placed between a
+    parameter and its float32 rounding, so only the float64 value keeps it.
+    Tolerance: float64 arithmetic on terms |z| <= 3 over V = 2 tokens is off by
+    at most ~(3 |z| + V + 4) eps < 1e-14; a float32 T = 0.7 would be 2e-8 off."""
+    f32 = lambda v: float(torch.tensor(v, dtype=torch.float32))  # noqa: E731
+    p, mp = 0.9, 0.3  # f32(0.9) < 0.9 and f32(0.3) > 0.3
+    q0 = (p + f32(p)) / 2  # token 0's probability: the mass above token 1, in [f32(p), p)
+    r = (mp + f32(mp)) / 2  # token 1's probability over token 0's, in [mp, f32(mp))
+    x = torch.tensor([[math.log(q0), math.log(1 - q0)], [0.0, math.log(r)]], dtype=torch.float64, device=device)
+    ones = torch.ones(2, dtype=torch.long, device=device)
+    with fastrl.use_backend(backend):
+        kept_by_p = fastrl.truncated_logprobs(x[:1], ones[:1], top_p=p)
+        kept_by_min_p = fastrl.truncated_logprobs(x[1:], ones[1:], min_p=mp)
+        at_t = fastrl.truncated_logprobs(x, ones, temperature=0.7)
+        out = fastrl.sample(x, temperature=0.7, seed=1)
+        tiny_p = fastrl.truncated_logprobs(x, torch.zeros_like(ones), top_p=1e-50)  # 0 in float32
+    log_q = torch.log_softmax(x / 0.7, dim=-1)
+    expected = torch.tensor([math.log(1 - q0), math.log(r / (1 + r))], dtype=torch.float64)
+    assert_close_to_reference(torch.cat([kept_by_p, kept_by_min_p]), expected, 1e-13, what="top-p, min-p")
+    assert_close_to_reference(at_t, log_q[:, 1], 1e-13, what="T")
+    assert_close_to_reference(out.raw_logprobs, log_q.gather(-1, out.tokens[:, None]).squeeze(-1), 1e-13, what="raw")
+    assert tiny_p.tolist() == [0.0, 0.0], "top_p = 1e-50 keeps only the max"
+
+
+def test_triton_launches_carry_float64_scalars(monkeypatch):
+    """Compiled Triton types a Python float argument as float32 (the interpreter
+    keeps it float64, so the test above cannot see this on a CPU): the sampling
+    launchers pass no Python float, only ints (a float as its float64 bits)."""
+    from fastrl.kernels import sampling as kernels
+
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append(args)
+
+    for name in ("_sample_kernel", "_truncated_fwd_kernel"):
+        monkeypatch.setattr(kernels, name, Recorder())
+    x = torch.randn(2, 10, dtype=torch.float64)
+    params = dict(temperature=0.7, top_k=3, top_p=0.9, min_p=1e-300)
+    kernels.sample_forward(x, **params, seed=1, offset=0)
+    kernels.truncated_forward(x, torch.zeros(2, dtype=torch.long), **params, with_stats=False)
+    assert len(launched) == 2
+    assert not [a for args in launched for a in args if isinstance(a, float)]
+
+
+_F32 = torch.finfo(torch.float32)
+_INF = float("inf")
+# (name, rows of logits, filters): extreme but valid input.
+EXTREME_CASES = [
+    ("finfo.min-masking-at-T<1", [[0.0, _F32.min, -_INF, 1.0, _F32.min], [_F32.max, _F32.min, 0.0, -_INF, 2.0]],
+     [dict(temperature=0.5), dict(temperature=0.25, top_k=3, top_p=0.9, min_p=0.01)]),
+    ("one-finite-logit", [[-_INF, -_INF, -3.0, -_INF], [_F32.min, -_INF, -_INF, -_INF]],
+     [dict(), dict(top_k=3), dict(top_p=0.1), dict(min_p=1.0), dict(temperature=0.0)]),
+    ("V=1", [[0.3], [-7.0], [_F32.max]], [dict(top_k=5, top_p=0.01, min_p=1.0), dict(temperature=0.0)]),
+    ("ties-and-extreme-T", [[1.0, 3.0, 3.0, 0.0, -_INF]] * 2,
+     [dict(temperature=1.2e-38), dict(temperature=3e38), dict(temperature=1e-30, top_p=1e-45)]),
+    ("top-k-beyond-V", [[0.5, -1.0, 2.0, -_INF, 0.0]], [dict(top_k=2**63 - 1), dict(top_k=6, min_p=1e-45)]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,rows,filter_list", EXTREME_CASES, ids=[c[0] for c in EXTREME_CASES])
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_extreme_rows_and_parameters(device, backend, name, rows, filter_list):
+    """Every draw is in the float64 reference's kept set with its log-probs, and
+    truncated_logprobs gives the same value. Tolerance: float32 log-probs of
+    |z| <= 60 over V <= 5 terms are off by at most (3 |z| + V + 4) 6e-8 < 2e-5
+    (finfo.min at T < 1 is -inf in both dtypes, so it is exact)."""
+    x = torch.tensor(rows, dtype=torch.float32, device=device)
+    for filters in filter_list:
+        with fastrl.use_backend(backend):
+            out = fastrl.sample(x, seed=9, **filters)
+            again = fastrl.truncated_logprobs(x, out.tokens, **filters)
+        logq = reference.truncated_log_distribution(x.double(), **filters)
+        assert bool((logq.gather(-1, out.tokens[:, None]) > -_INF).all()), f"a draw outside the kept set: {filters}"
+        expected = logq.gather(-1, out.tokens[:, None]).squeeze(-1)
+        assert_close_to_reference(out.logprobs, expected, 2e-5, what=str(filters))
+        assert torch.equal(again, out.logprobs), filters
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_expanded_and_strided_per_row_parameters(device, backend):
+    """Per-row tensors that broadcast ([B, 1] over [B, L]), are expanded (stride
+    0) or are strided views give each row its own value: the same draw as that
+    row alone with Python scalars."""
+    x = torch.randn(2, 3, 40, device=device) * 2
+    table = torch.tensor([[0.5, 9.0, 0.3, 9.0], [1.5, 9.0, 0.9, 9.0]], device=device)
+    params = dict(
+        temperature=table[:, 0:1],  # [2, 1]: one per sequence
+        top_p=table[:, 2:3].expand(2, 3),  # stride 0 along L
+        top_k=torch.tensor([5, 0, 12], device=device)[None].expand(2, 3),  # one per position
+        min_p=torch.tensor([0.01, 0.2, 0.0, 0.05], device=device)[::2].view(2, 1),  # a strided view
+        seed=torch.arange(6, device=device).view(3, 2).t(),  # not contiguous
+    )
+    with fastrl.use_backend(backend):
+        out = fastrl.sample(x, **params)
+        for i, j in [(0, 0), (1, 1), (1, 2)]:
+            scalars = {k: v.expand(2, 3)[i, j].item() for k, v in params.items() if k != "seed"}
+            alone = fastrl.sample(x[i, j][None], **scalars, seed=params["seed"][i, j].reshape(1))
+            assert alone.tokens[0] == out.tokens[i, j] and alone.logprobs[0] == out.logprobs[i, j], (i, j)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("device,backend", BACKENDS)
 def test_truncated_logprobs_match_sample_and_reference(device, backend, dtype):
@@ -273,58 +379,114 @@ def test_truncated_logprobs_gradient(device, backend):
         )  # fmt: skip
 
 
+# Rows with nothing to sample, made from a row of V = 3000 finite logits: NaN
+# filling the first 2048 (a whole chunk of the C++ row statistics), a NaN last,
+# a negative NaN (its order key is the smallest of all), +inf (softmax(z) is
+# NaN there, as torch.softmax says), and only -inf.
+BAD_ROWS = {
+    "nan-chunk": lambda x: x[:2048].fill_(float("nan")),
+    "nan-last": lambda x: x[-1:].fill_(float("nan")),
+    "negative-nan": lambda x: x[7:8].fill_(-float("nan")),
+    "plus-inf": lambda x: x[11:12].fill_(float("inf")),
+    "plus-inf-and-nan": lambda x: x.index_put_((torch.tensor([3, 2999]),), torch.tensor([float("inf"), float("nan")])),
+    "all-minus-inf": lambda x: x.fill_(float("-inf")),
+}
+# Every path of the samplers: plain, each filter alone (top-k small enough for
+# the C++ sampled pivot), all together, and greedy.
+BAD_ROW_FILTERS = [
+    dict(), dict(top_k=5), dict(top_p=0.5), dict(min_p=0.5), dict(top_k=40, top_p=0.9, min_p=0.01),
+    dict(temperature=0.0),
+]
+
+
+def _with_bad_row(kind: str, device: str) -> torch.Tensor:
+    """[2, 3000]: row 0 fine, row 1 bad in the way ``kind`` says."""
+    x = torch.randn(2, 3000)
+    BAD_ROWS[kind](x[1])
+    return x.to(device)
+
+
+@pytest.mark.parametrize("kind", list(BAD_ROWS))
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_bad_rows_get_one_verdict_on_every_backend(device, backend, kind, monkeypatch):
+    """A row with NaN, +inf or only -inf: ValueError on CPU; where rows are not
+    rejected (CUDA, torch.compile) token -1 and NaN log-probs, on every path of
+    every backend, the other rows untouched, and from the kernels a NaN gradient
+    (the reference's is autograd's). The C++ sampler used to miss a NaN chunk
+    and, with top-k, index the row at -1; its backward gave such a row a finite
+    gradient."""
+    x = _with_bad_row(kind, device)
+    labels = torch.zeros(2, dtype=torch.long, device=device)
+    with fastrl.use_backend(backend):
+        for filters in BAD_ROW_FILTERS:
+            with pytest.raises(ValueError, match=r"rows \[\[1\]\] are all -inf or contain NaN or \+inf"):
+                fastrl.sample(x, seed=3, **filters)
+            with pytest.raises(ValueError, match=r"rows \[\[1\]\]"):
+                fastrl.truncated_logprobs(x, labels, **filters)
+        monkeypatch.setattr(fastrl.sampling, "_rejects_bad_rows", lambda device: False)  # as on CUDA
+        for filters in BAD_ROW_FILTERS:
+            out = fastrl.sample(x, seed=3, **filters)
+            assert out.tokens[1] == -1 and out.logprobs[1].isnan() and out.raw_logprobs[1].isnan(), filters
+            assert 0 <= out.tokens[0] < 3000 and torch.isfinite(out.logprobs[0]), filters
+            xg = x.clone().requires_grad_(True)
+            lp = fastrl.truncated_logprobs(xg, out.tokens.clamp(min=0), **filters)
+            assert lp[1].isnan() and torch.isfinite(lp[0]), filters
+            lp.sum().backward()
+            assert torch.isfinite(xg.grad[0]).all(), filters
+            assert backend == "reference" or xg.grad[1].isnan().all(), filters
+
+
 @pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
-def test_kernels_mark_bad_rows(device, backend):
-    """What CUDA relies on (no host sync there): an all -inf row, a NaN row or an
-    invalid per-row parameter gives token -1 and NaN log-probs, never a crash."""
+def test_kernels_mark_rows_with_invalid_parameters(device, backend):
+    """Per-row parameters are checked only where that needs no host sync; the
+    kernels still mark a row whose value is invalid in their dtype (a top-p of
+    -1, or a temperature whose 1/T overflows float32) with token -1 and NaN."""
     from fastrl._ops import launchers
 
-    x = torch.randn(4, 30, device=device)
-    x[1] = float("-inf")
-    x[2, 7] = float("nan")
-    top_p = torch.tensor([0.9, 0.9, 0.9, -1.0], device=device)  # row 3: unchecked bad value
+    x = torch.randn(3, 30, device=device)
+    top_p = torch.tensor([0.9, -1.0, 0.9], device=device)
+    temperature = torch.tensor([1.0, 1.0, 1e-40], device=device)
     tokens, logprobs, raw = launchers(backend, "sampling").sample_forward(
-        x, temperature=1.0, top_k=0, top_p=top_p, min_p=0.0, seed=1, offset=0
+        x, temperature=temperature, top_k=0, top_p=top_p, min_p=0.0, seed=1, offset=0
     )
-    assert tokens.tolist()[1:] == [-1, -1, -1] and 0 <= tokens[0] < 30
+    assert tokens.tolist()[1:] == [-1, -1] and 0 <= tokens[0] < 30
     assert logprobs[1:].isnan().all() and raw[1:].isnan().all() and torch.isfinite(logprobs[0])
-    labels = torch.nan_to_num(x, nan=0.0).argmax(dim=-1)  # row 0's label is kept
     out, _ = launchers(backend, "sampling").truncated_forward(
-        x, labels, temperature=1.0, top_k=0, top_p=top_p, min_p=0.0, with_stats=False
+        x, x.argmax(dim=-1), temperature=temperature, top_k=0, top_p=top_p, min_p=0.0, with_stats=False
     )
     assert out[1:].isnan().all() and torch.isfinite(out[0])
-
-
-@pytest.mark.parametrize("backend", ["native", "triton", "reference"])
-def test_bad_rows_raise_on_cpu(backend):
-    x = torch.randn(3, 10)
-    x[1] = float("-inf")
-    with fastrl.use_backend(backend), pytest.raises(ValueError, match=r"rows \[\[1\]\] are all -inf or contain NaN"):
-        fastrl.sample(x, seed=0)
-    x[1] = 0.0
-    x[2, 4] = float("nan")
-    with fastrl.use_backend(backend), pytest.raises(ValueError, match=r"rows \[\[2\]\]"):
-        fastrl.truncated_logprobs(x, torch.zeros(3, dtype=torch.long))
 
 
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
-        (dict(top_k=-1), ValueError, "top_k must be an int >= 0"),
+        (dict(top_k=-1), ValueError, r"top_k must be an int in \[0, 2\*\*63\)"),
+        (dict(top_k=2**63), ValueError, r"top_k must be an int in \[0, 2\*\*63\)"),
         (dict(top_k=2.5), TypeError, "top_k must be an int"),
         (dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\]"),
+        # Checked as the kernel holds it: 1e-50 is 0 in float32.
+        (dict(top_p=1e-50), ValueError, r"top_p must be in \(0, 1\] \(1 is off\) in float32; got 1e-50"),
+        (dict(top_p=torch.tensor([0.5, 1e-50], dtype=torch.float64)), ValueError, r"top_p must be .* in every row"),
         (dict(min_p=-0.1), ValueError, r"min_p must be in \[0, 1\]"),
         (dict(min_p=1.1), ValueError, r"min_p must be in \[0, 1\]"),
-        (dict(temperature=-1.0), ValueError, "temperature must be non-negative and finite"),
-        (dict(temperature=float("nan")), ValueError, "temperature must be non-negative and finite"),
-        (dict(temperature=torch.tensor([1.0, -1.0])), ValueError, r"temperature must be non-negative and finite \(0 is greedy\) in every row"),
+        (dict(temperature=-1.0), ValueError, r"temperature must be 0 \(greedy\) or positive with a finite 1/T"),
+        (dict(temperature=float("nan")), ValueError, "temperature must be 0"),
+        (dict(temperature=1e300), ValueError, "temperature must be 0"),  # inf in float32
+        (dict(temperature=1e-40), ValueError, "temperature must be 0"),  # 1/T is inf in float32
+        (dict(temperature=1e-50), ValueError, "temperature must be 0"),  # 0 in float32, but not greedy
+        (dict(temperature=torch.tensor([1.0, -1.0])), ValueError, r"temperature must be .* in every row"),
+        (dict(temperature=torch.tensor([1.0, 1e-50], dtype=torch.float64)), ValueError,
+         "temperature must be .* every row"),  # 0 in float32, but not greedy
         (dict(top_k=torch.tensor([1, 2, 3])), ValueError, "top_k must broadcast to the per-token shape"),
         (dict(top_p=torch.tensor([0.5, 0.5], device="meta")), ValueError, "top_p is on meta"),
         (dict(top_k=torch.tensor([1.0, 2.0])), TypeError, "top_k must be an int or an integer tensor"),
         (dict(seed=1.5), TypeError, "seed must be an int"),
         (dict(seed=torch.tensor([1, 2, 3])), ValueError, "seed must broadcast"),
-        (dict(offset=-1), ValueError, "offset must be an int >= 0"),
+        (dict(offset=-1), ValueError, r"offset must be an int in \[0, 2\*\*63\)"),
+        (dict(offset=2**63), ValueError, r"offset must be an int in \[0, 2\*\*63\)"),
+        (dict(offset=torch.tensor([-1])), ValueError, r"offset must be in \[0, 2\*\*63\)"),
+        (dict(offset=torch.tensor([2**63], dtype=torch.uint64)), ValueError, r"offset must be in \[0, 2\*\*63\)"),
         (dict(offset=torch.tensor([1.0])), TypeError, "offset must be an int or a one-element integer tensor"),
     ],
 )
