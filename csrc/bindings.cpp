@@ -25,10 +25,18 @@ namespace {
 const void* cptr(std::uintptr_t p) { return reinterpret_cast<const void*>(p); }
 void* mptr(std::uintptr_t p) { return reinterpret_cast<void*>(p); }
 
+// A row layout (rows.h) crosses as the tuple (inner, outer_stride, inner_stride).
+using RowsTuple = std::tuple<int64_t, int64_t, int64_t>;
+
+fastrl::RowLayout row_layout(const RowsTuple& t) {
+  const auto& [inner, outer_stride, inner_stride] = t;
+  return {inner, outer_stride, inner_stride};
+}
+
 fastrl::LogprobsArgs logprobs_args(std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab,
-                                   int64_t row_stride, std::uintptr_t labels, int label_dtype,
+                                   const RowsTuple& rows, std::uintptr_t labels, int label_dtype,
                                    int64_t ignore_index, std::uintptr_t temps, double temp_scalar) {
-  return {cptr(logits), dtype,       n_rows,     vocab,      row_stride, cptr(labels),
+  return {cptr(logits), dtype,        n_rows,      vocab,      row_layout(rows), cptr(labels),
           label_dtype,  ignore_index, cptr(temps), temp_scalar};
 }
 
@@ -47,10 +55,10 @@ fastrl::TruncationArgs truncation_args(const TruncationTuple& t) {
 }
 
 fastrl::FullKLArgs full_kl_args(std::uintptr_t logits, std::uintptr_t ref_logits, int dtype, int64_t n_rows,
-                                int64_t vocab, int64_t row_stride, int64_t ref_row_stride,
+                                int64_t vocab, const RowsTuple& rows, const RowsTuple& ref_rows,
                                 std::uintptr_t temps, double temp_scalar) {
-  return {cptr(logits), cptr(ref_logits), dtype,       n_rows,     vocab,
-          row_stride,   ref_row_stride,   cptr(temps), temp_scalar};
+  return {cptr(logits),     cptr(ref_logits),     dtype,       n_rows,     vocab,
+          row_layout(rows), row_layout(ref_rows), cptr(temps), temp_scalar};
 }
 
 // The policy-loss arguments, in the order fastrl/_native.py passes them.
@@ -84,11 +92,11 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "logprobs_forward",
-      [](std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab, int64_t row_stride,
+      [](std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab, const RowsTuple& rows,
          std::uintptr_t labels, int label_dtype, int64_t ignore_index, std::uintptr_t temps,
          double temp_scalar, std::uintptr_t out_logprob, std::uintptr_t out_entropy,
          std::uintptr_t out_stats) {
-        fastrl::logprobs_forward(logprobs_args(logits, dtype, n_rows, vocab, row_stride, labels,
+        fastrl::logprobs_forward(logprobs_args(logits, dtype, n_rows, vocab, rows, labels,
                                                label_dtype, ignore_index, temps, temp_scalar),
                                  mptr(out_logprob), mptr(out_entropy), mptr(out_stats));
       },
@@ -96,15 +104,15 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "logprobs_backward",
-      [](std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab, int64_t row_stride,
+      [](std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab, const RowsTuple& rows,
          std::uintptr_t labels, int label_dtype, int64_t ignore_index, std::uintptr_t temps,
          double temp_scalar, std::uintptr_t stats, std::uintptr_t entropy,
          std::uintptr_t grad_logprob, std::uintptr_t grad_entropy, std::uintptr_t grad_out,
-         int64_t grad_row_stride) {
-        fastrl::logprobs_backward(logprobs_args(logits, dtype, n_rows, vocab, row_stride, labels,
+         const RowsTuple& grad_rows) {
+        fastrl::logprobs_backward(logprobs_args(logits, dtype, n_rows, vocab, rows, labels,
                                                 label_dtype, ignore_index, temps, temp_scalar),
                                   cptr(stats), cptr(entropy), cptr(grad_logprob),
-                                  cptr(grad_entropy), mptr(grad_out), grad_row_stride);
+                                  cptr(grad_entropy), mptr(grad_out), row_layout(grad_rows));
       },
       py::call_guard<py::gil_scoped_release>());
 
@@ -159,10 +167,10 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "full_kl_forward",
       [](std::uintptr_t logits, std::uintptr_t ref_logits, int dtype, int64_t n_rows, int64_t vocab,
-         int64_t row_stride, int64_t ref_row_stride, std::uintptr_t temps, double temp_scalar,
+         const RowsTuple& rows, const RowsTuple& ref_rows, std::uintptr_t temps, double temp_scalar,
          std::uintptr_t out_kl, std::uintptr_t out_stats) {
-        fastrl::full_kl_forward(full_kl_args(logits, ref_logits, dtype, n_rows, vocab, row_stride,
-                                             ref_row_stride, temps, temp_scalar),
+        fastrl::full_kl_forward(full_kl_args(logits, ref_logits, dtype, n_rows, vocab, rows,
+                                             ref_rows, temps, temp_scalar),
                                 mptr(out_kl), mptr(out_stats));
       },
       py::call_guard<py::gil_scoped_release>());
@@ -170,12 +178,12 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "full_kl_backward",
       [](std::uintptr_t logits, std::uintptr_t ref_logits, int dtype, int64_t n_rows, int64_t vocab,
-         int64_t row_stride, int64_t ref_row_stride, std::uintptr_t temps, double temp_scalar,
+         const RowsTuple& rows, const RowsTuple& ref_rows, std::uintptr_t temps, double temp_scalar,
          std::uintptr_t stats, std::uintptr_t kl, std::uintptr_t grad_kl, std::uintptr_t grad_out,
-         int64_t grad_row_stride) {
-        fastrl::full_kl_backward(full_kl_args(logits, ref_logits, dtype, n_rows, vocab, row_stride,
-                                              ref_row_stride, temps, temp_scalar),
-                                 cptr(stats), cptr(kl), cptr(grad_kl), mptr(grad_out), grad_row_stride);
+         const RowsTuple& grad_rows) {
+        fastrl::full_kl_backward(full_kl_args(logits, ref_logits, dtype, n_rows, vocab, rows,
+                                              ref_rows, temps, temp_scalar),
+                                 cptr(stats), cptr(kl), cptr(grad_kl), mptr(grad_out), row_layout(grad_rows));
       },
       py::call_guard<py::gil_scoped_release>());
 
@@ -250,11 +258,11 @@ PYBIND11_MODULE(_C, m) {
 #ifdef FASTRL_WITH_CUDA
   m.def(
       "logprobs_forward_cuda",
-      [](std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab, int64_t row_stride,
+      [](std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab, const RowsTuple& rows,
          std::uintptr_t labels, int label_dtype, int64_t ignore_index, std::uintptr_t temps,
          double temp_scalar, std::uintptr_t out_logprob, std::uintptr_t out_entropy,
          std::uintptr_t out_stats, std::uintptr_t stream) {
-        fastrl::logprobs_forward_cuda(logprobs_args(logits, dtype, n_rows, vocab, row_stride, labels,
+        fastrl::logprobs_forward_cuda(logprobs_args(logits, dtype, n_rows, vocab, rows, labels,
                                                     label_dtype, ignore_index, temps, temp_scalar),
                                       mptr(out_logprob), mptr(out_entropy), mptr(out_stats), stream);
       },
@@ -262,16 +270,16 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "logprobs_backward_cuda",
-      [](std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab, int64_t row_stride,
+      [](std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab, const RowsTuple& rows,
          std::uintptr_t labels, int label_dtype, int64_t ignore_index, std::uintptr_t temps,
          double temp_scalar, std::uintptr_t stats, std::uintptr_t entropy,
          std::uintptr_t grad_logprob, std::uintptr_t grad_entropy, std::uintptr_t grad_out,
-         int64_t grad_row_stride, std::uintptr_t stream) {
-        fastrl::logprobs_backward_cuda(logprobs_args(logits, dtype, n_rows, vocab, row_stride,
+         const RowsTuple& grad_rows, std::uintptr_t stream) {
+        fastrl::logprobs_backward_cuda(logprobs_args(logits, dtype, n_rows, vocab, rows,
                                                      labels, label_dtype, ignore_index, temps,
                                                      temp_scalar),
                                        cptr(stats), cptr(entropy), cptr(grad_logprob),
-                                       cptr(grad_entropy), mptr(grad_out), grad_row_stride, stream);
+                                       cptr(grad_entropy), mptr(grad_out), row_layout(grad_rows), stream);
       },
       py::call_guard<py::gil_scoped_release>());
 #endif

@@ -148,8 +148,8 @@ void full_kl_forward_impl(const FullKLArgs& a, Acc* kl, Acc* stats) {
       if (stats) std::fill(stats + 4 * r, stats + 4 * r + 4, quiet_nan<Acc>());
       continue;
     }
-    const KLRowStats<Acc> st = full_kl_row<In, Acc>(logits + r * a.row_stride,
-                                                    ref_logits + r * a.ref_row_stride, a.vocab,
+    const KLRowStats<Acc> st = full_kl_row<In, Acc>(logits + a.rows.offset(r),
+                                                    ref_logits + a.ref_rows.offset(r), a.vocab,
                                                     Acc(1) / temp);
     const double log_s = std::log(st.s), log_s_ref = std::log(st.s_ref);
     kl[r] = static_cast<Acc>(st.t / st.s - log_s + log_s_ref);
@@ -164,15 +164,15 @@ void full_kl_forward_impl(const FullKLArgs& a, Acc* kl, Acc* stats) {
 
 template <typename In, typename Acc>
 void full_kl_backward_impl(const FullKLArgs& a, const Acc* stats, const Acc* kl, const Acc* grad_kl,
-                           In* grad_out, int64_t grad_row_stride) {
+                           In* grad_out, RowLayout grad_rows) {
   const In* logits = static_cast<const In*>(a.logits);
   const In* ref_logits = static_cast<const In*>(a.ref_logits);
 #pragma omp parallel for schedule(static) if (a.n_rows * a.vocab > 32768)
   for (int64_t r = 0; r < a.n_rows; ++r) {
     const Acc temp = row_temperature<Acc>(a.temps, a.temp_scalar, r);
     const Acc inv_t = usable_temperature(temp) ? Acc(1) / temp : quiet_nan<Acc>();
-    full_kl_row_grad<In, Acc>(logits + r * a.row_stride, ref_logits + r * a.ref_row_stride,
-                              grad_out + r * grad_row_stride, a.vocab, inv_t, stats[4 * r],
+    full_kl_row_grad<In, Acc>(logits + a.rows.offset(r), ref_logits + a.ref_rows.offset(r),
+                              grad_out + grad_rows.offset(r), a.vocab, inv_t, stats[4 * r],
                               stats[4 * r + 1], stats[4 * r + 2], stats[4 * r + 3], kl[r], grad_kl[r]);
   }
 }
@@ -203,12 +203,12 @@ void full_kl_forward(const FullKLArgs& a, void* out_kl, void* out_stats) {
 }
 
 void full_kl_backward(const FullKLArgs& a, const void* stats, const void* kl, const void* grad_kl,
-                      void* grad_out, int64_t grad_row_stride) {
+                      void* grad_out, RowLayout grad_rows) {
   FASTRL_DISPATCH_LOGITS(a.dtype, "full_kl_backward",
                          (full_kl_backward_impl<In, Acc>(a, static_cast<const Acc*>(stats),
                                                          static_cast<const Acc*>(kl),
                                                          static_cast<const Acc*>(grad_kl),
-                                                         static_cast<In*>(grad_out), grad_row_stride)))
+                                                         static_cast<In*>(grad_out), grad_rows)))
 }
 
 }  // namespace fastrl

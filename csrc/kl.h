@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "common.h"
+#include "rows.h"
 
 namespace fastrl {
 
@@ -110,8 +111,8 @@ struct FullKLArgs {
   int dtype;
   int64_t n_rows;
   int64_t vocab;
-  int64_t row_stride;
-  int64_t ref_row_stride;
+  RowLayout rows;      // rows.h
+  RowLayout ref_rows;
   const void* temps;
   double temp_scalar;
 };
@@ -121,9 +122,9 @@ struct FullKLArgs {
 // the backward needs; both of the accumulation type.
 void full_kl_forward(const FullKLArgs& args, void* out_kl, void* out_stats);
 
-// Writes grad_kl[r] * dKL/dx (logits' dtype, row stride grad_row_stride; may
+// Writes grad_kl[r] * dKL/dx (logits' dtype, rows laid out by grad_rows; may
 // alias the logits) from the forward's stats and KL.
 void full_kl_backward(const FullKLArgs& args, const void* stats, const void* kl, const void* grad_kl,
-                      void* grad_out, int64_t grad_row_stride);
+                      void* grad_out, RowLayout grad_rows);
 
 }  // namespace fastrl

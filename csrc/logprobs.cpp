@@ -73,7 +73,7 @@ void forward_impl(const LogprobsArgs& a, void* out_logprob, void* out_entropy, v
   const bool want_w = entropy != nullptr;
 #pragma omp parallel for schedule(static) if (a.n_rows * a.vocab > 32768)
   for (int64_t r = 0; r < a.n_rows; ++r) {
-    const In* x = logits + r * a.row_stride;
+    const In* x = logits + a.rows.offset(r);
     const Acc t = row_temperature<Acc>(a.temps, a.temp_scalar, r);
     if (!usable_temperature(t)) {
       if (logprob) logprob[r] = quiet_nan<Acc>();
@@ -106,7 +106,7 @@ void forward_impl(const LogprobsArgs& a, void* out_logprob, void* out_entropy, v
 template <typename In, typename Acc>
 void backward_impl(const LogprobsArgs& a, const void* stats_in, const void* entropy_in,
                    const void* grad_logprob, const void* grad_entropy, void* grad_out,
-                   int64_t grad_row_stride) {
+                   RowLayout grad_rows) {
   const In* logits = static_cast<const In*>(a.logits);
   In* grad = static_cast<In*>(grad_out);
   const Acc* stats = static_cast<const Acc*>(stats_in);
@@ -130,7 +130,7 @@ void backward_impl(const LogprobsArgs& a, const void* stats_in, const void* entr
         g = g_lp[r];
       }
     }
-    row_grad<In, Acc>(logits + r * a.row_stride, grad + r * grad_row_stride, a.vocab, inv_t,
+    row_grad<In, Acc>(logits + a.rows.offset(r), grad + grad_rows.offset(r), a.vocab, inv_t,
                       stats[2 * r], stats[2 * r + 1], g, label, g_ent != nullptr, g_ent ? g_ent[r] : Acc(0),
                       g_ent ? entropy[r] : Acc(0));
   }
@@ -151,20 +151,20 @@ void logprobs_forward(const LogprobsArgs& a, void* out_logprob, void* out_entrop
 
 void logprobs_backward(const LogprobsArgs& a, const void* stats, const void* entropy,
                        const void* grad_logprob, const void* grad_entropy, void* grad_out,
-                       int64_t grad_row_stride) {
+                       RowLayout grad_rows) {
   switch (a.dtype) {
     case kFloat32:
       return backward_impl<float, float>(a, stats, entropy, grad_logprob, grad_entropy, grad_out,
-                                         grad_row_stride);
+                                         grad_rows);
     case kFloat16:
       return backward_impl<F16, float>(a, stats, entropy, grad_logprob, grad_entropy, grad_out,
-                                       grad_row_stride);
+                                       grad_rows);
     case kBFloat16:
       return backward_impl<BF16, float>(a, stats, entropy, grad_logprob, grad_entropy, grad_out,
-                                        grad_row_stride);
+                                        grad_rows);
     case kFloat64:
       return backward_impl<double, double>(a, stats, entropy, grad_logprob, grad_entropy, grad_out,
-                                           grad_row_stride);
+                                           grad_rows);
     default: fail("logprobs_backward: unsupported logits dtype code " + std::to_string(a.dtype));
   }
 }

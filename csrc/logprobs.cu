@@ -169,7 +169,7 @@ __device__ __forceinline__ int64_t row_label(const LogprobsArgs& a, int64_t row)
 template <typename In, typename Acc, int VEC, bool WITH_W>
 __global__ void forward_kernel(LogprobsArgs a, Acc* logprob, Acc* entropy, Acc* stats) {
   const int64_t row = blockIdx.x;
-  const In* x = static_cast<const In*>(a.logits) + row * a.row_stride;
+  const In* x = static_cast<const In*>(a.logits) + a.rows.offset(row);
   const Acc inv_t = row_inv_temperature<Acc>(a, row);
   Stats<Acc> st{neg_inf<Acc>(), 0.0, 0.0};
   const int64_t n_packs = a.vocab / VEC;
@@ -220,10 +220,10 @@ __device__ __forceinline__ Acc grad_element(In xv, int64_t j, Acc m, Acc log_s, 
 template <typename In, typename Acc, int VEC, bool WITH_H>
 __global__ void backward_kernel(LogprobsArgs a, const Acc* stats, const Acc* entropy_in,
                                 const Acc* grad_logprob, const Acc* grad_entropy, In* grad_out,
-                                int64_t grad_row_stride) {
+                                RowLayout grad_rows) {
   const int64_t row = blockIdx.x;
-  const In* x = static_cast<const In*>(a.logits) + row * a.row_stride;
-  In* gx = grad_out + row * grad_row_stride;
+  const In* x = static_cast<const In*>(a.logits) + a.rows.offset(row);
+  In* gx = grad_out + grad_rows.offset(row);
   const Acc inv_t = row_inv_temperature<Acc>(a, row);
   const Acc m = stats[2 * row], log_s = stats[2 * row + 1];
   Acc g = 0;
@@ -264,8 +264,10 @@ int threads_for(int64_t vocab, int vec) {
   return threads;
 }
 
-bool aligned16(const void* p, int64_t row_stride, int elem_size) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0 && (row_stride * elem_size) % 16 == 0;
+// Every row starts 16-byte aligned when the base pointer and both leading strides are.
+bool aligned16(const void* p, const RowLayout& rows, int elem_size) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0 && (rows.outer_stride * elem_size) % 16 == 0 &&
+         (rows.inner_stride * elem_size) % 16 == 0;
 }
 
 void check_launch(const char* what) {
@@ -277,7 +279,7 @@ template <typename In, typename Acc>
 void forward_typed(const LogprobsArgs& a, void* out_logprob, void* out_entropy, void* out_stats,
                    cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(In);
-  const bool vec = aligned16(a.logits, a.row_stride, sizeof(In));
+  const bool vec = aligned16(a.logits, a.rows, sizeof(In));
   const int threads = threads_for(a.vocab, vec ? kVec : 1);
   auto* lp = static_cast<Acc*>(out_logprob);
   auto* ent = static_cast<Acc*>(out_entropy);
@@ -293,10 +295,10 @@ void forward_typed(const LogprobsArgs& a, void* out_logprob, void* out_entropy, 
 template <typename In, typename Acc>
 void backward_typed(const LogprobsArgs& a, const void* stats, const void* entropy,
                     const void* grad_logprob, const void* grad_entropy, void* grad_out,
-                    int64_t grad_row_stride, cudaStream_t stream) {
+                    RowLayout grad_rows, cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(In);
-  const bool vec = aligned16(a.logits, a.row_stride, sizeof(In)) &&
-                   aligned16(grad_out, grad_row_stride, sizeof(In));
+  const bool vec = aligned16(a.logits, a.rows, sizeof(In)) &&
+                   aligned16(grad_out, grad_rows, sizeof(In));
   const int threads = threads_for(a.vocab, vec ? kVec : 1);
   const auto* st = static_cast<const Acc*>(stats);
   const auto* ent = static_cast<const Acc*>(entropy);
@@ -305,13 +307,13 @@ void backward_typed(const LogprobsArgs& a, const void* stats, const void* entrop
   auto* out = static_cast<In*>(grad_out);
   const dim3 grid(static_cast<unsigned>(a.n_rows));
   if (gent && vec)
-    backward_kernel<In, Acc, kVec, true><<<grid, threads, 0, stream>>>(a, st, ent, glp, gent, out, grad_row_stride);
+    backward_kernel<In, Acc, kVec, true><<<grid, threads, 0, stream>>>(a, st, ent, glp, gent, out, grad_rows);
   else if (gent)
-    backward_kernel<In, Acc, 1, true><<<grid, threads, 0, stream>>>(a, st, ent, glp, gent, out, grad_row_stride);
+    backward_kernel<In, Acc, 1, true><<<grid, threads, 0, stream>>>(a, st, ent, glp, gent, out, grad_rows);
   else if (vec)
-    backward_kernel<In, Acc, kVec, false><<<grid, threads, 0, stream>>>(a, st, ent, glp, gent, out, grad_row_stride);
+    backward_kernel<In, Acc, kVec, false><<<grid, threads, 0, stream>>>(a, st, ent, glp, gent, out, grad_rows);
   else
-    backward_kernel<In, Acc, 1, false><<<grid, threads, 0, stream>>>(a, st, ent, glp, gent, out, grad_row_stride);
+    backward_kernel<In, Acc, 1, false><<<grid, threads, 0, stream>>>(a, st, ent, glp, gent, out, grad_rows);
   check_launch("logprobs_backward_cuda");
 }
 
@@ -333,12 +335,12 @@ void logprobs_forward_cuda(const LogprobsArgs& a, void* out_logprob, void* out_e
 
 void logprobs_backward_cuda(const LogprobsArgs& a, const void* stats, const void* entropy,
                             const void* grad_logprob, const void* grad_entropy, void* grad_out,
-                            int64_t grad_row_stride, std::uintptr_t stream_handle) {
+                            RowLayout grad_rows, std::uintptr_t stream_handle) {
   if (a.n_rows == 0) return;
   if (a.n_rows > 0x7fffffff) throw std::invalid_argument("logprobs_backward_cuda: more than 2^31-1 rows");
   auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
 #define FASTRL_BWD(IN, ACC) \
-  backward_typed<IN, ACC>(a, stats, entropy, grad_logprob, grad_entropy, grad_out, grad_row_stride, stream)
+  backward_typed<IN, ACC>(a, stats, entropy, grad_logprob, grad_entropy, grad_out, grad_rows, stream)
   switch (a.dtype) {
     case kFloat32: return FASTRL_BWD(float, float);
     case kFloat16: return FASTRL_BWD(__half, float);

@@ -3,10 +3,12 @@
 
 #include <cstdint>
 
+#include "rows.h"
+
 namespace fastrl {
 
 // What both passes read. logits: n_rows rows of `vocab` elements with unit
-// stride, row r at logits + r * row_stride elements. labels: int32 / int64
+// stride, row r at logits + rows.offset(r) elements (rows.h). labels: int32 / int64
 // (label_dtype), or null when only the entropy is wanted. temps: one per-row
 // temperature of the accumulation type (float, double for float64 logits), or
 // null to use temp_scalar for every row.
@@ -15,7 +17,7 @@ struct LogprobsArgs {
   int dtype;
   int64_t n_rows;
   int64_t vocab;
-  int64_t row_stride;
+  RowLayout rows;
   const void* labels;
   int label_dtype;
   int64_t ignore_index;
@@ -29,12 +31,12 @@ struct LogprobsArgs {
 void logprobs_forward(const LogprobsArgs& args, void* out_logprob, void* out_entropy,
                       void* out_stats);
 
-// Writes dL/dlogits (logits' dtype, row stride grad_row_stride; may alias the
+// Writes dL/dlogits (logits' dtype, rows laid out by grad_rows; may alias the
 // logits) from the saved stats / entropy and the incoming gradients. A null
 // grad_logprob or grad_entropy means that output's gradient is zero.
 void logprobs_backward(const LogprobsArgs& args, const void* stats, const void* entropy,
                        const void* grad_logprob, const void* grad_entropy, void* grad_out,
-                       int64_t grad_row_stride);
+                       RowLayout grad_rows);
 
 #ifdef FASTRL_WITH_CUDA
 // The same two passes on CUDA device pointers, launched on the given stream
@@ -43,7 +45,7 @@ void logprobs_forward_cuda(const LogprobsArgs& args, void* out_logprob, void* ou
                            void* out_stats, std::uintptr_t stream);
 void logprobs_backward_cuda(const LogprobsArgs& args, const void* stats, const void* entropy,
                             const void* grad_logprob, const void* grad_entropy, void* grad_out,
-                            int64_t grad_row_stride, std::uintptr_t stream);
+                            RowLayout grad_rows, std::uintptr_t stream);
 #endif
 
 }  // namespace fastrl

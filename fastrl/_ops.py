@@ -26,6 +26,7 @@ registered autograd kernel) 20 to 50 us, which small policy-loss batches feel.
 from __future__ import annotations
 
 import importlib
+import math
 from types import ModuleType
 
 import torch
@@ -87,9 +88,11 @@ def _or_empty(t: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype) ->
 
 
 def _per_row_fake(logits: torch.Tensor, columns: int = 0, wanted: bool = True) -> torch.Tensor:
-    """Fake of a per-row output of ``logits [N, V]``: [N] (or [N, columns] of
+    """Fake of a per-row output of ``logits [..., V]`` (the N rows of a
+    ``[outer, inner, V]`` row view, or of ``[N, V]``): [N] (or [N, columns] of
     statistics), in the accumulation dtype; empty when not ``wanted``."""
-    shape = ((logits.shape[0], columns) if columns else (logits.shape[0],)) if wanted else (0,)
+    n_rows = math.prod(logits.shape[:-1])
+    shape = ((n_rows, columns) if columns else (n_rows,)) if wanted else (0,)
     return _new(logits, *shape, dtype=_acc(logits))
 
 

@@ -19,7 +19,7 @@ import torch
 
 from . import _ops, _validation, reference
 from ._backend import select_backend
-from .logprobs import _as_rows
+from .logprobs import row_view
 
 __all__ = ["full_kl", "kl_penalty"]
 
@@ -79,7 +79,7 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
 class _FullKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ref_rows, temperature, backend):
-        rows = _as_rows(logits)
+        rows = row_view(logits)
         temps, temp_scalar = _ops.split_row_param(temperature)
         kl, stats = _ops.full_kl_forward(rows, ref_rows, temps, temp_scalar, True, backend)
         # The logits, not the rows view made here, so that a later in-place write to
@@ -91,8 +91,8 @@ class _FullKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_kl):
         logits, ref_rows, temps, stats, kl = ctx.saved_tensors
-        rows = _as_rows(logits)
-        grad = torch.empty_like(rows, memory_format=torch.contiguous_format)
+        rows = row_view(logits)
+        grad = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
         _ops.full_kl_backward(
             rows, ref_rows, temps, ctx.temp_scalar, stats, kl, grad_kl.to(kl.dtype).contiguous(), grad, ctx.backend
         )
@@ -129,9 +129,9 @@ def full_kl(
     if backend == "reference" or logits.numel() == 0:
         return reference.full_kl(logits, ref_logits, temperature=temperature)
     temperature = _validation.flat_per_row(temperature, token_shape, acc)
-    ref_rows = _as_rows(ref_logits.detach())
+    ref_rows = row_view(ref_logits.detach())
     if torch.is_grad_enabled() and logits.requires_grad:
         kl = _FullKL.apply(logits, ref_rows, temperature, backend)
     else:
-        kl, _ = _ops.full_kl_forward(_as_rows(logits), ref_rows, *_ops.split_row_param(temperature), False, backend)
+        kl, _ = _ops.full_kl_forward(row_view(logits), ref_rows, *_ops.split_row_param(temperature), False, backend)
     return kl.view(token_shape)

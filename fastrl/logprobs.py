@@ -33,6 +33,30 @@ from ._backend import select_backend
 __all__ = ["logprobs_from_logits", "logprobs_and_entropy", "entropy_from_logits"]
 
 
+def row_view(logits: torch.Tensor) -> torch.Tensor:
+    """``logits [..., V]`` as an ``[outer, inner, V]`` view of the same memory, the
+    kernels' input (csrc/rows.h): row r is (r // inner, r % inner), in the
+    row-major order of the leading dims. Leading dims that are contiguous with
+    each other merge, so every layout with unit stride in V whose leading dims
+    merge into at most two strided ones is read in place: contiguous, veRL's
+    ``logits[:, -response_length - 1:-1]``, ``logits[::2]``, a vocabulary slice,
+    a transposed ``[S, B, V]``. Only the rest (three or more leading dims that
+    cannot merge, or a strided vocabulary) is copied, once."""
+    vocab = logits.shape[-1]
+    merged: list[tuple[int, int]] = []  # (size, stride) of the merged leading dims, outermost first
+    for size, stride in zip(logits.shape[:-1], logits.stride()[:-1]):
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == stride * size:
+            merged[-1] = (merged[-1][0] * size, stride)
+        else:
+            merged.append((size, stride))
+    if (vocab == 1 or logits.stride(-1) == 1) and len(merged) <= 2:
+        (outer, outer_stride), (inner, inner_stride) = [(1, 0)] * (2 - len(merged)) + merged
+        return logits.as_strided((outer, inner, vocab), (outer_stride, inner_stride, 1))
+    return logits.reshape(-1, vocab).contiguous().unsqueeze(0)
+
+
 def _as_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits`` as ``[N, V]`` with unit stride in V: a view when the layout
     allows it, otherwise one copy."""
@@ -64,7 +88,7 @@ class _LogprobsEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, temperature, ignore_index, with_entropy, inplace_backward, backend):
-        rows = _as_rows(logits)
+        rows = row_view(logits)
         temps, temp_scalar = _ops.split_row_param(temperature)
         logprob, entropy, stats = _ops.logprobs_forward(
             rows, labels, temps, temp_scalar, ignore_index, with_entropy, True, backend
@@ -82,7 +106,7 @@ class _LogprobsEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         logits, labels, temps, stats, entropy = ctx.saved_tensors
-        rows = _as_rows(logits)
+        rows = row_view(logits)
         grads = list(grads)
         grad_logprob = grads.pop(0) if ctx.has_labels else None
         grad_entropy = grads.pop(0) if ctx.with_entropy else None
@@ -93,7 +117,7 @@ class _LogprobsEntropy(torch.autograd.Function):
             grad_logprob = grad_logprob.to(acc).contiguous()
         if grad_entropy is not None:
             grad_entropy = grad_entropy.to(acc).contiguous()
-        grad_rows = rows if ctx.inplace_backward else torch.empty_like(rows, memory_format=torch.contiguous_format)
+        grad_rows = rows if ctx.inplace_backward else torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
         _ops.logprobs_backward(
             rows, labels, temps, ctx.temp_scalar, ctx.ignore_index, stats, entropy, grad_logprob, grad_entropy,
             grad_rows, ctx.backend,
@@ -139,7 +163,7 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entro
         entropy = outputs.pop(0) if with_entropy else None
     else:
         logprob, entropy, _ = _ops.logprobs_forward(
-            _as_rows(logits), flat_labels, *_ops.split_row_param(temperature), ignore_index, with_entropy, False,
+            row_view(logits), flat_labels, *_ops.split_row_param(temperature), ignore_index, with_entropy, False,
             backend,
         )  # fmt: skip
         logprob = logprob if labels is not None else None

@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .logprobs import _acc_dtypes, _launch_config, _row_inv_temperature, _temperature_args
-from .reduce import rebase, shift_sums
+from .logprobs import _acc_dtypes, _launch_config, _row_inv_temperature, _temperature_args, row_count, row_layout
+from .reduce import rebase, row_start, shift_sums
 
 # veRL's clamps of the k3 estimator: its log-ratio and its value.
 K3_LOG_RATIO_CLAMP = tl.constexpr(20.0)
@@ -148,12 +148,13 @@ def kl_penalty_backward(
 
 @triton.jit
 def _full_kl_fwd_kernel(
-    x_ptr, x_row_stride, y_ptr, y_row_stride, temps_ptr, temp_scalar, kl_ptr, stats_ptr, V,
+    x_ptr, x_inner, x_outer_stride, x_inner_stride, y_ptr, y_inner, y_outer_stride, y_inner_stride,
+    temps_ptr, temp_scalar, kl_ptr, stats_ptr, V,
     PER_ROW_TEMP: tl.constexpr, WITH_STATS: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_row_stride
-    y_row = y_ptr + row * y_row_stride
+    x_row = row_start(x_ptr, row, x_inner, x_outer_stride, x_inner_stride)
+    y_row = row_start(y_ptr, row, y_inner, y_outer_stride, y_inner_stride)
     inv_t = _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
     neg_inf = float("-inf")
     m = tl.full([], neg_inf, ACC)
@@ -191,14 +192,15 @@ def _full_kl_fwd_kernel(
 
 @triton.jit
 def _full_kl_bwd_kernel(
-    x_ptr, x_row_stride, y_ptr, y_row_stride, grad_ptr, grad_row_stride, temps_ptr, temp_scalar,
+    x_ptr, x_inner, x_outer_stride, x_inner_stride, y_ptr, y_inner, y_outer_stride, y_inner_stride,
+    grad_ptr, grad_inner, grad_outer_stride, grad_inner_stride, temps_ptr, temp_scalar,
     stats_ptr, kl_ptr, grad_kl_ptr, V,
     PER_ROW_TEMP: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_row_stride
-    y_row = y_ptr + row * y_row_stride
-    grad_row = grad_ptr + row * grad_row_stride
+    x_row = row_start(x_ptr, row, x_inner, x_outer_stride, x_inner_stride)
+    y_row = row_start(y_ptr, row, y_inner, y_outer_stride, y_inner_stride)
+    grad_row = row_start(grad_ptr, row, grad_inner, grad_outer_stride, grad_inner_stride)
     inv_t = _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
     m = tl.load(stats_ptr + 4 * row).to(ACC)
     log_s = tl.load(stats_ptr + 4 * row + 1).to(ACC)
@@ -221,16 +223,17 @@ def _full_kl_bwd_kernel(
 def full_kl_forward(
     logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float | torch.Tensor, *, with_stats: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(KL [N], stats [N, 4] or None) of ``logits`` and ``ref_logits`` [N, V]
-    (same dtype, unit stride in V); stats = (m, log s, m', log s') per row."""
-    n_rows, vocab = logits.shape
+    """(KL [N], stats [N, 4] or None) of the N rows of ``logits`` and ``ref_logits``
+    (same dtype, unit stride in V; each [N, V] or its own [outer, inner, V] view of
+    the rows); stats = (m, log s, m', log s') per row."""
+    n_rows, vocab = row_count(logits), logits.shape[-1]
     acc, acc_tl = _acc_dtypes(logits)
     kl = torch.empty(n_rows, dtype=acc, device=logits.device)
     stats = torch.empty(n_rows, 4, dtype=acc, device=logits.device) if with_stats else None
     temps, temp_scalar, per_row = _temperature_args(temperature)
     block, num_warps = _launch_config(vocab)
     _full_kl_fwd_kernel[(n_rows,)](
-        logits, logits.stride(0), ref_logits, ref_logits.stride(0), temps, temp_scalar, kl, stats, vocab,
+        logits, *row_layout(logits), ref_logits, *row_layout(ref_logits), temps, temp_scalar, kl, stats, vocab,
         PER_ROW_TEMP=per_row, WITH_STATS=with_stats, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
     )  # fmt: skip
     return kl, stats
@@ -246,12 +249,12 @@ def full_kl_backward(
     grad_out: torch.Tensor,
 ) -> None:
     """Writes dL/dlogits into ``grad_out`` [N, V] (logits' dtype; may be the logits)."""
-    n_rows, vocab = logits.shape
+    n_rows, vocab = row_count(logits), logits.shape[-1]
     _, acc_tl = _acc_dtypes(logits)
     temps, temp_scalar, per_row = _temperature_args(temperature)
     block, num_warps = _launch_config(vocab)
     _full_kl_bwd_kernel[(n_rows,)](
-        logits, logits.stride(0), ref_logits, ref_logits.stride(0), grad_out, grad_out.stride(0),
+        logits, *row_layout(logits), ref_logits, *row_layout(ref_logits), grad_out, *row_layout(grad_out),
         temps, temp_scalar, stats, kl, grad_kl, vocab,
         PER_ROW_TEMP=per_row, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
     )  # fmt: skip

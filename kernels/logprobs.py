@@ -19,11 +19,13 @@ logits (inplace_backward): each block is loaded before it is stored.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-from .reduce import softmax_stats
+from .reduce import row_start, softmax_stats
 
 # Elements of a row handled per loop iteration. It depends on V only, never on
 # the number of rows, which keeps results batch invariant.
@@ -35,6 +37,19 @@ def _launch_config(vocab: int) -> tuple[int, int]:
     block = min(triton.next_power_of_2(vocab), _MAX_BLOCK_V)
     num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
     return block, num_warps
+
+
+def row_layout(t: torch.Tensor) -> tuple[int, int, int]:
+    """(inner, outer_stride, inner_stride) of the rows of ``[N, V]`` or of an
+    ``[outer, inner, V]`` view: the arguments ``reduce.row_start`` takes."""
+    if t.dim() == 2:
+        return max(t.shape[0], 1), 0, t.stride(0)
+    return max(t.shape[1], 1), t.stride(0), t.stride(1)
+
+
+def row_count(t: torch.Tensor) -> int:
+    """The rows of ``[N, V]`` or ``[outer, inner, V]``."""
+    return math.prod(t.shape[:-1])
 
 
 def _acc_dtypes(logits: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
@@ -56,13 +71,13 @@ def _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP: tl.constexpr
 
 @triton.jit
 def _logprobs_fwd_kernel(
-    logits_ptr, row_stride, labels_ptr, temps_ptr, temp_scalar, ignore_index,
+    logits_ptr, inner, outer_stride, inner_stride, labels_ptr, temps_ptr, temp_scalar, ignore_index,
     logprob_ptr, entropy_ptr, stats_ptr, V,
     HAS_LABELS: tl.constexpr, PER_ROW_TEMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     WITH_STATS: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * row_stride
+    row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
     inv_t = _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
     m, s, w = softmax_stats(row_ptr, V, inv_t, WITH_ENTROPY, BLOCK_V, ACC)
     log_s_exact = tl.log(s)  # float64, as s and w are (reduce.py)
@@ -84,14 +99,15 @@ def _logprobs_fwd_kernel(
 
 @triton.jit
 def _logprobs_bwd_kernel(
-    logits_ptr, row_stride, grad_ptr, grad_row_stride, labels_ptr, temps_ptr, temp_scalar,
+    logits_ptr, inner, outer_stride, inner_stride, grad_ptr, grad_inner, grad_outer_stride, grad_inner_stride,
+    labels_ptr, temps_ptr, temp_scalar,
     ignore_index, stats_ptr, entropy_ptr, grad_logprob_ptr, grad_entropy_ptr, V,
     HAS_GRAD_LOGPROB: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr, PER_ROW_TEMP: tl.constexpr,
     BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * row_stride
-    grad_row_ptr = grad_ptr + row * grad_row_stride
+    row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+    grad_row_ptr = row_start(grad_ptr, row, grad_inner, grad_outer_stride, grad_inner_stride)
     inv_t = _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
     m = tl.load(stats_ptr + 2 * row).to(ACC)
     log_s = tl.load(stats_ptr + 2 * row + 1).to(ACC)
@@ -140,10 +156,11 @@ def logprobs_forward(
     with_entropy: bool,
     with_stats: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(log-prob of the label [N], entropy [N], stats [N, 2]) of ``logits [N, V]``
-    (unit stride in V), stats being each row's (max logit, log s) that the
+    """(log-prob of the label [N], entropy [N], stats [N, 2]) of the N rows of
+    ``logits`` [N, V] or [outer, inner, V] (unit stride in V, any leading
+    strides: ``row_layout``), stats being each row's (max logit, log s) that the
     backward needs; an output not asked for is None."""
-    n_rows, vocab = logits.shape
+    n_rows, vocab = row_count(logits), logits.shape[-1]
     acc, acc_tl = _acc_dtypes(logits)
     new = lambda: torch.empty(n_rows, dtype=acc, device=logits.device)  # noqa: E731
     logprob = new() if labels is not None else None
@@ -152,7 +169,7 @@ def logprobs_forward(
     temps, temp_scalar, per_row = _temperature_args(temperature)
     block, num_warps = _launch_config(vocab)
     _logprobs_fwd_kernel[(n_rows,)](
-        logits, logits.stride(0), labels, temps, temp_scalar, ignore_index,
+        logits, *row_layout(logits), labels, temps, temp_scalar, ignore_index,
         logprob, entropy, stats, vocab,
         HAS_LABELS=labels is not None, PER_ROW_TEMP=per_row, WITH_ENTROPY=with_entropy,
         WITH_STATS=with_stats, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
@@ -171,14 +188,15 @@ def logprobs_backward(
     grad_entropy: torch.Tensor | None,
     grad_out: torch.Tensor,
 ) -> None:
-    """Writes dL/dlogits into ``grad_out [N, V]`` (logits' dtype; it may be the
-    logits themselves). A None incoming gradient counts as zero and skips its term."""
-    n_rows, vocab = logits.shape
+    """Writes dL/dlogits into ``grad_out`` (logits' dtype, its own [outer', inner', V]
+    layout of the same rows; it may be the logits themselves). A None
+    incoming gradient counts as zero and skips its term."""
+    n_rows, vocab = row_count(logits), logits.shape[-1]
     _, acc_tl = _acc_dtypes(logits)
     temps, temp_scalar, per_row = _temperature_args(temperature)
     block, num_warps = _launch_config(vocab)
     _logprobs_bwd_kernel[(n_rows,)](
-        logits, logits.stride(0), grad_out, grad_out.stride(0), labels, temps, temp_scalar,
+        logits, *row_layout(logits), grad_out, *row_layout(grad_out), labels, temps, temp_scalar,
         ignore_index, stats, entropy, grad_logprob, grad_entropy, vocab,
         HAS_GRAD_LOGPROB=grad_logprob is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
         PER_ROW_TEMP=per_row, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,

@@ -38,6 +38,14 @@ import triton.language as tl
 
 
 @triton.jit
+def row_start(base_ptr, row, inner, outer_stride, inner_stride):
+    """Pointer to row ``row`` (int64) of an [outer, inner, V] strided view: rows
+    are numbered row-major over the two leading dims (csrc/rows.h), so a sliced
+    layout such as ``logits[:, :-1]`` is read in place."""
+    return base_ptr + (row // inner) * outer_stride + (row % inner) * inner_stride
+
+
+@triton.jit
 def rebase(m, block_max, inv_t, ACC: tl.constexpr):
     """A running max m meeting a block's max: (m', ref, c, a) with m' the new max,
     ref the reference point the block's terms are taken from (m', or 0 while the

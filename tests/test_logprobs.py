@@ -276,6 +276,58 @@ def test_non_contiguous_logits(device, backend, layout):
     assert_close_to_reference(x.grad, ref_grad, *_grad_bound(ref_grad, torch.float32), what="grad")
 
 
+def _largest_allocation(fn) -> int:
+    """Bytes of the largest CPU allocation made while ``fn()`` runs (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), default=0)
+
+
+SLICED_LAYOUTS = {
+    # veRL's actor: the response's logits, logits[:, -response_length - 1:-1]
+    "response-slice": lambda full: full[:, -9:-1],
+    "transposed": lambda full: full.transpose(0, 1),  # [S, B, V]: two strides that do not merge
+    "strided-rows": lambda full: full[:, ::3],
+    "vocab-slice": lambda full: full[..., :-5],  # a padded vocabulary cut to size
+}
+
+
+@pytest.mark.parametrize("layout", list(SLICED_LAYOUTS))
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_sliced_logits_are_read_in_place(device, backend, layout):
+    """A layout with unit stride in V and two leading strides is never copied:
+    the forward allocates nothing near the size of the logits (per-row outputs
+    only), and with inplace_backward the gradient that reaches the slice lives
+    in the logits' own storage. Values as the float64 reference."""
+    full = make_logits((3, 24), 2048, torch.bfloat16, std=2.0, device=device, masked=False) * 1
+    leaf = full.detach().clone().requires_grad_(True)
+    full = leaf * 1  # a model's output
+    logits = SLICED_LAYOUTS[layout](full)
+    labels = make_labels(logits)
+    budget = logits.numel() * logits.element_size() // 8
+    with fastrl.use_backend(backend):
+        with torch.no_grad():
+            ref_logits = SLICED_LAYOUTS[layout](full * 2)
+            assert _largest_allocation(lambda: fastrl.logprobs_and_entropy(logits, labels)) < budget
+            assert _largest_allocation(lambda: fastrl.full_kl(logits, ref_logits)) < budget
+        captured = {}
+        logits.register_hook(lambda g: captured.setdefault("grad", g))
+        lp, ent = fastrl.logprobs_and_entropy(logits, labels, inplace_backward=True)
+        lp_values = lp.detach().clone()
+        (lp.sum() + ent.sum()).backward()
+    grad = captured["grad"]
+    storage = full.untyped_storage()
+    assert grad.untyped_storage().data_ptr() == storage.data_ptr(), "the gradient is written into the logits"
+    ref_lp, _, ref_grad = _reference_with_grads(
+        SLICED_LAYOUTS[layout](leaf.detach()), labels, 1.0, torch.ones(labels.shape, device=device),
+        torch.ones(labels.shape, device=device),
+    )  # fmt: skip
+    assert_close_to_reference(lp_values, ref_lp, 1e-5, what="logprob")
+    assert_close_to_reference(grad, ref_grad, *_grad_bound(ref_grad, torch.bfloat16), what="grad")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
 def test_inplace_backward_writes_into_logits_storage(device, backend, dtype):
