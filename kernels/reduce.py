@@ -51,13 +51,16 @@ def rebase(m, block_max, inv_t, ACC: tl.constexpr):
     ref the reference point the block's terms are taken from (m', or 0 while the
     row is all -inf so far, so that no -inf - -inf appears), c = (m - ref) inv_t
     the shift of the old terms' exponents (0 while m is -inf; -inf when the max
-    rose beyond the float range) and a = exp(c), in float64, their scale (0 while
-    m is -inf: there is nothing to rescale)."""
+    rose beyond the float range) and a = exp(c) their scale (0 while m is -inf:
+    there is nothing to rescale). a is evaluated in ACC and returned as float64:
+    its rounding scales only the old terms, so it moves log s by an ulp of their
+    share, which is small where the entropy is small (a float64 exp would cost
+    the loop more than its sums)."""
     neg_inf = float("-inf")
     m_new = tl.maximum(m, block_max)
     ref = tl.where(m_new == neg_inf, 0.0, m_new).to(ACC)
     c = tl.where(m == neg_inf, 0.0, (m - ref) * inv_t).to(ACC)
-    a = tl.where(m == neg_inf, 0.0, tl.exp(c.to(tl.float64)))
+    a = tl.where(m == neg_inf, 0.0, tl.exp(c)).to(tl.float64)
     return m_new, ref, c, a
 
 
@@ -79,15 +82,23 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, BLOCK_V: tl.constexpr
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
-        m_new, ref, c, a = rebase(m, tl.max(x, axis=0), inv_t, ACC)
+        block_max = tl.max(x, axis=0)
+        m_new, ref, c, a = rebase(m, block_max, inv_t, ACC)
         d = (x - ref) * inv_t
         e = tl.exp(d)
         s, w = shift_sums(s, w, c, a)
+        # For w, d is clamped to the lowest finite value: where d = -inf, e = 0 and
+        # the term is 0 * finite = 0, never 0 * -inf (one instruction, no select).
         if WITH_W:
-            w += tl.sum(tl.where(e == 0, 0.0, e * d), axis=0).to(tl.float64)  # d may be -inf where e = 0
-        # The terms at the max are exactly 1: counted apart, so that the tail of a
-        # peaked row is summed on its own, not into a float32 1 that drops it.
-        at_max = d == 0
-        s += tl.sum(tl.where(at_max, 0.0, e), axis=0).to(tl.float64) + tl.sum(at_max.to(tl.int32), axis=0)
+            w += tl.sum(e * tl.maximum(d, -3.4028234663852886e38), axis=0).to(tl.float64)
+        if block_max >= m_new:
+            # The block reaches the running max, whose terms are exactly 1: they are
+            # counted apart (e - [d == 0] is the tail term), so that a peaked row's
+            # tail is summed on its own, not into a float32 1 that drops it. Only
+            # such blocks pay for the count (on a random row, about 3 of V / BLOCK_V).
+            at_max = (d == 0).to(ACC)
+            s += tl.sum(e - at_max, axis=0).to(tl.float64) + tl.sum(at_max, axis=0).to(tl.float64)
+        else:
+            s += tl.sum(e, axis=0).to(tl.float64)
         m = m_new
     return m, s, w
