@@ -41,15 +41,15 @@ fastrl::LogprobsArgs logprobs_args(std::uintptr_t logits, int dtype, int64_t n_r
 }
 
 // The processed-distribution arguments, in the order fastrl/_native.py passes them.
-using TruncationTuple = std::tuple<std::uintptr_t, int, int64_t, int64_t, int64_t, std::uintptr_t,
+using TruncationTuple = std::tuple<std::uintptr_t, int, int64_t, int64_t, RowsTuple, std::uintptr_t,
                                    double, std::uintptr_t, int64_t, std::uintptr_t, double,
                                    std::uintptr_t, double>;
 
 fastrl::TruncationArgs truncation_args(const TruncationTuple& t) {
-  const auto& [logits, dtype, n_rows, vocab, row_stride, temps, temp, top_k, top_k_scalar, top_p,
+  const auto& [logits, dtype, n_rows, vocab, rows, temps, temp, top_k, top_k_scalar, top_p,
                top_p_scalar, min_p, min_p_scalar] = t;
   return {cptr(logits), dtype,  n_rows,        vocab,
-          row_stride,   cptr(temps), temp,     reinterpret_cast<const int64_t*>(top_k),
+          row_layout(rows), cptr(temps), temp, reinterpret_cast<const int64_t*>(top_k),
           top_k_scalar, cptr(top_p), top_p_scalar, cptr(min_p),
           min_p_scalar};
 }
@@ -140,10 +140,10 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "truncated_logprobs_backward",
       [](const TruncationTuple& t, std::uintptr_t labels, int label_dtype, std::uintptr_t stats,
-         std::uintptr_t grad_logprob, std::uintptr_t grad_out, int64_t grad_row_stride) {
+         std::uintptr_t grad_logprob, std::uintptr_t grad_out, const RowsTuple& grad_rows) {
         fastrl::truncated_logprobs_backward(truncation_args(t), cptr(labels), label_dtype,
                                             cptr(stats), cptr(grad_logprob), mptr(grad_out),
-                                            grad_row_stride);
+                                            row_layout(grad_rows));
       },
       py::call_guard<py::gil_scoped_release>());
 

@@ -385,7 +385,7 @@ void for_each_selected_row(const TruncationArgs& a, Fn fn) {
     Candidates<Acc>& cand = Candidates<Acc>::for_this_thread(a.vocab);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < a.n_rows; ++r) {
-      const In* x = static_cast<const In*>(a.logits) + r * a.row_stride;
+      const In* x = static_cast<const In*>(a.logits) + a.rows.offset(r);
       fn(r, x, select_row<In, Acc>(x, a.vocab, row_params<Acc>(a, r), cand), cand);
     }
   }
@@ -446,11 +446,11 @@ void truncated_forward_impl(const TruncationArgs& a, const void* labels, int lab
 template <typename In, typename Acc>
 void truncated_backward_impl(const TruncationArgs& a, const void* labels, int label_dtype,
                              const Acc* stats, const Acc* grad_logprob, In* grad_out,
-                             int64_t grad_row_stride) {
+                             RowLayout grad_rows) {
 #pragma omp parallel for schedule(static) if (a.n_rows * a.vocab > 32768)
   for (int64_t r = 0; r < a.n_rows; ++r) {
-    const In* x = static_cast<const In*>(a.logits) + r * a.row_stride;
-    In* gx = grad_out + r * grad_row_stride;
+    const In* x = static_cast<const In*>(a.logits) + a.rows.offset(r);
+    In* gx = grad_out + grad_rows.offset(r);
     const RowParams<Acc> prm = row_params<Acc>(a, r);
     Selection<Acc> sel;
     sel.m = stats[3 * r];
@@ -499,12 +499,12 @@ void truncated_logprobs_forward(const TruncationArgs& a, const void* labels, int
 
 void truncated_logprobs_backward(const TruncationArgs& a, const void* labels, int label_dtype,
                                  const void* stats, const void* grad_logprob, void* grad_out,
-                                 int64_t grad_row_stride) {
+                                 RowLayout grad_rows) {
   FASTRL_DISPATCH_LOGITS(a.dtype, "truncated_logprobs_backward",
                          (truncated_backward_impl<In, Acc>(a, labels, label_dtype,
                                                            static_cast<const Acc*>(stats),
                                                            static_cast<const Acc*>(grad_logprob),
-                                                           static_cast<In*>(grad_out), grad_row_stride)))
+                                                           static_cast<In*>(grad_out), grad_rows)))
 }
 
 }  // namespace fastrl

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "rows.h"
+
 namespace fastrl {
 
 // The processed distribution of each row (see fastrl/reference.py,
@@ -16,7 +18,7 @@ struct TruncationArgs {
   int dtype;
   int64_t n_rows;
   int64_t vocab;
-  int64_t row_stride;
+  RowLayout rows;  // row r at logits + rows.offset(r) (rows.h)
   const void* temps;
   double temp_scalar;
   const int64_t* top_k;
@@ -58,6 +60,6 @@ void truncated_logprobs_forward(const TruncationArgs& args, const void* labels, 
 // greedy rows and ignore rows. grad_out has the logits' dtype.
 void truncated_logprobs_backward(const TruncationArgs& args, const void* labels, int label_dtype,
                                  const void* stats, const void* grad_logprob, void* grad_out,
-                                 int64_t grad_row_stride);
+                                 RowLayout grad_rows);
 
 }  // namespace fastrl

@@ -118,16 +118,15 @@ def logprobs_backward(
 
 def _truncation(logits, temperature, top_k, top_p, min_p) -> tuple:
     """The processed-distribution arguments of csrc/sampling.h, in binding order."""
-    n_rows, vocab = logits.shape
     return (
-        logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, logits.stride(0),
+        logits.data_ptr(), DTYPE_CODES[logits.dtype], math.prod(logits.shape[:-1]), logits.shape[-1], _rows(logits),
         *_row_param(temperature), *_row_param(top_k), *_row_param(top_p), *_row_param(min_p),
     )  # fmt: skip
 
 
 def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
     """The contract of ``fastrl.kernels.sampling.sample_forward``, on the C++ kernels."""
-    n_rows = logits.shape[0]
+    n_rows = math.prod(logits.shape[:-1])
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     tokens = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(n_rows, dtype=acc, device=logits.device)
@@ -143,7 +142,7 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
 
 def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_stats):
     """The contract of ``fastrl.kernels.sampling.truncated_forward``, on the C++ kernels."""
-    n_rows = logits.shape[0]
+    n_rows = math.prod(logits.shape[:-1])
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     out = torch.empty(n_rows, dtype=acc, device=logits.device)
     stats = torch.empty(n_rows, 3, dtype=acc, device=logits.device) if with_stats else None
@@ -159,7 +158,7 @@ def truncated_backward(logits, labels, stats, grad_logprob, grad_out, *, tempera
     native_module().truncated_logprobs_backward(
         _truncation(logits, temperature, top_k, top_p, min_p),
         labels.data_ptr(), DTYPE_CODES[labels.dtype], stats.data_ptr(), grad_logprob.data_ptr(),
-        grad_out.data_ptr(), grad_out.stride(0),
+        grad_out.data_ptr(), _rows(grad_out),
     )  # fmt: skip
 
 

@@ -161,7 +161,7 @@ def _sample_forward(logits, *args):
 
 
 def _sample_forward_fake(logits, *args):
-    return _new(logits, logits.shape[0], dtype=torch.int64), _per_row_fake(logits), _per_row_fake(logits)
+    return _per_row_fake(logits).to(torch.int64), _per_row_fake(logits), _per_row_fake(logits)
 
 
 sample_forward = _define(

@@ -57,15 +57,6 @@ def row_view(logits: torch.Tensor) -> torch.Tensor:
     return logits.reshape(-1, vocab).contiguous().unsqueeze(0)
 
 
-def _as_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``logits`` as ``[N, V]`` with unit stride in V: a view when the layout
-    allows it, otherwise one copy."""
-    rows = logits.reshape(-1, logits.shape[-1])
-    if rows.shape[1] > 1 and rows.stride(1) != 1:
-        rows = rows.contiguous()
-    return rows
-
-
 def _can_overwrite(logits: torch.Tensor, rows: torch.Tensor) -> bool:
     """Whether the backward may write the gradient over ``rows`` (a view of
     ``logits``) for ``inplace_backward``: never a leaf, and only when no two

@@ -34,7 +34,7 @@ import torch
 
 from . import _ops, _validation, reference
 from ._backend import select_backend
-from .logprobs import _as_rows
+from .logprobs import row_view
 
 __all__ = ["SampleOutput", "sample", "truncated_logprobs"]
 
@@ -180,7 +180,7 @@ def sample(
         tokens, logprobs, raw = reference.sample(logits, **args, offset=offset)
     else:
         tokens, logprobs, raw = _ops.sample_forward(
-            _as_rows(logits), *_truncation_args(params), *_ops.split_row_param(seed), *_ops.split_row_param(offset),
+            row_view(logits), *_truncation_args(params), *_ops.split_row_param(seed), *_ops.split_row_param(offset),
             backend,
         )  # fmt: skip
     if _rejects_bad_rows(logits.device):
@@ -196,18 +196,20 @@ def _truncation_args(params: dict) -> tuple:
 class _TruncatedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, truncation, backend):
-        rows = _as_rows(logits)
-        out, stats = _ops.truncated_forward(rows, labels, *truncation, True, backend)
-        # The truncation arguments alternate (per-row tensor or None, scalar).
-        ctx.save_for_backward(rows, labels, stats, *truncation[0::2])
+        out, stats = _ops.truncated_forward(row_view(logits), labels, *truncation, True, backend)
+        # The truncation arguments alternate (per-row tensor or None, scalar). The
+        # logits themselves are saved, not the row view made here, so that torch's
+        # version check reports a later in-place write to them in its usual words.
+        ctx.save_for_backward(logits, labels, stats, *truncation[0::2])
         ctx.scalars, ctx.backend, ctx.logits_shape = truncation[1::2], backend, logits.shape
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        rows, labels, stats, *tensors = ctx.saved_tensors
+        logits, labels, stats, *tensors = ctx.saved_tensors
+        rows = row_view(logits)
         truncation = [x for pair in zip(tensors, ctx.scalars) for x in pair]
-        grad_rows = torch.empty_like(rows, memory_format=torch.contiguous_format)
+        grad_rows = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
         _ops.truncated_backward(
             rows, labels, stats, grad_out.to(stats.dtype).contiguous(), grad_rows, *truncation, ctx.backend
         )
@@ -242,7 +244,7 @@ def truncated_logprobs(
         out = _TruncatedLogprobs.apply(logits, labels.reshape(-1).contiguous(), _truncation_args(params), backend)
     else:
         out, _ = _ops.truncated_forward(
-            _as_rows(logits), labels.reshape(-1).contiguous(), *_truncation_args(params), False, backend
+            row_view(logits), labels.reshape(-1).contiguous(), *_truncation_args(params), False, backend
         )
     if _rejects_bad_rows(logits.device):
         _reject_bad_rows(out.isnan(), rows)

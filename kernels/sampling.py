@@ -29,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .logprobs import row_count, row_layout
 from .random import exponential_variate, philox4x32_10
+from .reduce import row_start
 
 _MAX_BLOCK_V = 4096
 # The digit search tests 16 pivots per element, a [block, 16] tile: a smaller
@@ -194,7 +196,7 @@ def _select(row_ptr, V, t, k, p, min_p, valid, BLOCK_V: tl.constexpr, SEARCH_BLO
 
 @triton.jit
 def _sample_kernel(
-    logits_ptr, row_stride, V,
+    logits_ptr, inner, outer_stride, inner_stride, V,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
     seeds_ptr, seed, offset_ptr, offset,
     tokens_ptr, logprobs_ptr, raw_ptr,
@@ -203,7 +205,7 @@ def _sample_kernel(
     ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * row_stride
+    row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
     bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept = _select(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
@@ -244,14 +246,14 @@ def _sample_kernel(
 
 @triton.jit
 def _truncated_fwd_kernel(
-    logits_ptr, row_stride, V, labels_ptr,
+    logits_ptr, inner, outer_stride, inner_stride, V, labels_ptr,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
     out_ptr, stats_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
     WITH_STATS: tl.constexpr, BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * row_stride
+    row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
     bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept = _select(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
@@ -274,14 +276,15 @@ def _truncated_fwd_kernel(
 
 @triton.jit
 def _truncated_bwd_kernel(
-    logits_ptr, row_stride, V, labels_ptr, stats_ptr, grad_logprob_ptr, grad_ptr, grad_row_stride,
+    logits_ptr, inner, outer_stride, inner_stride, V, labels_ptr, stats_ptr, grad_logprob_ptr,
+    grad_ptr, grad_inner, grad_outer_stride, grad_inner_stride,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
     BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * row_stride
-    grad_row_ptr = grad_ptr + row * grad_row_stride
+    row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+    grad_row_ptr = row_start(grad_ptr, row, grad_inner, grad_outer_stride, grad_inner_stride)
     t, k, p, mp, valid = _row_params(
         row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
         PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
@@ -332,12 +335,13 @@ def _params(temperature, top_k, top_p, min_p) -> tuple[list, dict]:
 
 
 def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
-    """One draw per row of ``logits [N, V]`` (unit stride in V): (tokens int64
+    """One draw per row of ``logits`` [N, V] or [outer, inner, V] (unit stride in V,
+    any leading strides: ``logprobs.row_layout``): (tokens int64
     [N], log-probs under the processed distribution [N], raw log-probs [N]).
     Parameters are scalars or flat per-row tensors (accumulation dtype, int64
     for top_k); ``seed`` an int64 or int64 [N] per-row seeds; ``offset`` an int
     or a one-element int64 tensor read on the device."""
-    n_rows, vocab = logits.shape
+    n_rows, vocab = row_count(logits), logits.shape[-1]
     acc, acc_tl = _acc(logits)
     tokens = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(n_rows, dtype=acc, device=logits.device)
@@ -345,7 +349,7 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
     args, flags = _params(temperature, top_k, top_p, min_p)
     per_row_seed, offset_from_ptr = isinstance(seed, torch.Tensor), isinstance(offset, torch.Tensor)
     _sample_kernel[(n_rows,)](
-        logits, logits.stride(0), vocab, *args,
+        logits, *row_layout(logits), vocab, *args,
         seed if per_row_seed else None, 0 if per_row_seed else seed,
         offset if offset_from_ptr else None, 0 if offset_from_ptr else offset,
         tokens, logprobs, raw, **flags, PER_ROW_SEED=per_row_seed, OFFSET_FROM_PTR=offset_from_ptr,
@@ -357,25 +361,26 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
 def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_stats):
     """(log-prob of ``labels`` under the processed distribution [N], stats [N, 3]
     = per row (max logit, log kept mass, threshold logit) for the backward, or None)."""
-    n_rows, vocab = logits.shape
+    n_rows, vocab = row_count(logits), logits.shape[-1]
     acc, acc_tl = _acc(logits)
     out = torch.empty(n_rows, dtype=acc, device=logits.device)
     stats = torch.empty(n_rows, 3, dtype=acc, device=logits.device) if with_stats else None
     args, flags = _params(temperature, top_k, top_p, min_p)
     _truncated_fwd_kernel[(n_rows,)](
-        logits, logits.stride(0), vocab, labels, *args, out, stats, **flags,
+        logits, *row_layout(logits), vocab, labels, *args, out, stats, **flags,
         WITH_STATS=with_stats, ACC=acc_tl, **_launch_config(vocab),
     )  # fmt: skip
     return out, stats
 
 
 def truncated_backward(logits, labels, stats, grad_logprob, grad_out, *, temperature, top_k, top_p, min_p):
-    """Writes dL/dlogits into ``grad_out [N, V]`` with the kept set held fixed."""
-    n_rows, vocab = logits.shape
+    """Writes dL/dlogits into ``grad_out`` (the logits' rows, in its own layout)
+    with the kept set held fixed."""
+    n_rows, vocab = row_count(logits), logits.shape[-1]
     _, acc_tl = _acc(logits)
     args, flags = _params(temperature, top_k, top_p, min_p)
     config = _launch_config(vocab)
     _truncated_bwd_kernel[(n_rows,)](
-        logits, logits.stride(0), vocab, labels, stats, grad_logprob, grad_out, grad_out.stride(0),
+        logits, *row_layout(logits), vocab, labels, stats, grad_logprob, grad_out, *row_layout(grad_out),
         *args, **flags, ACC=acc_tl, BLOCK_V=config["BLOCK_V"], num_warps=config["num_warps"],
     )  # fmt: skip
