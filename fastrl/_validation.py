@@ -200,14 +200,16 @@ def check_temperature(
     that broadcasts to ``shape`` (one per row) on ``device``: checked as the
     kernel will see it, rounded to ``dtype`` (the compute dtype), where it must
     lie in [finfo.tiny, finfo.max] so that it and 1 / T are finite normal numbers
-    (1e300 rounds to inf in float32, and 1 / 1e-40 overflows). With ``greedy_ok``
-    0 is accepted too (greedy sampling)."""
+    (1e300 rounds to inf in float32, and 1 / 1e-40 overflows; a subnormal T is
+    refused too, as a GPU may flush it to 0). With ``greedy_ok`` an exact 0 is
+    accepted too (greedy sampling); 1e-50 is not, though float32 rounds it to 0."""
     finfo = torch.finfo(dtype)
 
     def ok(t):
-        t = torch.as_tensor(t, dtype=torch.float64).to(dtype)  # the kernel's rounding
-        in_range = (t >= finfo.tiny) & (t <= finfo.max)
-        return in_range | (t == 0) if greedy_ok else in_range
+        given = torch.as_tensor(t, dtype=torch.float64)
+        held = given.to(dtype)  # the kernel's rounding
+        in_range = (held >= finfo.tiny) & (held <= finfo.max)
+        return in_range | (given == 0) if greedy_ok else in_range
 
     low = "0 (greedy) or " if greedy_ok else ""
     accepted = f"{low}between {finfo.tiny:.3g} and {finfo.max:.3g} in {str(dtype).replace('torch.', '')}, the compute dtype"

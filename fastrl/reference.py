@@ -20,8 +20,10 @@ def compute_dtype(logits: torch.Tensor) -> torch.dtype:
 
 
 def _per_row(value, rows_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A scalar or a tensor broadcastable to the row shape, as a [..., 1] tensor."""
-    t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    """A scalar or a tensor broadcastable to the row shape, as a [..., 1] tensor
+    of ``dtype``; a Python scalar is rounded once, straight to ``dtype`` (a float64
+    reference must not see a float32 rounding of it)."""
+    t = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=dtype)
     return t.to(dtype=dtype, device=device).expand(rows_shape).unsqueeze(-1)
 
 
@@ -94,6 +96,12 @@ def logprobs_and_entropy(
 # ---- sampling -------------------------------------------------------------------------------
 
 
+def _unsampleable(logits: torch.Tensor) -> torch.Tensor:
+    """The rows [...] with nothing to sample from: a NaN, a +inf (softmax(z) is
+    NaN there: inf - inf), or only -inf. Their log-probs are NaN, their token -1."""
+    return logits.isnan().any(-1) | (logits == math.inf).any(-1) | (logits == -math.inf).all(-1)
+
+
 def truncated_log_distribution(
     logits: torch.Tensor,
     *,
@@ -117,8 +125,9 @@ def truncated_log_distribution(
 
     Each step keeps every token at or above a threshold logit, so the kept set is
     {logit >= the largest of the three thresholds}. Off: top_k None or 0,
-    top_p None or 1, min_p None or 0. Written with a sort for clarity; the
-    kernels find the same thresholds without one.
+    top_p None or 1, min_p None or 0. A row with NaN or +inf, or of only -inf, is
+    NaN throughout. Written with a sort for clarity; the kernels find the same
+    thresholds without one.
     """
     dtype = compute_dtype(logits)
     x = logits.to(dtype)
@@ -149,7 +158,7 @@ def truncated_log_distribution(
     logq = torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
     first_max = torch.zeros_like(keep).scatter_(-1, x.argmax(dim=-1, keepdim=True), True)
     greedy_logq = torch.zeros_like(z).masked_fill(~first_max, float("-inf"))
-    return torch.where(greedy, greedy_logq, logq)
+    return torch.where(greedy, greedy_logq, logq).masked_fill(_unsampleable(x).unsqueeze(-1), math.nan)
 
 
 def truncated_logprobs(
@@ -170,7 +179,8 @@ def truncated_logprobs(
 def raw_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
     """log_softmax(logits / T)[label] over the full vocabulary, what a trainer
     recomputes. A greedy row (T == 0) takes the T -> 0 limit: -log(number of
-    logits equal to the max) for a maximal label, -inf otherwise."""
+    logits equal to the max) for a maximal label, -inf otherwise. NaN for a row
+    with nothing to sample (``_unsampleable``), greedy or not."""
     dtype = compute_dtype(logits)
     x = logits.to(dtype)
     t = _per_row(temperature, x.shape[:-1], dtype, x.device)
@@ -180,7 +190,8 @@ def raw_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float 
     is_max = z == 0
     n_max = is_max.sum(dim=-1, keepdim=True).to(dtype)
     limit = torch.where(is_max, -torch.log(n_max), float("-inf"))
-    return torch.where(greedy, limit, logp).gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(greedy, limit, logp).masked_fill(_unsampleable(x).unsqueeze(-1), math.nan)
+    return logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
 
 
 _MASK32 = 0xFFFFFFFF
@@ -239,6 +250,7 @@ def sample(
     (v, salt, offset low, offset high), salt = the row index for one batch-wide
     seed and 0 for per-row seeds (so a row with its own seed draws the same
     token wherever it sits in a batch). Greedy rows (T == 0) take the first argmax.
+    A row with nothing to sample (``_unsampleable``) gets token -1 and NaN log-probs.
     """
     logq = truncated_log_distribution(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     rows, vocab, dev = logits.shape[:-1], logits.shape[-1], logits.device
@@ -252,12 +264,13 @@ def sample(
     off = int(offset) if not isinstance(offset, torch.Tensor) else int(offset.reshape(-1)[0])
     index = torch.arange(vocab, device=dev).unsqueeze(0)
     w0, w1, _, _ = philox4x32_10(index, salt, off & _MASK32, off >> 32, seeds & _MASK32, (seeds >> 32) & _MASK32)
-    race = logq.reshape(n_rows, vocab) - torch.log(exponential_variate(w0, w1)).to(logq.dtype)
+    # E is drawn in float32 (as the kernels draw it); its log is taken in the compute dtype, as theirs.
+    race = logq.reshape(n_rows, vocab) - torch.log(exponential_variate(w0, w1).to(logq.dtype))
     tokens = race.argmax(dim=-1).reshape(rows)
     t = _per_row(temperature, rows, compute_dtype(logits), dev).squeeze(-1)
     tokens = torch.where(t == 0, logits.argmax(dim=-1), tokens)
-    logprobs = logq.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return tokens, logprobs, raw_logprobs(logits, tokens, temperature)
+    logprobs = logq.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # NaN on a bad row, whatever its token
+    return tokens.masked_fill(_unsampleable(logits), -1), logprobs, raw_logprobs(logits, tokens, temperature)
 
 
 # ---- KL and policy loss ---------------------------------------------------------------------
@@ -302,6 +315,21 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return _safe_div(_masked(values, mask).sum(), mask.sum())
 
 
+def _exp_minus_one_minus_identity(c: torch.Tensor) -> torch.Tensor:
+    """e^c - 1 - c, accurate near c = 0 where e^c - c - 1 cancels (relative error
+    ~ eps / c^2): for |c| <= 1 it is c^2/2 q(c), q = 1 + c/3 (1 + c/4 (1 + ... (1 + c/top)))
+    the Taylor series of (e^c - 1 - c) / (c^2/2) summed from the inside, with top
+    (10 in float32, 18 in float64) such that the first term left out is below
+    half an ulp (csrc/kl.h, expm1_parts, has the error analysis). Its autograd
+    derivative is e^c - 1, as accurate."""
+    small = c.abs() <= 1
+    x = torch.where(small, c, 0.0)  # the series only where it converges fast; finite gradients elsewhere
+    q = torch.ones_like(c)
+    for n in range(18 if c.dtype == torch.float64 else 10, 2, -1):
+        q = 1 + x * q / n
+    return torch.where(small, 0.5 * x * x * q, c.exp() - 1 - c)
+
+
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "low_var_kl") -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' log-probs,
     with d = log_probs - ref_log_probs (J. Schulman, "Approximating KL divergence"):
@@ -310,6 +338,7 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
         "abs"                |d|
         "mse" / "k2"         d^2 / 2
         "low_var_kl" / "k3"  clamp(e^c - c - 1, -10, 10),  c = clamp(-d, -20, 20)
+                             (e^c - c - 1 evaluated without cancellation near c = 0)
 
     A trailing "+" (e.g. "k3+") is the straight-through variant: the value of the
     named estimator with the gradient of k2 (whose expected gradient is the true
@@ -325,7 +354,7 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
         value = 0.5 * d.square()
     else:
         c = (-d).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
-        value = (c.exp() - c - 1).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
+        value = _exp_minus_one_minus_identity(c).clamp(-K3_VALUE_CLAMP, K3_VALUE_CLAMP)
     if not straight_through or base in ("mse", "k2"):
         return value
     k2 = 0.5 * d.square()
@@ -353,7 +382,7 @@ def agg_loss(
 
     G = global_batch_size, default: the sequences here with a valid token; dp =
     dp_size (the global N and G are then required, as in veRL). Sequences with
-    no valid token add nothing; a zero N or G gives 0."""
+    no valid token add nothing; a zero N, G or L gives 0."""
     mask = loss_mask.bool()
     values = _masked(_acc(loss_mat), mask)
     if loss_agg_mode == "token-mean":
@@ -368,7 +397,7 @@ def agg_loss(
     g = (seq_tokens > 0).sum() if global_batch_size is None else global_batch_size
     loss = _safe_div(seq_sums.sum(), g) * dp_size
     if loss_agg_mode == "seq-mean-token-sum-norm":
-        loss = loss / (loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        loss = _safe_div(loss, loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)  # L may be 0
     return loss
 
 
@@ -459,6 +488,14 @@ def policy_loss(
     return loss, {name: value.detach().float() for name, value in metrics.items()}
 
 
+def _masked_extreme(values: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
+    """max (or min) of values where mask, 0 when nothing is valid (an empty tensor included)."""
+    fill = -math.inf if largest else math.inf
+    flat = torch.cat([values.masked_fill(~mask, fill).reshape(-1), values.new_full((1,), fill)])
+    extreme = flat.max() if largest else flat.min()
+    return torch.where(mask.any(), extreme, torch.zeros_like(extreme))
+
+
 def rollout_correction(
     old_log_probs: torch.Tensor,
     rollout_log_probs: torch.Tensor,
@@ -473,20 +510,30 @@ def rollout_correction(
     mismatch with the trainer (veRL's ``compute_rollout_correction_weights``):
 
         token:     w = exp(clamp(u, -20, 20)),        u = old_log_probs - rollout_log_probs
-        sequence:  w = exp(clamp(sum_i u, -20, 20))   on every valid token of sequence i
+        sequence:  w = exp(clamp(S_i, -20, 20))       on every valid token of sequence i, S_i = sum_i u
         truncate:  w = clamp(w, clip_min, clip_max)   (TIS; no lower bound when clip_min is None)
         mask:      w = w if clip_min <= w <= clip_max else 0   (IcePop; clip_min None: no lower bound)
 
     and 0 outside the mask. Returns (weights fp32 detached, metrics of 0-d fp32
-    tensors over the valid tokens): rollout_is_mean / _max / _min / _std (of the
-    applied weights), rollout_is_eff_sample_size = mean(w)^2 / mean(w^2),
-    rollout_is_ratio_fraction_high / _low (raw weight above clip_max / below
-    clip_min, or 1 / clip_max when clip_min is None), and for mode "mask"
-    rollout_is_masked_fraction (weights set to 0)."""
+    tensors), with veRL's definitions (``compute_is_metrics``), low = clip_min, or
+    1 / clip_max when clip_min is None:
+
+        rollout_is_mean / _std, rollout_is_eff_sample_size = mean(w)^2 / mean(w^2)
+            of the applied weights over the valid tokens (both levels)
+        token level:     rollout_is_max / _min of the applied weights, and
+                         rollout_is_ratio_fraction_high / _low the fraction of valid
+                         tokens whose raw weight (before truncation) is > clip_max / < low
+        sequence level:  rollout_is_max = exp(min(max_i S_i, 20)), rollout_is_min =
+                         exp(min_i S_i) (the raw sequence weights, before truncation),
+                         and the fractions of sequences with exp(S_i) > clip_max / < low
+        mode "mask":     rollout_is_masked_fraction, the valid tokens whose weight is set to 0
+
+    A sequence with no valid token is ignored (veRL counts it as one of weight 1)."""
     mask = response_mask.bool()
     dtype = compute_dtype(old_log_probs)
     u = _masked(old_log_probs.to(dtype) - rollout_log_probs.to(dtype), mask)
-    log_w = u if level == "token" else u.sum(dim=-1, keepdim=True).expand_as(u)
+    seq_log_w = u.sum(dim=-1, keepdim=True)
+    log_w = u if level == "token" else seq_log_w.expand_as(u)
     raw = log_w.clamp(-CORRECTION_LOG_CLAMP, CORRECTION_LOG_CLAMP).exp()
     lower = 0.0 if clip_min is None else clip_min
     if mode == "truncate":
@@ -497,18 +544,21 @@ def rollout_correction(
     weights = _masked(weights, mask)
     mean = _masked_mean(weights, mask)
     mean_sq = _masked_mean(weights.square(), mask)
-    valid = mask.any()
-    zero = torch.zeros((), dtype=dtype, device=weights.device)
+    low = 1.0 / clip_max if clip_min is None else clip_min
+    if level == "token":
+        largest, smallest, units, unit_raw = weights, weights, mask, raw
+    else:
+        units = mask.any(dim=-1, keepdim=True)  # the sequences, each counted once
+        largest, smallest = seq_log_w.clamp(max=CORRECTION_LOG_CLAMP).exp(), seq_log_w.exp()
+        unit_raw = smallest
     metrics = {
         "rollout_is_mean": mean,
-        "rollout_is_max": torch.where(valid, weights.masked_fill(~mask, -math.inf).max(), zero),
-        "rollout_is_min": torch.where(valid, weights.masked_fill(~mask, math.inf).min(), zero),
+        "rollout_is_max": _masked_extreme(largest, units, largest=True),
+        "rollout_is_min": _masked_extreme(smallest, units, largest=False),
         "rollout_is_std": (mean_sq - mean.square()).clamp(min=0).sqrt(),
         "rollout_is_eff_sample_size": _safe_div(mean.square(), mean_sq),
-        "rollout_is_ratio_fraction_high": _masked_mean((raw > clip_max).to(dtype), mask),
-        "rollout_is_ratio_fraction_low": _masked_mean(
-            (raw < (1.0 / clip_max if clip_min is None else clip_min)).to(dtype), mask
-        ),
+        "rollout_is_ratio_fraction_high": _masked_mean((unit_raw > clip_max).to(dtype), units),
+        "rollout_is_ratio_fraction_low": _masked_mean((unit_raw < low).to(dtype), units),
     }
     if mode == "mask":
         metrics["rollout_is_masked_fraction"] = _masked_mean((~kept).to(dtype), mask)

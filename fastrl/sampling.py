@@ -66,8 +66,9 @@ def _held(value: int | float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 def _truncation(logits, temperature, top_k, top_p, min_p) -> dict:
     """Checked processed-distribution parameters: Python scalars, or flat
     contiguous per-row tensors (accumulation dtype; int64 for top_k). Each value
-    is checked as the kernel will hold it (``_held``): top_p = 1e-50 is 0 in
-    float32, and T = 1e-40 is positive there but its 1/T is not finite."""
+    is checked as the kernel will hold it (``_held``, and for the temperature
+    ``_validation.check_temperature``): top_p = 1e-50 is 0 in float32, and
+    T = 1e-40 is positive there but its 1/T is not finite."""
     rows, dev = logits.shape[:-1], logits.device
     acc = reference.compute_dtype(logits)
     in_acc = f" in {str(acc).replace('torch.', '')}"
@@ -80,11 +81,9 @@ def _truncation(logits, temperature, top_k, top_p, min_p) -> dict:
         )  # fmt: skip
         return _validation.flat_per_row(value, rows, dtype)
 
+    temperature = _validation.check_temperature(temperature, rows, dev, acc, greedy_ok=True)
     return {
-        # T itself tells greedy (0) from a positive T that rounds to 0.
-        "temperature": row(temperature, "temperature", False,
-                           lambda t, h: (t == 0) | ((t > 0) & (h < math.inf) & (1 / h < math.inf)),
-                           "0 (greedy) or positive with a finite 1/T"),
+        "temperature": _validation.flat_per_row(temperature, rows, acc),
         "top_k": row(0 if top_k is None else top_k, "top_k", True, lambda t, h: h >= 0,
                      "an int in [0, 2**63) (0 is off)"),
         "top_p": row(1.0 if top_p is None else top_p, "top_p", False, lambda t, h: (h > 0) & (h <= 1),
