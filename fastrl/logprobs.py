@@ -18,8 +18,8 @@ then bumps their version counter, as any in-place op does: every other autograd
 node that saved the logits (another op on them, ``retain_graph`` and a second
 backward) raises torch's "modified by an inplace operation" error instead of
 reading a gradient as logits. Where overwriting cannot be right it is not done
-and a fresh buffer is used: a leaf tensor (its data would become its own
-``.grad``), and rows that share memory (expanded, stride-0 rows). What remains
+and a fresh buffer is used: a leaf tensor or a view of one (its data would
+become the gradient), and rows that share memory (expanded, stride-0 rows). What remains
 the caller's to know: after the backward, the logits tensor holds the gradient.
 """
 
@@ -58,11 +58,12 @@ def row_view(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _can_overwrite(logits: torch.Tensor, rows: torch.Tensor) -> bool:
-    """Whether the backward may write the gradient over ``rows`` (a view of
-    ``logits``) for ``inplace_backward``: never a leaf, and only when no two
-    elements share memory (sufficient test: with the dims sorted by stride, each
-    stride clears the extent of the smaller ones)."""
-    if logits.is_leaf:
+    """Whether the backward may write the gradient over ``rows`` (the row view of
+    ``logits``) for ``inplace_backward``: never over a leaf or a view of one (a
+    parameter's data would become the gradient, and nothing in autograd checks a
+    leaf's version), and only when no two elements share memory (sufficient test:
+    with the dims sorted by stride, each stride clears the extent of the smaller ones)."""
+    if (logits if logits._base is None else logits._base).is_leaf:
         return False
     extent = 0
     for size, stride in sorted(zip(rows.shape, rows.stride()), key=lambda d: d[1]):

@@ -382,6 +382,8 @@ def _inplace_misuse(case, logits, labels):
         other = 0.0
     if case == "leaf":
         h = x
+    elif case == "view-of-leaf":
+        h = x[:, :]
     elif case == "expanded-rows":
         x = logits[:1].clone().requires_grad_(True)
         h = (x * 2).expand(logits.shape)
@@ -396,7 +398,7 @@ def _inplace_misuse(case, logits, labels):
     "case, loud",
     [
         ("other-op-saved-logits", True), ("elementwise-op-saved-logits", True), ("full-kl-saved-logits", True),
-        ("retain-graph", True), ("leaf", False), ("expanded-rows", False),
+        ("retain-graph", True), ("leaf", False), ("view-of-leaf", False), ("expanded-rows", False),
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
@@ -414,7 +416,7 @@ def test_inplace_backward_misuse_is_loud_or_safe(device, backend, case, loud):
             return
         leaf, grad = _inplace_misuse(case, logits, labels)
         x = (logits[:1] if case == "expanded-rows" else logits).clone().requires_grad_(True)
-        h = x if case == "leaf" else (x * 2).expand(logits.shape)
+        h = x if case in ("leaf", "view-of-leaf") else (x * 2).expand(logits.shape)
         fastrl.logprobs_from_logits(h, labels).sum().backward()
     torch.testing.assert_close(grad, x.grad, rtol=0, atol=0)
     assert torch.equal(leaf.detach(), x.detach()), "the input keeps its values"
