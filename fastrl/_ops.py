@@ -33,7 +33,7 @@ import torch
 
 from ._native import N_STATS
 
-__all__ = ["launchers", "row_param", "split_row_param"]
+__all__ = ["launchers", "refuse_double_backward", "row_param", "split_row_param"]
 
 _LIB = torch.library.Library("fastrl", "DEF")
 
@@ -63,6 +63,21 @@ def split_row_param(value: int | float | torch.Tensor | None) -> tuple[torch.Ten
 def row_param(rows: torch.Tensor | None, scalar: int | float) -> int | float | torch.Tensor:
     """The inverse of :func:`split_row_param`: what the launchers take."""
     return scalar if rows is None else rows
+
+
+def refuse_double_backward() -> None:
+    """Called first in every backward of fastrl's autograd Functions. Their
+    backwards are kernels, differentiable no further: under create_graph=True
+    (the engine then runs backwards with grad mode on) the gradient would not
+    depend on the inputs in autograd's eyes and a second-order term would be
+    dropped without a word. So a double backward raises instead. (Not while
+    torch.compile traces, which runs backwards with grad mode on by itself.)"""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError(
+            "fastrl ops are differentiable once: their backward is a kernel, so create_graph=True (double "
+            "backward, gradient penalties) would silently drop second-order terms. Use "
+            "fastrl.use_backend('reference') for higher-order gradients."
+        )
 
 
 def _define(schema: str, impl, fake) -> torch._ops.OpOverload:

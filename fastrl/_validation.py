@@ -59,6 +59,10 @@ def check_labels(labels: object, logits: torch.Tensor, ignore_index: object, nam
         raise TypeError(f"{name} must have an integer dtype ({_names(LABEL_DTYPES)}); got {labels.dtype}")
     if ignore_index is not None:
         check_ignore_index(ignore_index)
+        info = torch.iinfo(labels.dtype)
+        if not info.min <= ignore_index <= info.max:  # torch would wrap it in a comparison, the kernels not
+            raise ValueError(f"ignore_index must fit the labels' dtype {labels.dtype} ([{info.min}, {info.max}]); "
+                             f"got {ignore_index}")  # fmt: skip
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
             f"{name} must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}; got {tuple(labels.shape)}"

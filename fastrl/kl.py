@@ -46,6 +46,7 @@ class _KLPenalty(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _ops.refuse_double_backward()
         log_probs, ref_log_probs = ctx.saved_tensors
         grad_logp = _ops.kl_penalty_backward(
             log_probs, ref_log_probs, grad.contiguous(), ctx.code, ctx.straight_through, ctx.backend
@@ -90,6 +91,7 @@ class _FullKL(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_kl):
+        _ops.refuse_double_backward()
         logits, ref_rows, temps, stats, kl = ctx.saved_tensors
         rows = row_view(logits)
         grad = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)

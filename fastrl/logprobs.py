@@ -97,6 +97,7 @@ class _LogprobsEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        _ops.refuse_double_backward()
         logits, labels, temps, stats, entropy = ctx.saved_tensors
         rows = row_view(logits)
         grads = list(grads)

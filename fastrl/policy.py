@@ -111,6 +111,7 @@ class _PolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_metrics):
+        _ops.refuse_double_backward()
         log_probs, old, adv, mask, weights, ref, stats, row_weights = ctx.saved_tensors
         opts = ctx.options
         need_logp, need_values = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -205,6 +205,7 @@ class _TruncatedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        _ops.refuse_double_backward()
         logits, labels, stats, *tensors = ctx.saved_tensors
         rows = row_view(logits)
         truncation = [x for pair in zip(tensors, ctx.scalars) for x in pair]

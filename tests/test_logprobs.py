@@ -423,6 +423,19 @@ def test_inplace_backward_misuse_is_loud_or_safe(device, backend, case, loud):
 
 
 @pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_double_backward_raises(device, backend):
+    """The backward is a kernel: create_graph=True would silently drop the
+    second-order term (the gradient would not depend on the logits in autograd's
+    eyes), so it raises, naming the reference backend as the way out."""
+    x = torch.randn(2, 8, device=device, requires_grad=True)
+    with fastrl.use_backend(backend), pytest.raises(RuntimeError, match="differentiable once"):
+        torch.autograd.grad(fastrl.entropy_from_logits(x).sum(), x, create_graph=True)
+    with fastrl.use_backend("reference"):
+        (g,) = torch.autograd.grad(fastrl.entropy_from_logits(x).sum(), x, create_graph=True)
+    assert g.requires_grad
+
+
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
 def test_deterministic_and_batch_invariant(device, backend):
     """Bitwise the same on repeat, and a row's result does not depend on the
     rows around it (alone, or anywhere in batches of other sizes)."""
@@ -629,6 +642,9 @@ def test_bad_flags():
         fastrl.logprobs_from_logits(logits, labels, ignore_index=None)
     with pytest.raises(ValueError, match=r"ignore_index must be an int64"):
         fastrl.logprobs_and_entropy(logits, labels, ignore_index=2**70)
+    # int32 labels: torch would wrap 2**32 - 100 to -100 in a comparison, the kernels would not
+    with pytest.raises(ValueError, match=r"ignore_index must fit the labels' dtype torch.int32"):
+        fastrl.logprobs_from_logits(logits, labels.int(), ignore_index=2**32 - 100)
 
 
 @pytest.mark.parametrize("device,backend", BACKENDS)
