@@ -175,7 +175,9 @@ def _full_kl_fwd_kernel(
         # t' = a (t + c s) - c_ref a s: the x shift first, then the reference's
         # (c_ref may be -inf; with no term summed yet, s = 0 adds nothing).
         s, t = shift_sums(s, t, c, a)
-        t = tl.where(s == 0, t, t - c_ref * s) + tl.sum(term, axis=0).to(tl.float64)
+        # The terms are summed in float64: where the reference masks with finfo.min,
+        # e (d - d') reaches 3e38 and a float32 sum of a few of them overflows.
+        t = tl.where(s == 0, t, t - c_ref * s) + tl.sum(term.to(tl.float64), axis=0)
         s += tl.sum(e, axis=0).to(tl.float64)
         s_ref = a_ref * s_ref + tl.sum(tl.exp(d_ref), axis=0).to(tl.float64)
         m = m_new

@@ -184,6 +184,23 @@ def test_full_kl_edge_rows(device, backend):
 
 
 @pytest.mark.parametrize("device,backend", BACKENDS)
+def test_full_kl_with_a_finfo_min_masked_reference(device, backend):
+    """A reference masked with finfo.min where the policy is not: the KL is huge
+    but finite in float64 (7e37 here, an fp32 number), and so are its value and
+    gradient on every backend; the terms e (d - d') of 2e38 must not overflow
+    their sum."""
+    x = torch.randn(2, 3000, device=device)
+    y = torch.randn(2, 3000, device=device)
+    y[:, ::3] = torch.finfo(torch.float32).min
+    logits = x.clone().requires_grad_(True)
+    with fastrl.use_backend(backend):
+        kl = fastrl.full_kl(logits, y, temperature=1.7)
+        kl.sum().backward()
+    assert_close_to_reference(kl, reference.full_kl(x.double(), y.double(), temperature=1.7), 1e-5)
+    assert torch.isfinite(logits.grad).all()
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
 def test_full_kl_gradcheck(device, backend):
     x = torch.randn(3, 9, dtype=torch.float64, device=device).requires_grad_(True)
     y = torch.randn(3, 9, dtype=torch.float64, device=device)
