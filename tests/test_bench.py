@@ -136,3 +136,18 @@ def test_plots_are_written_for_every_op_of_a_results_file(results, tmp_path):
     ops = {r["op"] for r in payload["rows"] if "median_ms" in r}
     assert len(paths) == len(ops)
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+@pytest.mark.parametrize("isa, device, expected", [
+    ("x86-64-v3 (AVX2)", "cpu", 0.25), ("x86-64-v4 (AVX-512)", "cpu", 1.0), ("x86-64-v3 (AVX2)", "cuda", 1.0),
+])  # fmt: skip
+def test_speed_gate_margin_follows_the_native_isa(monkeypatch, isa, device, expected):
+    """--check-speed-avx2 applies only where the native kernels run their AVX2 clone on the CPU (issue 18)."""
+    import argparse
+
+    from fastrl import _backend
+
+    native = types.SimpleNamespace(build_info=lambda: {"cpu_isa": isa})
+    monkeypatch.setattr(_backend, "native_module", lambda: native)
+    args = argparse.Namespace(check_speed=1.0, check_speed_avx2=0.25)
+    assert bench_main._speed_margin(args, torch.device(device)) == expected

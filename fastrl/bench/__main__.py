@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", action="store_true",
                         help="keep the results file's rows of the ops not run now (same device and commit)")  # fmt: skip
     parser.add_argument("--check-speed", type=float, default=None, metavar="MARGIN",
-                        help="fail if fastrl is not faster than the torch reference by this factor")  # fmt: skip
+                        help="fail if fastrl is not faster than the torch reference by this factor")
+    parser.add_argument("--check-speed-avx2", type=float, default=None, metavar="MARGIN",
+                        help="the --check-speed margin on a CPU whose native kernels run their AVX2 (x86-64-v3) "
+                             "clone, known to trail torch there (issue 18); default: --check-speed")  # fmt: skip
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -109,20 +112,37 @@ def main(argv: list[str] | None = None) -> int:
         if err is not None and not err <= MAX_REFERENCE_ERROR:
             failures.append(f"{r['op']} {r['shape']}: fastrl differs from the reference by {err:.3g}")
     if args.check_speed is not None:
+        margin = _speed_margin(args, device)
         case_of = {c.key(): c for c in cases if not c.sweep}
         for r in measured_rows:
             checked = r["impl"].startswith("torch eager") and not r.get("sweep") and "fastrl_speedup" in r
-            if not checked or r["fastrl_speedup"] >= args.check_speed:
+            if not checked or r["fastrl_speedup"] >= margin:
                 continue
             what = f"{r['op']} {r['shape']} {r['dtype']} against {r['impl']}"
             ratio = remeasure_ratio(case_of[row_key(r)], r["impl"], device, reps=reps)
             print(f"re-measured {what}: {r['fastrl_speedup']:.2f}x, then {ratio:.2f}x", file=sys.stderr)
-            if ratio < args.check_speed:
+            if ratio < margin:
                 failures.append(f"{what}: fastrl is {ratio:.2f}x the torch reference, below the required "
-                                f"{args.check_speed:.2f}x")  # fmt: skip
+                                f"{margin:.2f}x")  # fmt: skip
     for f in failures:
         print(f"FAIL: {f}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def _speed_margin(args, device: torch.device) -> float:
+    """The speed-up --check-speed requires here: --check-speed-avx2 on a CPU whose
+    native kernels run their AVX2 (x86-64-v3) clone, which trails torch on such
+    machines (issue 18; the gate would otherwise fail every run there and hide
+    any other regression behind it), --check-speed everywhere else."""
+    from .._backend import native_module
+
+    native = native_module()
+    isa = native.build_info()["cpu_isa"] if native is not None else ""
+    if device.type == "cpu" and args.check_speed_avx2 is not None and isa.startswith("x86-64-v3"):
+        print(f"speed check: native kernels run {isa}; requiring {args.check_speed_avx2:.2f}x (issue 18)",
+              file=sys.stderr)  # fmt: skip
+        return args.check_speed_avx2
+    return args.check_speed
 
 
 if __name__ == "__main__":
