@@ -43,9 +43,13 @@ def check_logits(logits: object, name: str = "logits") -> torch.Tensor:
     return logits
 
 
+# The values an int64 holds, for the integer arguments the kernels take as int64.
+INT64 = range(-(2**63), 2**63)
+
+
 def check_ignore_index(value: object) -> int:
     """An int the kernels can compare labels with: int64."""
-    return check_scalar(value, "ignore_index", integer=True, ok=lambda v: (-(2**63) <= v) & (v < 2**63),
+    return check_scalar(value, "ignore_index", integer=True, ok=lambda v: v in INT64,
                         accepted="an int64, in [-2**63, 2**63)")  # fmt: skip
 
 

@@ -48,9 +48,6 @@ class SampleOutput(NamedTuple):
     raw_logprobs: torch.Tensor  # fp32 [...]
 
 
-_INT64 = range(-(2**63), 2**63)
-
-
 def _held(value: int | float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """The value a kernel computing in ``dtype`` holds for a parameter (a Python
     number or a tensor): floats rounded once to nearest, as the C++ kernels'
@@ -58,7 +55,7 @@ def _held(value: int | float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     None for an int that int64 cannot hold."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype)
-    if isinstance(value, int) and value not in _INT64:
+    if isinstance(value, int) and value not in _validation.INT64:
         return None
     return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64).to(dtype)
 
@@ -117,7 +114,7 @@ def _seed_and_offset(seed, offset, rows: torch.Size, device: torch.device):
         if _validation.host_checks(device) and int(offset) < 0:
             raise ValueError(f"offset must be in [0, 2**63) as an int64; got a tensor holding {int(offset)}")
     else:
-        _validation.check_scalar(offset, "offset", integer=True, ok=lambda o: o in _INT64 and o >= 0,
+        _validation.check_scalar(offset, "offset", integer=True, ok=lambda o: o in _validation.INT64 and o >= 0,
                                  accepted="an int in [0, 2**63)", also="or a one-element integer tensor")  # fmt: skip
     return seed, offset
 
