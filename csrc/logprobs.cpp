@@ -83,13 +83,13 @@ void forward_impl(const LogprobsArgs& a, void* out_logprob, void* out_entropy, v
     }
     const Acc inv_t = Acc(1) / t;
     const RowStats<Acc> st = row_stats<In, Acc>(x, a.vocab, inv_t, want_w);
-    const double log_s_exact = std::log(st.s);  // from the double sums (softmax_stats.h)
+    const double log_s_exact = st.log_s();  // from the double sums (softmax_stats.h)
     const Acc log_s = static_cast<Acc>(log_s_exact);
     if (stats) {
       stats[2 * r] = st.m;
       stats[2 * r + 1] = log_s;
     }
-    if (entropy) entropy[r] = static_cast<Acc>(log_s_exact - st.w / st.s);
+    if (entropy) entropy[r] = static_cast<Acc>(log_s_exact - st.w / st.s());
     if (logprob) {
       const int64_t label = load_label(a.labels, a.label_dtype, r);
       if (label == a.ignore_index) {

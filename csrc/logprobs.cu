@@ -51,36 +51,43 @@ template <typename Acc>
 __device__ __forceinline__ Acc neg_inf() { return -INFINITY; }
 
 // A thread's (or a merged group's) running statistic: the max m of the values
-// seen, and s = sum e^d, w = sum e^d d relative to it, in double (see accumulate).
-// s is 0 while no term was summed, or NaN once a NaN was seen.
+// seen, and s = sum e^d = n + t, w = sum e^d d relative to it, in double (see
+// accumulate): n counts the terms at the max (each exactly 1), t sums the rest.
+// t is 0 while no term was summed, or NaN once a NaN was seen.
 template <typename Acc>
 struct Stats {
   Acc m;
-  double s, w;
+  double n, t, w;
 };
 
-// st's sums moved to the reference point m >= st.m: s a, (w + c s) a with
-// c = (st.m - m) / T, a = e^c. c may be -inf (the max rose beyond the float
-// range): a = 0 then leaves nothing of the old terms, tested so that no
-// 0 * -inf appears. A statistic with no max has no terms to move (s 0 or NaN).
+// log s = log n + log1p(t / n): log(n + t) would round away the tail t of a
+// peaked row, about all of whose entropy it carries (softmax_stats.h). A row
+// with no term at its max (all -inf, or NaN) gives log t.
+template <typename Acc>
+__device__ __forceinline__ double log_sum(const Stats<Acc>& st) {
+  return st.n > 0 ? log(st.n) + log1p(st.t / st.n) : log(st.t);
+}
+
+// st's sums moved to the reference point m >= st.m: every term scales by
+// a = e^c, c = (st.m - m) / T, so the terms at the old max join the tail
+// (t' = a (n + t), n' = 0) and w' = (w + c s) a. c may be -inf (the max rose
+// beyond the float range): a = 0 then leaves nothing of the old terms, tested
+// so that no 0 * -inf appears. A statistic with no max has no terms to move
+// (t 0 or NaN).
 template <typename Acc, bool WITH_W>
-__device__ __forceinline__ void shift_to(const Stats<Acc>& st, Acc m, Acc inv_t, double& s, double& w) {
-  s = st.s;
-  w = st.w;
-  if (st.m == neg_inf<Acc>() || st.m == m) return;
-  const double c = static_cast<double>((st.m - m) * inv_t), a = exp(c);
-  if (WITH_W) w = a == 0 ? 0.0 : a * (st.w + c * st.s);
-  s = a * st.s;
+__device__ __forceinline__ Stats<Acc> shift_to(const Stats<Acc>& st, Acc m, Acc inv_t) {
+  if (st.m == neg_inf<Acc>() || st.m == m) return {m, st.n, st.t, st.w};
+  const double c = static_cast<double>((st.m - m) * inv_t), a = exp(c), s = st.n + st.t;
+  return {m, 0.0, a * s, WITH_W ? (a == 0 ? 0.0 : a * (st.w + c * s)) : st.w};
 }
 
 // Merge two partial statistics of the same row onto the larger max.
 template <typename Acc, bool WITH_W>
 __device__ __forceinline__ Stats<Acc> merge(Stats<Acc> a, Stats<Acc> b, Acc inv_t) {
   const Acc m = a.m > b.m ? a.m : b.m;
-  double sa, wa, sb, wb;
-  shift_to<Acc, WITH_W>(a, m, inv_t, sa, wa);
-  shift_to<Acc, WITH_W>(b, m, inv_t, sb, wb);
-  return {m, sa + sb, wa + wb};
+  a = shift_to<Acc, WITH_W>(a, m, inv_t);
+  b = shift_to<Acc, WITH_W>(b, m, inv_t);
+  return {m, a.n + b.n, a.t + b.t, a.w + b.w};
 }
 
 // Adds n values of the row (already widened) to a thread's running stats.
@@ -99,12 +106,8 @@ __device__ __forceinline__ void accumulate(Stats<Acc>& st, const Acc (&xs)[N], A
     vmax = xs[k] > vmax ? xs[k] : vmax;
     nan |= xs[k] != xs[k];
   }
-  if (nan) st.s = NAN;
-  if (vmax > st.m) {
-    double s, w;
-    shift_to<Acc, WITH_W>(st, vmax, inv_t, s, w);
-    st = {vmax, s, w};
-  }
+  if (nan) st.t = NAN;
+  if (vmax > st.m) st = shift_to<Acc, WITH_W>(st, vmax, inv_t);
   if (st.m == neg_inf<Acc>()) return;  // every value so far is -inf (or NaN, flagged)
   Acc tail = 0, w_vec = 0;
   int at_max = 0;
@@ -116,35 +119,33 @@ __device__ __forceinline__ void accumulate(Stats<Acc>& st, const Acc (&xs)[N], A
     tail += d == Acc(0) ? Acc(0) : e;
     if (WITH_W) w_vec += e == Acc(0) ? Acc(0) : e * d;
   }
-  st.s += static_cast<double>(tail) + at_max;
+  st.n += at_max;
+  st.t += static_cast<double>(tail);
   if (WITH_W) st.w += static_cast<double>(w_vec);
+}
+
+// Merges each lane's statistic into lane 0's over the warp.
+template <typename Acc, bool WITH_W>
+__device__ __forceinline__ Stats<Acc> warp_reduce(Stats<Acc> st, Acc inv_t) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const Stats<Acc> o{__shfl_down_sync(0xffffffffu, st.m, off), __shfl_down_sync(0xffffffffu, st.n, off),
+                       __shfl_down_sync(0xffffffffu, st.t, off), __shfl_down_sync(0xffffffffu, st.w, off)};
+    st = merge<Acc, WITH_W>(st, o, inv_t);
+  }
+  return st;
 }
 
 template <typename Acc, bool WITH_W>
 __device__ Stats<Acc> block_reduce(Stats<Acc> st, Acc inv_t) {
-  __shared__ Acc sm_m[32];
-  __shared__ double sm_s[32], sm_w[32];
+  __shared__ Stats<Acc> warp_stats[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = (blockDim.x + 31) >> 5;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    Stats<Acc> o{__shfl_down_sync(0xffffffffu, st.m, off), __shfl_down_sync(0xffffffffu, st.s, off),
-                 __shfl_down_sync(0xffffffffu, st.w, off)};
-    st = merge<Acc, WITH_W>(st, o, inv_t);
-  }
-  if (lane == 0) {
-    sm_m[warp] = st.m;
-    sm_s[warp] = st.s;
-    sm_w[warp] = st.w;
-  }
+  st = warp_reduce<Acc, WITH_W>(st, inv_t);
+  if (lane == 0) warp_stats[warp] = st;
   __syncthreads();
   if (warp == 0) {
-    st = lane < n_warps ? Stats<Acc>{sm_m[lane], sm_s[lane], sm_w[lane]} : Stats<Acc>{neg_inf<Acc>(), 0.0, 0.0};
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      Stats<Acc> o{__shfl_down_sync(0xffffffffu, st.m, off), __shfl_down_sync(0xffffffffu, st.s, off),
-                   __shfl_down_sync(0xffffffffu, st.w, off)};
-      st = merge<Acc, WITH_W>(st, o, inv_t);
-    }
+    st = lane < n_warps ? warp_stats[lane] : Stats<Acc>{neg_inf<Acc>(), 0.0, 0.0, 0.0};
+    st = warp_reduce<Acc, WITH_W>(st, inv_t);
   }
   return st;  // valid in thread 0
 }
@@ -171,7 +172,7 @@ __global__ void forward_kernel(LogprobsArgs a, Acc* logprob, Acc* entropy, Acc* 
   const int64_t row = blockIdx.x;
   const In* x = static_cast<const In*>(a.logits) + a.rows.offset(row);
   const Acc inv_t = row_inv_temperature<Acc>(a, row);
-  Stats<Acc> st{neg_inf<Acc>(), 0.0, 0.0};
+  Stats<Acc> st{neg_inf<Acc>(), 0.0, 0.0, 0.0};
   const int64_t n_packs = a.vocab / VEC;
   for (int64_t i = threadIdx.x; i < n_packs; i += blockDim.x) {
     const Pack<In, VEC> p = reinterpret_cast<const Pack<In, VEC>*>(x)[i];
@@ -186,13 +187,13 @@ __global__ void forward_kernel(LogprobsArgs a, Acc* logprob, Acc* entropy, Acc* 
   }
   st = block_reduce<Acc, WITH_W>(st, inv_t);
   if (threadIdx.x != 0) return;
-  const double log_s_exact = log(st.s);
+  const double log_s_exact = log_sum(st);
   const Acc log_s = static_cast<Acc>(log_s_exact);
   if (stats) {
     stats[2 * row] = st.m;
     stats[2 * row + 1] = log_s;
   }
-  if (entropy) entropy[row] = static_cast<Acc>(log_s_exact - st.w / st.s);
+  if (entropy) entropy[row] = static_cast<Acc>(log_s_exact - st.w / (st.n + st.t));
   if (logprob) {
     const int64_t label = row_label(a, row);
     if (label == a.ignore_index) {

@@ -312,7 +312,7 @@ Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm,
     find_maxima(x, vocab, st.m, sel);
     return sel;
   }
-  sel.log_s = std::log(st.s);
+  sel.log_s = st.log_s();
 
   // The candidates: every token, or for top-k the tokens of the top-digit
   // buckets from `lowest` up, which must hold at least k of them (then the

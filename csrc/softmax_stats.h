@@ -5,12 +5,16 @@
 // The row is read once in L1-sized chunks: each chunk's max is taken first and
 // (s, w) rescaled when the max grows, then the chunk's exponentials are added.
 //
-// Accuracy: each e^{d_j} is a float (exp_approx, about 1 ulp), but s and w are
-// summed in double. A peaked row (one logit far above the rest) has s = 1 + t
-// with t a sum of many tiny terms; a float accumulator holding the 1 drops each
-// term below half an ulp of 1 (6e-8), so at V = 32000 and T = 1.7 the entropy
-// (about log s - w / s = 0.013) came out 2e-3 off. In double the summation error
-// is below 1e-12 of s and what remains is the rounding of each term.
+// Accuracy: each e^{d_j} is a float (exp_approx, about 1 ulp), but the sums are
+// doubles, and s is kept as s = n + t: n counts the terms at the max (each
+// exactly 1), t sums the rest. A peaked row (one logit far above the rest) has
+// a tiny t, and its entropy is about t (1 + gap): a float accumulator holding
+// the 1 dropped every term below half an ulp of 1 (6e-8; the entropy at
+// V = 32000, T = 1.7 came out 2e-3 off), and even a double n + t loses t to
+// rounding past a gap of about 33 (1e-6 of the entropy, 2% at a gap of 45).
+// So t is never added to n: log s = log n + log1p(t / n) (RowStats::log_s).
+// Only chunks that reach the running max count their terms at it (a random
+// row has a few such chunks); the others add every term to t.
 //
 // Guards test the term, not the logit: (x - m) / T overflows to -inf for a
 // finite logit too (finfo.min masking at T < 1, or +-3e38 in one row), so a
@@ -57,6 +61,16 @@ FASTRL_INLINE bool raise_max(Acc& m, Acc chunk_max, Acc inv_t, Acc& c) {
   return rescale;
 }
 
+template <typename Acc>
+struct RowStats {
+  Acc m;
+  double n, t, w;  // s = n + t, see the accuracy note above
+  double s() const { return n + t; }
+  // log s to the rounding of the terms: log(n + t) would lose a tiny t. A row
+  // with no term at its max (all -inf: s = 0, or NaN) gives log t.
+  double log_s() const { return n > 0 ? std::log(n) + std::log1p(t / n) : std::log(t); }
+};
+
 // Moves s = sum e^d and w = sum e^d d (or any sum of e^d times a quantity that
 // grows with d by the same c) to a reference point c lower:
 //   s' = a s,   w' = a (w + c s),   a = e^c.
@@ -68,16 +82,41 @@ FASTRL_INLINE void shift_sums(double c, double& s, double& w) {
   s = a * s;
 }
 
+// The same for a row's stats when its max rose: the terms at the old max join
+// the tail (t' = a (n + t), n' = 0).
 template <typename Acc>
-struct RowStats {
-  Acc m;
-  double s, w;  // see the accuracy note above
-};
+FASTRL_INLINE void shift_row_stats(double c, RowStats<Acc>& st) {
+  double s = st.s();
+  shift_sums(c, s, st.w);
+  st.t = s;
+  st.n = 0;
+}
+
+// One chunk's terms at the running max m: adds to t (and to n the terms at
+// the max when COUNT: d == 0 exactly; they would be the 1s that swallow t).
+template <typename Acc, bool WITH_W, bool COUNT>
+FASTRL_INLINE void add_chunk(const Acc* xs, int64_t n, Acc inv_t, RowStats<Acc>& st) {
+  double chunk_n = 0, chunk_t = 0, chunk_w = 0;
+#pragma omp simd reduction(+ : chunk_n, chunk_t, chunk_w)
+  for (int64_t i = 0; i < n; ++i) {
+    const Acc d = (xs[i] - st.m) * inv_t;
+    const Acc e = exp_approx(d);
+    if (COUNT) {
+      chunk_n += d == 0 ? Acc(1) : Acc(0);
+      chunk_t += d == 0 ? Acc(0) : e;
+    } else {
+      chunk_t += e;
+    }
+    if (WITH_W) chunk_w += e == 0 ? Acc(0) : e * d;  // d may be -inf where e = 0
+  }
+  st.n += chunk_n;
+  st.t += chunk_t;
+  st.w += chunk_w;
+}
 
 template <typename In, typename Acc>
 FASTRL_ISA_CLONES RowStats<Acc> row_stats(const In* x, int64_t vocab, Acc inv_t, bool want_w) {
-  Acc m = neg_inf<Acc>();
-  double s = 0, w = 0;
+  RowStats<Acc> st{neg_inf<Acc>(), 0, 0, 0};
   bool nan = false;
   Acc xs[kStatsChunk];
   for (int64_t start = 0; start < vocab; start += kStatsChunk) {
@@ -92,26 +131,17 @@ FASTRL_ISA_CLONES RowStats<Acc> row_stats(const In* x, int64_t vocab, Acc inv_t,
     }
     nan |= chunk_nan != 0;
     Acc c;
-    if (raise_max(m, chunk_max, inv_t, c)) shift_sums(c, s, w);
-    if (m == neg_inf<Acc>()) continue;  // every logit so far is -inf (or NaN, flagged)
-    double chunk_s = 0, chunk_w = 0;
+    if (raise_max(st.m, chunk_max, inv_t, c)) shift_row_stats(c, st);
+    if (st.m == neg_inf<Acc>()) continue;  // every logit so far is -inf (or NaN, flagged)
+    const bool reaches_max = chunk_max == st.m;
     if (want_w) {
-#pragma omp simd reduction(+ : chunk_s, chunk_w)
-      for (int64_t i = 0; i < n; ++i) {
-        const Acc d = (xs[i] - m) * inv_t;
-        const Acc e = exp_approx(d);
-        chunk_s += e;
-        chunk_w += e == 0 ? Acc(0) : e * d;  // d may be -inf where e = 0
-      }
+      reaches_max ? add_chunk<Acc, true, true>(xs, n, inv_t, st) : add_chunk<Acc, true, false>(xs, n, inv_t, st);
     } else {
-#pragma omp simd reduction(+ : chunk_s)
-      for (int64_t i = 0; i < n; ++i) chunk_s += exp_approx((xs[i] - m) * inv_t);
+      reaches_max ? add_chunk<Acc, false, true>(xs, n, inv_t, st) : add_chunk<Acc, false, false>(xs, n, inv_t, st);
     }
-    s += chunk_s;
-    w += chunk_w;
   }
-  if (nan) s = w = std::numeric_limits<double>::quiet_NaN();
-  return {m, s, w};
+  if (nan) st.t = st.w = std::numeric_limits<double>::quiet_NaN();
+  return st;
 }
 
 }  // namespace fastrl

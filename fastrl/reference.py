@@ -42,24 +42,39 @@ def scaled_logits(logits: torch.Tensor, temperature: float | torch.Tensor = 1.0)
     return d / temperature
 
 
+def _log_sum_exp_of_scaled(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log s, s) per row for s = sum_v e^{d_v}, where max(d) = 0.
+
+    s = n + t: n terms at the max are exactly 1, and t sums the rest. log s is
+    taken as log n + log1p(t / n), not log(n + t): on a peaked row t is tiny
+    (V e^{-gap}: 1e-10 for a gap of 33 at V = 32000) and n + t rounds most of it
+    away even in float64, while the entropy of such a row is about t (1 + gap),
+    so log(n + t) would lose it (2% off for a gap of 45). n is summed from the
+    terms at the max themselves (each e = 1), so the gradient of log s is e / s
+    for them too. A row without a 0 (a NaN, or all -inf) gives NaN."""
+    e = d.exp()
+    at_max = d == 0
+    n = torch.where(at_max, e, 0.0).sum(dim=-1)
+    t = torch.where(at_max, 0.0, e).sum(dim=-1)
+    return n.log() + torch.log1p(t / n), n + t
+
+
 def _entropy_of_scaled(d: torch.Tensor) -> torch.Tensor:
     """H = -sum_v p(v) log p(v) with p = softmax(d), written as
     H = log s - sum_v e_v d_v / s with e = exp(d), s = sum e (the same quantity):
     with max(d) = 0 this keeps a peaked row's small entropy accurate in float32,
     where -sum p log p loses it. -inf entries (p = 0) add nothing."""
-    e = d.exp()
-    s = e.sum(dim=-1)
+    log_s, s = _log_sum_exp_of_scaled(d)
     # masked_fill (not where) so that e * d has a finite gradient where e = 0.
     d_finite = d.masked_fill(torch.isneginf(d), 0.0)
-    return s.log() - (e * d_finite).sum(dim=-1) / s
+    return log_s - (d.exp() * d_finite).sum(dim=-1) / s
 
 
 def _logprobs_of_scaled(d: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """log_softmax(d)[label], 0 where label == ignore_index."""
-    logp = torch.log_softmax(d, dim=-1)
+    """log_softmax(d)[label] = d[label] - log s, 0 where label == ignore_index."""
     keep = labels != ignore_index
     index = torch.where(keep, labels, 0).long().unsqueeze(-1)
-    chosen = torch.gather(logp, -1, index).squeeze(-1)
+    chosen = torch.gather(d, -1, index).squeeze(-1) - _log_sum_exp_of_scaled(d)[0]
     return torch.where(keep, chosen, torch.zeros_like(chosen))
 
 

@@ -3,7 +3,8 @@
 One program per row of logits (so a row's result never depends on the batch),
 in fp32 (fp64 for float64 logits), never on a scaled copy of the logits.
 
-Forward, one read of the row (``reduce.softmax_stats`` gives m, s, w):
+Forward, one read of the row (``reduce.softmax_stats`` gives m, s = n + t and w;
+log s is ``reduce.log_sum(n, t)``):
     logprob = (x[label] - m) / T - log s    (0 for ignore_index, NaN for a label outside [0, V))
     entropy = log s - w / s
 and, when a gradient will be needed, the row's (m, log s) are saved.
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reduce import row_start, softmax_stats
+from .reduce import log_sum, row_start, softmax_stats
 
 # Elements of a row handled per loop iteration. It depends on V only, never on
 # the number of rows, which keeps results batch invariant.
@@ -79,14 +80,14 @@ def _logprobs_fwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
     inv_t = _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
-    m, s, w = softmax_stats(row_ptr, V, inv_t, WITH_ENTROPY, BLOCK_V, ACC)
-    log_s_exact = tl.log(s)  # float64, as s and w are (reduce.py)
+    m, n, t, w = softmax_stats(row_ptr, V, inv_t, WITH_ENTROPY, BLOCK_V, ACC)
+    log_s_exact = log_sum(n, t)  # float64, as n, t and w are (reduce.py)
     log_s = log_s_exact.to(ACC)
     if WITH_STATS:
         tl.store(stats_ptr + 2 * row, m)
         tl.store(stats_ptr + 2 * row + 1, log_s)
     if WITH_ENTROPY:
-        tl.store(entropy_ptr + row, (log_s_exact - w / s).to(ACC))
+        tl.store(entropy_ptr + row, (log_s_exact - w / (n + t)).to(ACC))
     if HAS_LABELS:
         label = tl.load(labels_ptr + row).to(tl.int64)
         in_range = (label >= 0) & (label < V)

@@ -19,10 +19,13 @@ running max from m to m', the sums move to the new reference point:
 
 Accuracy on peaked rows, where users watch the entropy collapse: s = n + t,
 with n the count of terms at the max (each exactly 1) and t the tail of tiny
-terms. A float32 sum that holds a 1 drops every term below half an ulp of 1
-(6e-8), which at V = 32000, T = 1 is the whole tail (entropy 1e-7, off by
-3%). So each block sums its terms below the max on their own (in ACC, a tree)
-and counts those at the max, and the running s and w are float64 scalars.
+terms, and the entropy of such a row is about t (1 + gap). A float32 sum that
+holds a 1 drops every term below half an ulp of 1 (6e-8), which at V = 32000,
+T = 1 is the whole tail (entropy 1e-7, off by 3%); even in float64, n + t
+rounds t away past a gap of about 33 (1e-6 of the entropy, 2% at a gap of 45).
+So n and t are kept apart to the end: each block sums its terms below the max
+on their own (in ACC, a tree) and counts those at the max, the running n and t
+are float64 scalars, and log s = log n + log1p(t / n) (``log_sum``).
 
 Guards test the term, not the logit: (x - m) * inv_t overflows to -inf for
 finite logits too (finfo.min masking at T < 1, or +-3e38 in one row), so a
@@ -74,10 +77,12 @@ def shift_sums(s, w, c, a):
 
 @triton.jit
 def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
-    """(m, s, w) of the row as defined above (s and w in float64); w is 0 unless WITH_W."""
+    """(m, n, t, w) of the row as defined above (n, t, w in float64; s = n + t);
+    w is 0 unless WITH_W."""
     neg_inf = float("-inf")
     m = tl.full([], neg_inf, ACC)
-    s = tl.zeros([], tl.float64)
+    n = tl.zeros([], tl.float64)
+    t = tl.zeros([], tl.float64)
     w = tl.zeros([], tl.float64)
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
@@ -86,7 +91,12 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, BLOCK_V: tl.constexpr
         m_new, ref, c, a = rebase(m, block_max, inv_t, ACC)
         d = (x - ref) * inv_t
         e = tl.exp(d)
-        s, w = shift_sums(s, w, c, a)
+        # When the max rose, the terms at the old max join the tail (c and a are
+        # 0 and 1, or 0 and 0 while m is -inf, when it did not).
+        grew = m_new > m
+        t_shifted, w = shift_sums(n + t, w, c, a)
+        t = tl.where(grew, t_shifted, t)
+        n = tl.where(grew, 0.0, n)
         # For w, d is clamped to the lowest finite value: where d = -inf, e = 0 and
         # the term is 0 * finite = 0, never 0 * -inf (one instruction, no select).
         if WITH_W:
@@ -94,11 +104,24 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, BLOCK_V: tl.constexpr
         if block_max >= m_new:
             # The block reaches the running max, whose terms are exactly 1: they are
             # counted apart (e - [d == 0] is the tail term), so that a peaked row's
-            # tail is summed on its own, not into a float32 1 that drops it. Only
-            # such blocks pay for the count (on a random row, about 3 of V / BLOCK_V).
+            # tail is summed on its own, not into a 1 that drops it. Only such
+            # blocks pay for the count (on a random row, about 3 of V / BLOCK_V).
             at_max = (d == 0).to(ACC)
-            s += tl.sum(e - at_max, axis=0).to(tl.float64) + tl.sum(at_max, axis=0).to(tl.float64)
+            t += tl.sum(e - at_max, axis=0).to(tl.float64)
+            n += tl.sum(at_max, axis=0).to(tl.float64)
         else:
-            s += tl.sum(e, axis=0).to(tl.float64)
+            t += tl.sum(e, axis=0).to(tl.float64)
         m = m_new
-    return m, s, w
+    return m, n, t, w
+
+
+@triton.jit
+def log_sum(n, t):
+    """log(n + t) for softmax_stats' float64 n and t, without rounding t away:
+    log n + log1p(t / n), log1p by Goldberg's identity log1p(q) = log(u) q / (u - 1)
+    with u = 1 + q (a few ulps; q where u rounds to 1). n = 0 (a row of only
+    -inf, or NaN) gives log t."""
+    q = t / n
+    u = 1.0 + q
+    log1p_q = tl.where(u == 1.0, q, tl.log(u) * (q / (u - 1.0)))
+    return tl.where(n > 0, tl.log(n) + log1p_q, tl.log(t))

@@ -254,6 +254,34 @@ def test_entropy_of_peaked_rows_is_accurate(device, backend, vocab, temperature)
     assert_close_to_reference(ent, ref, 1e-5, atol=0.0, what="entropy")
 
 
+@pytest.mark.parametrize("temperature", [0.5, 1.0])
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_entropy_and_logprobs_of_extremely_peaked_rows(device, backend, temperature):
+    """Rows [g, 0, ..., 0] (and [g, g, 0, ..., 0]: two peaks), where the tail's
+    share t = (V - n) e^{-g/T} of s = n + t is far below a float64 ulp of n past
+    g/T of about 45 at this V, and the entropy log(n + t) + (g/T) t / (n + t),
+    about t (1 + g/T), lives in it: log(n + t) loses it (2% off at g/T = 45).
+    Against the closed form, to 2e-6 relative. Error bound: T is a power of 2, so
+    every d = -g/T is exact and each e^d is within 3 ulps (one systematic error,
+    since the terms are equal); the tail is summed in float32 trees of at most
+    2^15 terms before float64 (15 more ulps), so (3 + 15) * 2^-24 = 1.1e-6."""
+    vocab = 20000
+    gaps = torch.tensor([20.0, 33.0, 45.0, 60.0], dtype=torch.float64)
+    logits = torch.zeros(2 * len(gaps), vocab, dtype=torch.float64)
+    logits[:, 0] = gaps.repeat(2) * temperature
+    logits[len(gaps) :, 7] = logits[len(gaps) :, 0]  # the second peak
+    n = torch.tensor([1.0] * len(gaps) + [2.0] * len(gaps), dtype=torch.float64)
+    g = gaps.repeat(2)
+    t = (vocab - n) * torch.exp(-g)
+    expected_entropy = torch.log(n) + torch.log1p(t / n) + g * t / (n + t)
+    expected_max_logprob = -torch.log(n) - torch.log1p(t / n)
+    labels = torch.zeros(len(n), dtype=torch.long, device=device)
+    with fastrl.use_backend(backend):
+        lp, ent = fastrl.logprobs_and_entropy(logits.float().to(device), labels, temperature=temperature)
+    assert_close_to_reference(ent, expected_entropy.to(device), 2e-6, atol=0.0, what="entropy")
+    assert_close_to_reference(lp, expected_max_logprob.to(device), 2e-6, atol=0.0, what="logprob")
+
+
 @pytest.mark.parametrize("layout", ["transposed", "sliced-vocab", "strided-rows"])
 @pytest.mark.parametrize("device,backend", BACKENDS)
 def test_non_contiguous_logits(device, backend, layout):
