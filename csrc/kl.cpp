@@ -6,28 +6,35 @@
 // for logits x and reference logits y at inv_t = 1/T > 0:
 //   m = max_v x_v,  d_v = (x_v - m) inv_t,  e_v = exp(d_v),  s = sum_v e_v
 //   m' = max_v y_v, d'_v = (y_v - m') inv_t,                s' = sum_v exp(d'_v)
-//   t = sum_v e_v (d_v - d'_v)
-//   KL = sum_v p_v (log p_v - log q_v) = t / s - log s + log s'
+//   t = sum_v e_v ((x_v - m) - (y_v - m'))         (in logit units, not over T)
+//   KL = sum_v p_v (log p_v - log q_v) = inv_t t / s - log s + log s'
 // (log p_v = d_v - log s, log q_v = d'_v - log s'). A term with e_v = 0 adds
 // nothing, also where y_v = -inf (no 0 * inf); e_v > 0 where y_v = -inf makes
-// the KL +inf, as it should. Taking d - d' on the raw logits keeps the KL of
-// two close distributions free of the cancellation of two entropies.
+// the KL +inf, as it should. Taking the differences on the raw logits keeps
+// the KL of two close distributions free of the cancellation of two entropies,
+// and leaving inv_t out of t until the end keeps a reference masked with
+// finfo.min finite at T < 1: (y_v - m') inv_t overflows to -inf there although
+// the KL (e.g. 5e37 at T = 0.3) is a float.
 //
 // The forward reads each row once in L1-sized chunks, online as row_stats
 // (softmax_stats.h) does. When a chunk raises the logits' max m to M, every d_v
-// so far grows by c = (m - M) inv_t and every e_v is scaled by a = exp(c):
-//   s <- a s,   t <- a (t + c s)
+// so far grows by c = (m - M) inv_t and every e_v is scaled by a = exp(c), while
+// x_v - m grows by m - M:
+//   s <- a s,   t <- a (t + (m - M) s)
 // When it raises the reference max m' to M', every d'_v grows by c' = (m' - M') inv_t:
-//   s' <- exp(c') s',   t <- t - c' s
-// (shift_sums in softmax_stats.h; c may be -inf when a max rises beyond the
-// float range, which leaves nothing of the old terms, and s, s', t are summed
-// in double for the accuracy softmax_stats.h explains.)
+//   s' <- exp(c') s',   t <- t - (m' - M') s
+// (c may be -inf when a max rises beyond the float range, which leaves nothing
+// of the old terms, and s, s', t are summed in double for the accuracy
+// softmax_stats.h explains.)
 // While a running max is still -inf every value so far is -inf: there is
 // nothing to rescale, and the chunk is measured from 0 instead (d = -inf, not
 // -inf - -inf = NaN).
 //
 // Backward (the reference logits are constants), with g = dL/dKL of the row:
 //   dKL/dx_j = inv_t p_j (log p_j - log q_j - KL),   0 where p_j = 0
+//            = inv_t (inv_t (p_j r_j) - p_j (KL + log s - log s')),  r_j = (x_j - m) - (y_j - m')
+// in that order, so that a gradient that is a float is one even where the
+// finfo.min-masked reference has (y_j - m') inv_t = -inf (p_j r_j <= 3.4e38).
 // One read of each row and one write of the gradient, which may alias the
 // logits: each element is read before it is written.
 //
@@ -99,22 +106,26 @@ FASTRL_ISA_CLONES KLRowStats<Acc> full_kl_row(const In* x, const In* y, int64_t 
       chunk_max_ref = ys[i] > chunk_max_ref ? ys[i] : chunk_max_ref;
     }
     Acc c;
-    if (raise_max(m, chunk_max, inv_t, c)) shift_sums(c, s, t);  // every d_v grows by c
+    const Acc m_old = m, m_ref_old = m_ref;
+    if (raise_max(m, chunk_max, inv_t, c)) {  // every d_v grows by c, every x_v - m by m_old - m
+      const double a = std::exp(double(c));
+      t = a == 0 ? 0.0 : a * (t + double(m_old - m) * s);
+      s = a * s;
+    }
     if (raise_max(m_ref, chunk_max_ref, inv_t, c)) {  // every d'_v grows by c
       s_ref = std::exp(double(c)) * s_ref;
-      if (s != 0) t -= double(c) * s;  // c may be -inf; s = 0 means no term yet
+      if (s != 0) t -= double(m_ref_old - m_ref) * s;  // may be -inf; s = 0 means no term yet
     }
     const Acc origin = m == neg_inf<Acc>() ? Acc(0) : m;
     const Acc origin_ref = m_ref == neg_inf<Acc>() ? Acc(0) : m_ref;
     double chunk_s = 0, chunk_s_ref = 0, chunk_t = 0;
 #pragma omp simd reduction(+ : chunk_s, chunk_s_ref, chunk_t)
     for (int64_t i = 0; i < n; ++i) {
-      const Acc d = (xs[i] - origin) * inv_t;
-      const Acc d_ref = (ys[i] - origin_ref) * inv_t;
-      const Acc e = exp_approx(d);
+      const Acc dx = xs[i] - origin, dy = ys[i] - origin_ref;
+      const Acc e = exp_approx(dx * inv_t);
       chunk_s += e;
-      chunk_s_ref += exp_approx(d_ref);
-      chunk_t += e == 0 ? Acc(0) : e * (d - d_ref);
+      chunk_s_ref += exp_approx(dy * inv_t);
+      chunk_t += e == 0 ? Acc(0) : e * (dx - dy);
     }
     s += chunk_s;
     s_ref += chunk_s_ref;
@@ -126,13 +137,13 @@ FASTRL_ISA_CLONES KLRowStats<Acc> full_kl_row(const In* x, const In* y, int64_t 
 template <typename In, typename Acc>
 FASTRL_ISA_CLONES void full_kl_row_grad(const In* x, const In* y, In* grad, int64_t vocab, Acc inv_t,
                                         Acc m, Acc log_s, Acc m_ref, Acc log_s_ref, Acc kl, Acc g) {
-  const Acc scale = g * inv_t;
+  const Acc scale = g * inv_t, offset = kl + log_s - log_s_ref;
 #pragma omp simd
   for (int64_t i = 0; i < vocab; ++i) {
-    const Acc logp = (load_as<Acc>(x, i) - m) * inv_t - log_s;
-    const Acc logq = (load_as<Acc>(y, i) - m_ref) * inv_t - log_s_ref;
-    const Acc p = exp_approx(logp);
-    store_from(grad, i, p == 0 ? Acc(0) : scale * p * (logp - logq - kl));
+    const Acc dx = load_as<Acc>(x, i) - m;
+    const Acc p = exp_approx(dx * inv_t - log_s);
+    const Acc r = dx - (load_as<Acc>(y, i) - m_ref);
+    store_from(grad, i, p == 0 ? Acc(0) : scale * (inv_t * (p * r) - p * offset));
   }
 }
 
@@ -152,7 +163,7 @@ void full_kl_forward_impl(const FullKLArgs& a, Acc* kl, Acc* stats) {
                                                     ref_logits + a.ref_rows.offset(r), a.vocab,
                                                     Acc(1) / temp);
     const double log_s = std::log(st.s), log_s_ref = std::log(st.s_ref);
-    kl[r] = static_cast<Acc>(st.t / st.s - log_s + log_s_ref);
+    kl[r] = static_cast<Acc>(double(Acc(1) / temp) * st.t / st.s - log_s + log_s_ref);
     if (stats) {
       stats[4 * r] = st.m;
       stats[4 * r + 1] = log_s;

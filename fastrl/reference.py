@@ -584,13 +584,27 @@ def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, *, temperature: floa
     """Exact KL(p || p_ref) = sum_v p(v) (log p(v) - log p_ref(v)) per token, with
     p = softmax(logits / T) and p_ref = softmax(ref_logits / T) (the same T).
     Differentiable w.r.t. ``logits``; ``ref_logits`` is a constant. A token with
-    p(v) = 0 adds nothing; one with p(v) > 0 = p_ref(v) makes the KL +inf."""
-    logp = torch.log_softmax(scaled_logits(logits, temperature), dim=-1)
-    logq = torch.log_softmax(scaled_logits(ref_logits.detach(), temperature), dim=-1)
-    p = logp.exp()
-    # masked_fill (not where) keeps the gradient finite where p = 0 and log p = -inf.
-    diff = (logp - logq).masked_fill(p == 0, 0.0)
-    return (p * diff).sum(dim=-1)
+    p(v) = 0 adds nothing; one with p(v) > 0 = p_ref(v) makes the KL +inf.
+
+    With r_v = (x_v - max x) - (y_v - max y) on the raw logits,
+    log p(v) - log p_ref(v) = r_v / T - log s + log s_ref, so
+    KL = sum_v (p(v) r_v) / T - log s + log s_ref. Formed in that order, a KL
+    that is a float stays one where r_v / T is not: a reference masked with
+    finfo.min at T < 1 (the KL is then about 1e38)."""
+    x = logits.to(compute_dtype(logits))
+    y = ref_logits.detach().to(x.dtype)
+    dx = x - x.amax(dim=-1, keepdim=True).detach()  # the shift has zero gradient anyway
+    dy = y - y.amax(dim=-1, keepdim=True)
+    if isinstance(temperature, torch.Tensor):
+        inv_t = 1.0 / _per_row(temperature, logits.shape[:-1], x.dtype, x.device)
+    else:
+        inv_t = torch.tensor(1.0 / temperature, dtype=x.dtype, device=x.device)
+    log_s = torch.logsumexp(dx * inv_t, dim=-1)
+    log_s_ref = torch.logsumexp(dy * inv_t, dim=-1)
+    p = torch.exp(dx * inv_t - log_s.unsqueeze(-1))
+    # masked_fill (not where) keeps the gradient finite where p = 0 and r may be -inf.
+    r = (dx - dy).masked_fill(p == 0, 0.0)
+    return (inv_t.squeeze(-1) * (p * r).sum(dim=-1)) - log_s + log_s_ref
 
 
 def policy_loss_from_logits(

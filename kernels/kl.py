@@ -18,18 +18,24 @@ Full-vocabulary KL (``full_kl``), per row of logits x and reference logits y at
 inverse temperature inv_t = 1/T, read once each:
 
     d_v = (x_v - m) inv_t,  d'_v = (y_v - m') inv_t    (m, m' the row maxima)
-    s = sum e^{d_v},  s' = sum e^{d'_v},  t = sum e^{d_v} (d_v - d'_v)
-    KL = sum p_v (log p_v - log q_v) = t / s - log s + log s'
+    s = sum e^{d_v},  s' = sum e^{d'_v},  t = sum e^{d_v} ((x_v - m) - (y_v - m'))
+    KL = sum p_v (log p_v - log q_v) = inv_t t / s - log s + log s'
 
-Online over blocks: when the logits' running max grows (c = (m - M) inv_t <= 0,
-a = e^c) every d_v grows by c and every e^{d_v} is scaled by a; when the
-reference max grows (c' likewise) every d'_v grows by c'. Hence
-    s <- a s,   t <- a (t + (c - c') s),   s' <- e^{c'} s'.
+Online over blocks: when the logits' running max grows from m to M (c = (m - M) inv_t
+<= 0, a = e^c) every e^{d_v} is scaled by a and every x_v - m grows by m - M;
+when the reference max grows from m' to M' every y_v - m' grows by m' - M'. Hence
+    s <- a s,   t <- a (t + (m - M - (m' - M')) s),   s' <- e^{c'} s'.
 Taking the differences on the raw logits keeps KL ~ 0 accurate (no cancellation
 of two entropies), and a token with e^{d_v} = 0 adds nothing (no 0 * inf).
+t is in logit units, inv_t applied at the end: a reference masked with finfo.min
+has (y_v - m') inv_t = -inf at T < 1 while the KL (e.g. 5e37 at T = 0.3) is a
+float, and e^{d_v} (x_v - m - (y_v - m')) <= 3.4e38 still is.
 
 Backward (reference logits constant), one read of each row and one write:
-    dKL/dx_j = inv_t p_j (log p_j - log q_j - KL),   0 where p_j = 0.
+    dKL/dx_j = inv_t p_j (log p_j - log q_j - KL),   0 where p_j = 0
+             = inv_t (inv_t (p_j r_j) - p_j (KL + log s - log s')),  r_j = (x_j - m) - (y_j - m')
+in that order, for the same reason. A KL beyond the float range is +inf and
+its gradient is not finite.
 """
 
 from __future__ import annotations
@@ -166,25 +172,29 @@ def _full_kl_fwd_kernel(
         offs = start + tl.arange(0, BLOCK_V)
         x = tl.load(x_row + offs, mask=offs < V, other=neg_inf).to(ACC)
         y = tl.load(y_row + offs, mask=offs < V, other=neg_inf).to(ACC)
-        m_new, ref_point, c, a = rebase(m, tl.max(x, axis=0), inv_t, ACC)
-        m_ref_new, ref_point_ref, c_ref, a_ref = rebase(m_ref, tl.max(y, axis=0), inv_t, ACC)
-        d = (x - ref_point) * inv_t
-        d_ref = (y - ref_point_ref) * inv_t
-        e = tl.exp(d)
-        term = tl.where(e > 0, e * (d - d_ref), 0.0)
-        # t' = a (t + c s) - c_ref a s: the x shift first, then the reference's
-        # (c_ref may be -inf; with no term summed yet, s = 0 adds nothing).
-        s, t = shift_sums(s, t, c, a)
+        m_new, ref_point, _, a = rebase(m, tl.max(x, axis=0), inv_t, ACC)
+        m_ref_new, ref_point_ref, _, a_ref = rebase(m_ref, tl.max(y, axis=0), inv_t, ACC)
+        dx = x - ref_point
+        dy = y - ref_point_ref
+        e = tl.exp(dx * inv_t)
+        term = tl.where(e > 0, e * (dx - dy), 0.0)
+        # The maxima's shifts in logit units (rebase's c is one times inv_t); 0
+        # while the running max is -inf, and -inf when it rose beyond the float range.
+        shift = tl.where(m == neg_inf, 0.0, m - ref_point)
+        shift_ref = tl.where(m_ref == neg_inf, 0.0, m_ref - ref_point_ref)
+        # t' = a (t + shift s) - shift_ref a s: the x shift first, then the
+        # reference's (with no term summed yet, s = 0 adds nothing).
+        s, t = shift_sums(s, t, shift.to(tl.float64), a)
         # The terms are summed in float64: where the reference masks with finfo.min,
-        # e (d - d') reaches 3e38 and a float32 sum of a few of them overflows.
-        t = tl.where(s == 0, t, t - c_ref * s) + tl.sum(term.to(tl.float64), axis=0)
+        # they reach 3e38 and a float32 sum of a few of them overflows.
+        t = tl.where(s == 0, t, t - shift_ref.to(tl.float64) * s) + tl.sum(term.to(tl.float64), axis=0)
         s += tl.sum(e, axis=0).to(tl.float64)
-        s_ref = a_ref * s_ref + tl.sum(tl.exp(d_ref), axis=0).to(tl.float64)
+        s_ref = a_ref * s_ref + tl.sum(tl.exp(dy * inv_t), axis=0).to(tl.float64)
         m = m_new
         m_ref = m_ref_new
     log_s = tl.log(s)
     log_s_ref = tl.log(s_ref)
-    tl.store(kl_ptr + row, (t / s - log_s + log_s_ref).to(ACC))
+    tl.store(kl_ptr + row, (inv_t.to(tl.float64) * t / s - log_s + log_s_ref).to(ACC))
     if WITH_STATS:
         tl.store(stats_ptr + 4 * row, m)
         tl.store(stats_ptr + 4 * row + 1, log_s.to(ACC))
@@ -210,15 +220,16 @@ def _full_kl_bwd_kernel(
     log_s_ref = tl.load(stats_ptr + 4 * row + 3).to(ACC)
     kl = tl.load(kl_ptr + row).to(ACC)
     scale = tl.load(grad_kl_ptr + row).to(ACC) * inv_t
+    offset = kl + log_s - log_s_ref
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < V
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(ACC)
         y = tl.load(y_row + offs, mask=mask, other=0.0).to(ACC)
-        logp = (x - m) * inv_t - log_s
-        logq = (y - m_ref) * inv_t - log_s_ref
-        p = tl.exp(logp)
-        grad = tl.where(p > 0, p * (logp - logq - kl), 0.0) * scale
+        dx = x - m
+        p = tl.exp(dx * inv_t - log_s)
+        r = dx - (y - m_ref)
+        grad = tl.where(p > 0, inv_t * (p * r) - p * offset, 0.0) * scale
         tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 

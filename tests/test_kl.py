@@ -183,21 +183,44 @@ def test_full_kl_edge_rows(device, backend):
     assert bool((logits.grad[3, 10:] == 0).all()), "masked vocabulary gets no gradient"
 
 
-@pytest.mark.parametrize("device,backend", BACKENDS)
-def test_full_kl_with_a_finfo_min_masked_reference(device, backend):
+def _finfo_min_masked_reference_cases():
+    """(device, backend, temperature): every backend at T = 1.7; the kernels also
+    at T < 1. The reference backend's float32 autograd cannot give a finite
+    gradient there: it forms dKL/dp(v) = r_v / T, beyond the float range where
+    the reference is masked, on the way to a finite dKL/dx."""
+    return [
+        pytest.param(*p.values, t, id=f"{p.id}-{t}", marks=p.marks)
+        for p in BACKENDS
+        for t in (1.7, 0.6, 0.3)
+        if t > 1 or p.values[1] != "reference"
+    ]
+
+
+@pytest.mark.parametrize("device,backend,temperature", _finfo_min_masked_reference_cases())
+def test_full_kl_with_a_finfo_min_masked_reference(device, backend, temperature):
     """A reference masked with finfo.min where the policy is not: the KL is huge
-    but finite in float64 (7e37 here, an fp32 number), and so are its value and
-    gradient on every backend; the terms e (d - d') of 2e38 must not overflow
-    their sum."""
-    x = torch.randn(2, 3000, device=device)
-    y = torch.randn(2, 3000, device=device)
+    but finite in float64 (1e27 to 1e37 here, fp32 numbers), and so are its
+    value and gradient on every backend. The terms e (x - m - (y - m')) of 3e38
+    must not overflow their sum, and at T < 1 (y - m') / T overflows to -inf
+    although the KL is a float: the kernels keep 1/T out of the terms (1e-5
+    relative: the terms' rounding, a few ulps, as in any row)."""
+    x = torch.randn(4, 3000, dtype=torch.float64, device=device)
+    y = torch.randn(4, 3000, dtype=torch.float64, device=device)
     y[:, ::3] = torch.finfo(torch.float32).min
+    # Less of the policy's mass on the masked tokens row by row (the KL is about
+    # that mass times 3.4e38 / T, an fp32 number for each row at T = 0.3).
+    x[:, ::3] -= torch.tensor([[3.0], [4.0], [5.0], [8.0]], dtype=torch.float64, device=device)
+    x, y = x.float(), y.float()
+    truth = x.double().requires_grad_(True)
+    expected = reference.full_kl(truth, y.double(), temperature=temperature)
+    expected.sum().backward()
     logits = x.clone().requires_grad_(True)
     with fastrl.use_backend(backend):
-        kl = fastrl.full_kl(logits, y, temperature=1.7)
+        kl = fastrl.full_kl(logits, y, temperature=temperature)
         kl.sum().backward()
-    assert_close_to_reference(kl, reference.full_kl(x.double(), y.double(), temperature=1.7), 1e-5)
+    assert_close_to_reference(kl, expected.detach(), 1e-5)
     assert torch.isfinite(logits.grad).all()
+    assert_close_to_reference(logits.grad, truth.grad, 1e-5, atol=1e-5 * float(truth.grad.abs().max()), what="grad")
 
 
 @pytest.mark.parametrize("device,backend", BACKENDS)
