@@ -243,8 +243,8 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "rollout_finalize",
-      [](std::uintptr_t stats, int64_t n_rows, std::uintptr_t metrics) {
-        fastrl::rollout_finalize(static_cast<const double*>(cptr(stats)), n_rows,
+      [](std::uintptr_t stats, int64_t n_rows, bool sequence, std::uintptr_t metrics) {
+        fastrl::rollout_finalize(static_cast<const double*>(cptr(stats)), n_rows, sequence,
                                  static_cast<float*>(mptr(metrics)));
       },
       py::call_guard<py::gil_scoped_release>());

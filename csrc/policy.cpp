@@ -361,25 +361,27 @@ void rollout_correction_forward(const RolloutCorrectionArgs& a, float* weights, 
                       (rollout_correction_impl<Acc>(a, weights, stats)))
 }
 
-void rollout_finalize(const double* stats, int64_t n_rows, float* metrics) {
+void rollout_finalize(const double* stats, int64_t n_rows, bool sequence, float* metrics) {
   double sum[kNumStats] = {};  // column sums; max / min of their columns
   sum[kRCMax] = -std::numeric_limits<double>::infinity();
   sum[kRCMin] = std::numeric_limits<double>::infinity();
+  double sequences = 0;  // rows with a valid token
   for (int64_t b = 0; b < n_rows; ++b) {
     const double* row = stats + b * kNumStats;
     for (const int c : {kRCTokens, kRCSum, kRCSumSq, kRCHigh, kRCLow, kRCMasked}) sum[c] += row[c];
     sum[kRCMax] = nan_max(sum[kRCMax], row[kRCMax]);
     sum[kRCMin] = nan_min(sum[kRCMin], row[kRCMin]);
+    sequences += row[kRCTokens] > 0;
   }
-  const double t = sum[kRCTokens];
+  const double t = sum[kRCTokens], high_low_count = sequence ? sequences : t;
   const double mean = safe_div(sum[kRCSum], t), mean_sq = safe_div(sum[kRCSumSq], t);
   const double out[] = {mean,
                         t > 0 ? sum[kRCMax] : 0.0,
                         t > 0 ? sum[kRCMin] : 0.0,
                         std::sqrt(std::max(mean_sq - mean * mean, 0.0)),  // NaN passes std::max
                         safe_div(mean * mean, mean_sq),
-                        safe_div(sum[kRCHigh], t),
-                        safe_div(sum[kRCLow], t),
+                        safe_div(sum[kRCHigh], high_low_count),
+                        safe_div(sum[kRCLow], high_low_count),
                         safe_div(sum[kRCMasked], t)};
   std::copy(std::begin(out), std::end(out), metrics);
 }

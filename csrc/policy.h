@@ -125,9 +125,9 @@ void rollout_correction_forward(const RolloutCorrectionArgs& args, float* weight
 // (float32 [8]), in double, on one thread, rows in order; x / 0 := 0:
 //   T = sum n,  mean = sum w / T,  mean_sq = sum w^2 / T
 //   [mean, max, min (both 0 when T = 0), std = sqrt(max(mean_sq - mean^2, 0)),
-//    ess = mean^2 / mean_sq, n_high / T, n_low / T, n_masked / T]
-// (at sequence level the caller divides n_high and n_low by the number of rows
-// with a valid token instead: fastrl/policy.py).
-void rollout_finalize(const double* stats, int64_t n_rows, float* metrics);
+//    ess = mean^2 / mean_sq, n_high / H, n_low / H, n_masked / T]
+// with H = T at token level, and at sequence level H = the number of rows with
+// a valid token (veRL's sequence-level fractions count sequences).
+void rollout_finalize(const double* stats, int64_t n_rows, bool sequence, float* metrics);
 
 }  // namespace fastrl

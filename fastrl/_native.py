@@ -298,8 +298,8 @@ def rollout_correction_forward(
     return weights, stats
 
 
-def rollout_finalize(stats: torch.Tensor) -> torch.Tensor:
+def rollout_finalize(stats: torch.Tensor, *, sequence: bool) -> torch.Tensor:
     """The contract of ``fastrl.kernels.policy.rollout_finalize``, on the C++ kernels."""
     metrics = torch.empty(8, dtype=torch.float32, device=stats.device)
-    native_module().rollout_finalize(stats.data_ptr(), stats.shape[0], metrics.data_ptr())
+    native_module().rollout_finalize(stats.data_ptr(), stats.shape[0], sequence, metrics.data_ptr())
     return metrics

@@ -368,7 +368,7 @@ rollout_correction_forward = _define(
 )  # fmt: skip
 
 rollout_finalize = _define(
-    "rollout_finalize(Tensor stats, str backend) -> Tensor",
-    lambda stats, backend: launchers(backend, "policy").rollout_finalize(stats),
-    lambda stats, backend: _new(stats, 8, dtype=torch.float32),
+    "rollout_finalize(Tensor stats, bool sequence, str backend) -> Tensor",
+    lambda stats, sequence, backend: launchers(backend, "policy").rollout_finalize(stats, sequence=sequence),
+    lambda stats, sequence, backend: _new(stats, 8, dtype=torch.float32),
 )  # fmt: skip

@@ -35,8 +35,6 @@ __all__ = ["agg_loss", "policy_loss", "policy_loss_from_logits", "rollout_correc
 _CORRECTION_METRICS = (
     "mean", "max", "min", "std", "eff_sample_size", "ratio_fraction_high", "ratio_fraction_low", "masked_fraction",
 )  # fmt: skip
-# rollout_correction_forward's stats columns: valid tokens, and the high / low counts.
-_RC_TOKENS, _RC_HIGH_LOW = 0, slice(5, 7)
 
 
 def _check_agg(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, device) -> dict:
@@ -355,14 +353,7 @@ def rollout_correction(
         1.0 / clip_max if clip_min is None else clip_min, backend,
     )  # fmt: skip
     names = [f"rollout_is_{name}" for name in _CORRECTION_METRICS]
-    metrics = dict(zip(names, _ops.rollout_finalize(stats, backend).unbind()))
-    if level == "sequence":
-        # veRL's sequence-level fractions count sequences, not tokens: each row with a
-        # valid token wrote 0 / 1 in the high / low columns (x / 0 := 0).
-        sequences = (stats[:, _RC_TOKENS] > 0).sum()
-        fractions = stats[:, _RC_HIGH_LOW].sum(dim=0) / sequences.clamp(min=1)
-        high, low = fractions.float().unbind()
-        metrics["rollout_is_ratio_fraction_high"], metrics["rollout_is_ratio_fraction_low"] = high, low
+    metrics = dict(zip(names, _ops.rollout_finalize(stats, level == "sequence", backend).unbind()))
     if mode != "mask":
         del metrics["rollout_is_masked_fraction"]
     return weights.view(old_log_probs.shape), metrics

@@ -348,16 +348,22 @@ def _policy_finalize_kernel(
 
 
 @triton.jit
-def _rollout_finalize_kernel(stats_ptr, B, metrics_ptr, BLOCK_B: tl.constexpr):
+def _rollout_finalize_kernel(stats_ptr, B, metrics_ptr, SEQUENCE: tl.constexpr, BLOCK_B: tl.constexpr):
     """One program: the rollout-correction metrics (see rollout_finalize)."""
     f64 = tl.float64
-    tokens = _column_sum(stats_ptr, B, 0, BLOCK_B)
+    tokens = tl.zeros([], f64)
+    sequences = tl.zeros([], f64)  # rows with a valid token
     w_max = tl.full([], float("-inf"), f64)
     w_min = tl.full([], float("inf"), f64)
     for start in range(0, B, BLOCK_B):
         rows = start + tl.arange(0, BLOCK_B)
+        n = tl.load(stats_ptr + rows * 8, mask=rows < B, other=0.0)
+        tokens += tl.sum(n, axis=0)
+        sequences += tl.sum((n > 0).to(f64), axis=0)
         w_max = tl.maximum(w_max, tl.max(tl.load(stats_ptr + rows * 8 + 3, mask=rows < B, other=float("-inf")), axis=0))
         w_min = tl.minimum(w_min, tl.min(tl.load(stats_ptr + rows * 8 + 4, mask=rows < B, other=float("inf")), axis=0))
+    # veRL's sequence-level high / low fractions count sequences, not tokens.
+    high_low_count = sequences if SEQUENCE else tokens
     mean = _safe_div(_column_sum(stats_ptr, B, 1, BLOCK_B), tokens)
     mean_sq = _safe_div(_column_sum(stats_ptr, B, 2, BLOCK_B), tokens)
     tl.store(metrics_ptr + 0, mean.to(tl.float32))
@@ -365,8 +371,10 @@ def _rollout_finalize_kernel(stats_ptr, B, metrics_ptr, BLOCK_B: tl.constexpr):
     tl.store(metrics_ptr + 2, tl.where(tokens > 0, w_min, 0.0).to(tl.float32))
     tl.store(metrics_ptr + 3, tl.sqrt(tl.maximum(mean_sq - mean * mean, 0.0)).to(tl.float32))
     tl.store(metrics_ptr + 4, _safe_div(mean * mean, mean_sq).to(tl.float32))
-    for k in tl.static_range(3):  # fractions high, low, masked
-        tl.store(metrics_ptr + 5 + k, _safe_div(_column_sum(stats_ptr, B, 5 + k, BLOCK_B), tokens).to(tl.float32))
+    for k in tl.static_range(2):  # fractions high, low
+        fraction = _safe_div(_column_sum(stats_ptr, B, 5 + k, BLOCK_B), high_low_count)
+        tl.store(metrics_ptr + 5 + k, fraction.to(tl.float32))
+    tl.store(metrics_ptr + 7, _safe_div(_column_sum(stats_ptr, B, 7, BLOCK_B), tokens).to(tl.float32))
 
 
 _FINALIZE_BLOCK = 1024
@@ -401,11 +409,13 @@ def policy_finalize(
     return loss, metrics, row_weights
 
 
-def rollout_finalize(stats: torch.Tensor) -> torch.Tensor:
+def rollout_finalize(stats: torch.Tensor, *, sequence: bool) -> torch.Tensor:
     """Metrics float32 [8] = (mean, max, min, std, effective sample size, fraction
-    high, fraction low, fraction masked) from rollout_correction_forward's stats."""
+    high, fraction low, fraction masked) from rollout_correction_forward's stats.
+    The high / low fractions are of the valid tokens, or with ``sequence`` of the
+    rows with a valid token (each wrote 0 or 1 in those columns)."""
     metrics = torch.empty(8, dtype=torch.float32, device=stats.device)
-    _rollout_finalize_kernel[(1,)](stats, stats.shape[0], metrics, BLOCK_B=_FINALIZE_BLOCK)
+    _rollout_finalize_kernel[(1,)](stats, stats.shape[0], metrics, SEQUENCE=sequence, BLOCK_B=_FINALIZE_BLOCK)
     return metrics
 
 

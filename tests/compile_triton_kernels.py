@@ -108,7 +108,7 @@ def _exercise() -> None:
         _, rc_stats = policy.rollout_correction_forward(
             rows, rows, mask, sequence=sequence, truncate=truncate, clip_min=0.0, clip_max=2.0, low_threshold=0.5
         )
-        policy.rollout_finalize(rc_stats)
+        policy.rollout_finalize(rc_stats, sequence=sequence)
 
 
 def _signature(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:

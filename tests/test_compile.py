@@ -152,7 +152,7 @@ def _opcheck_cases(device: str, backend: str) -> dict:
         "policy_backward": (*policy, policy_stats, row_weights, torch.ones((), device=dev), 3, True, 0.1, 0.0,
                             *options, True, False, backend),  # fmt: skip
         "rollout_correction_forward": (old, lp, mask, True, False, 0.5, 2.0, 0.5, backend),
-        "rollout_finalize": (correction_stats, backend),
+        "rollout_finalize": (correction_stats, True, backend),
     }
 
 
