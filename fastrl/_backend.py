@@ -19,6 +19,7 @@ import contextvars
 import functools
 import importlib
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from types import ModuleType
@@ -114,15 +115,37 @@ def _warn_reference_fallback(device_type: str) -> None:
         f"fastrl: no fused kernel is available for {device_type} tensors "
         "(native extension not built or triton missing); running the PyTorch reference",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=5,  # past _select_backend, select_backend and the op's helper: the public op
     )
 
 
-# Under torch.compile the backend is chosen once, when the function is traced.
-@torch.compiler.assume_constant_result
+# Under torch.compile the backend is chosen once, when the function is traced: dynamo must
+# call _select_backend natively and take its result as a constant (tracing it graph-breaks on
+# ContextVar.get). @torch.compiler.assume_constant_result tells dynamo so, but applying it
+# imports torch._dynamo (about 3 s, Triton with it), which `import fastrl` must not cost. So
+# it is applied on first use under compilation, when dynamo is loaded anyway: dynamo resolves
+# a module's attribute with a real getattr, so in the traced select_backend the lookup
+# `_MODULE._select_backend_as_constant` runs the module __getattr__ below, which marks
+# _select_backend before dynamo inspects it. Eager calls never touch the decorator.
+_MODULE = sys.modules[__name__]
+
+
 def select_backend(device: torch.device, *, has_cuda_kernel: bool = True) -> str:
     """The backend that runs an op on tensors of ``device``; ``has_cuda_kernel``
     says whether the op has a CUDA C++ kernel (else native is CPU-only)."""
+    if torch.compiler.is_compiling():
+        return _MODULE._select_backend_as_constant(device, has_cuda_kernel)
+    return _select_backend(device, has_cuda_kernel)
+
+
+def __getattr__(name: str):
+    if name == "_select_backend_as_constant":
+        marked = globals()[name] = torch.compiler.assume_constant_result(_select_backend)
+        return marked
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _select_backend(device: torch.device, has_cuda_kernel: bool) -> str:
     name = forced_backend()
     if name is not None:
         why = _unavailable(name, device, has_cuda_kernel)

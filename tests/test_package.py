@@ -76,6 +76,36 @@ def test_wheel_contents(tmp_path):
         assert not any(n.startswith(("tests/", "bench/", "csrc/")) for n in names), names
 
 
+# ---- import cost -----------------------------------------------------------------------------
+
+
+def test_import_loads_neither_triton_nor_dynamo():
+    """Triton and torch._dynamo (seconds each) load on first use, never on `import fastrl`."""
+    code = "import sys, fastrl; print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/").stdout
+    assert out.strip() == "[]", f"`import fastrl` imported {out.strip()}"
+
+
+def test_import_costs_little_more_than_torch():
+    """`import fastrl` costs at most 0.3 s more than `import torch` (it cost about 2.7 s more
+    while it loaded torch._dynamo and Triton). Each fresh interpreter times `import torch`, then
+    `import fastrl`: the second is exactly what fastrl adds. Timing both in one process keeps
+    out the spread of torch's own import between processes (2.6 to 7 s on a busy 2-core box,
+    which would swamp the bound); the minimum of 5 runs drops the runs that a busy machine
+    slowed down (load only ever adds time). fastrl's share measures about 0.1 s under load,
+    so the bound leaves some 0.2 s for what noise remains in the minimum."""
+    code = (
+        "import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); import fastrl; "
+        "print(t1 - t0, time.perf_counter() - t1)"
+    )
+    runs = []  # (seconds of import torch, seconds of the import fastrl after it), per interpreter
+    for _ in range(5):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/").stdout
+        runs.append(tuple(float(seconds) for seconds in out.split()))
+    extra = min(fastrl_s for _, fastrl_s in runs)
+    assert extra <= 0.3, f"import fastrl adds {extra:.2f} s to import torch; (torch, fastrl) seconds per run: {runs}"
+
+
 # ---- dispatch --------------------------------------------------------------------------------
 
 
