@@ -11,6 +11,8 @@ function behaves as CUDA does without ``FASTRL_CHECKS``.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 
@@ -228,3 +230,34 @@ def check_bool(value: object, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
     return value
+
+
+def keyword_only_options(op=None, *, hint: str = ""):
+    """Wraps a public op whose options are keyword-only so that one passed
+    positionally fails naming the fix, where Python's own error ("takes 2
+    positional arguments but 3 were given") does not say which names to use;
+    ``hint`` adds what the caller most likely meant (another framework's
+    positional signature). The trap it closes: TRL's
+    ``selective_log_softmax(logits, index, temperature)`` takes the temperature
+    positionally. ``@keyword_only_options`` or ``@keyword_only_options(hint=...)``;
+    the signature ``inspect`` / ``help`` show stays the op's own (``functools.wraps``)."""
+    if op is None:
+        return functools.partial(keyword_only_options, hint=hint)
+    params = inspect.signature(op).parameters.values()
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    keywords = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
+    limit, name = len(positional), op.__name__
+    suffix = f" ({hint})" if hint else ""
+
+    @functools.wraps(op)
+    def checked(*args, **kwargs):
+        if len(args) > limit:
+            one = len(keywords) == 1
+            raise TypeError(
+                f"{name}() takes {limit} positional argument{'' if limit == 1 else 's'} ({', '.join(positional)}) "
+                f"but {len(args)} were given; {', '.join(keywords)} {'is' if one else 'are'} keyword-only: "
+                f"pass {'it' if one else 'them'} by name, e.g. {name}(..., {keywords[0]}=...){suffix}"
+            )
+        return op(*args, **kwargs)
+
+    return checked

@@ -101,6 +101,7 @@ class _FullKL(torch.autograd.Function):
         return grad.reshape(ctx.logits_shape), None, None, None
 
 
+@_validation.keyword_only_options
 def full_kl(
     logits: torch.Tensor, ref_logits: torch.Tensor, *, temperature: float | torch.Tensor = 1.0
 ) -> torch.Tensor:

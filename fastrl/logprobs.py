@@ -25,6 +25,8 @@ the caller's to know: after the backward, the logits tensor holds the gradient.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from . import _ops, _validation, reference
@@ -165,6 +167,28 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entro
     return reshape(logprob), reshape(entropy)
 
 
+def _check_inplace_backward(value: object) -> None:
+    """``logprobs_from_logits``' third positional argument is veRL's
+    ``inplace_backward``; TRL's ``selective_log_softmax(logits, index, temperature)``
+    has the temperature there. A number or tensor in that place is a temperature
+    given positionally: say so, rather than only that it is not a bool."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.Tensor)):
+        return
+    if isinstance(value, torch.Tensor):
+        got, shown = "a tensor", "..."
+    else:
+        got, shown = f"{type(value).__name__} {value!r}", repr(value)
+    raise TypeError(
+        f"inplace_backward must be a bool; got {got}. If that is the temperature: temperature is keyword-only, "
+        f"pass temperature={shown} (TRL's selective_log_softmax takes the temperature third; fastrl's third "
+        f"positional argument is veRL's inplace_backward)"
+    )
+
+
+_TRL_TEMPERATURE = "TRL's selective_log_softmax takes the temperature third; here pass temperature=... by name"
+
+
+@_validation.keyword_only_options(hint=_TRL_TEMPERATURE)
 def logprobs_from_logits(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -186,15 +210,23 @@ def logprobs_from_logits(
             allocating a new ``[..., V]`` tensor (module docstring: the logits'
             version counter moves, so other users of them raise; a leaf or
             overlapping rows get a fresh buffer). Default False, where veRL's
-            defaults to True.
-        temperature: positive float, or a tensor of per-row temperatures
-            broadcastable to ``labels.shape``.
-        ignore_index: label whose log-prob is 0 and whose gradient is 0.
+            defaults to True: pass True (positionally, as veRL's callers may) to
+            get its in-place backward.
+        temperature: keyword-only (TRL's ``selective_log_softmax`` takes it
+            third, positionally; a number there raises a TypeError saying so):
+            positive float, or a tensor of per-row temperatures broadcastable
+            to ``labels.shape``.
+        ignore_index: keyword-only; label whose log-prob is 0 and whose gradient is 0.
     """
+    _check_inplace_backward(inplace_backward)
     logprob, _ = _run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy=False)
     return logprob
 
 
+@_validation.keyword_only_options(
+    hint="TRL's selective_log_softmax_and_entropy takes entropy_requires_grad and temperature positionally; here pass "
+    "temperature=... by name, and the entropy's gradient is computed only when the entropy reaches the loss"
+)
 def logprobs_and_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -210,6 +242,10 @@ def logprobs_and_entropy(
     return _run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy=True)
 
 
+@_validation.keyword_only_options(
+    hint="TRL's entropy_from_logits(logits, chunk_size) takes a chunk size second: fastrl needs none, it never "
+    "materialises the [N, V] probabilities"
+)
 def entropy_from_logits(logits: torch.Tensor, *, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Entropy of ``softmax(logits / temperature)`` per row, float32, differentiable."""
     _, entropy = _run(logits, None, temperature, -100, False, with_entropy=True)

@@ -80,6 +80,35 @@ def _mask_rows(mask: torch.Tensor) -> torch.Tensor:
     return rows.contiguous().view(torch.uint8)
 
 
+def _check_order(current: torch.Tensor, current_name: str, old_log_probs: torch.Tensor) -> None:
+    """Refuses the fingerprint of the current and old log-probs passed in each
+    other's place (veRL's ``compute_policy_loss_vanilla(old_log_prob, log_prob, ...)``
+    takes the old ones first): with grad enabled, ``old_log_probs`` requires grad
+    but the current policy's input does not, so the loss would have no gradient
+    and torch would only say "element 0 of tensors does not require grad" at
+    backward. Reads ``requires_grad`` alone: no host sync, static under
+    torch.compile. (Under ``torch.no_grad`` a swap cannot be told from a correct
+    call; passing the tensors by name rules it out.)"""
+    if not (torch.is_grad_enabled() and old_log_probs.requires_grad and not current.requires_grad):
+        return
+    if current_name == "log_probs":
+        fix = (
+            "the two look swapped: fastrl.policy_loss(log_probs, old_log_probs, advantages, response_mask, ...) takes "
+            "the current policy's log-probs first, where veRL's compute_policy_loss_vanilla(old_log_prob, log_prob, "
+            "...) takes the old ones first. Call it in fastrl's order or by name (log_probs=..., old_log_probs=...)"
+        )
+    else:
+        fix = (
+            "policy_loss_from_logits(logits, labels, old_log_probs, ...) differentiates through the current policy's "
+            "logits only: pass logits that require grad"
+        )
+    raise ValueError(
+        f"old_log_probs requires grad but {current_name} does not, so the loss would have no gradient; {fix}. "
+        "If old_log_probs really are the old policy's, compute them under torch.no_grad() or pass "
+        "old_log_probs.detach()"
+    )
+
+
 class _PolicyLoss(torch.autograd.Function):
     """The aggregated loss of [B, L] rows and its metrics: one kernel for the
     per-row sums, one for the aggregation; outputs (loss, metrics [6])."""
@@ -124,6 +153,9 @@ class _PolicyLoss(torch.autograd.Function):
         return grad_logp if need_logp else None, grad_values if need_values else None, None, None, None, None
 
 
+@_validation.keyword_only_options(
+    hint="veRL's agg_loss takes dp_size and the global counts positionally after loss_agg_mode"
+)
 def agg_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
@@ -165,6 +197,10 @@ def agg_loss(
     return loss
 
 
+@_validation.keyword_only_options(
+    hint="veRL's compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config) "
+    "takes the options positionally and the old log-probs first; fastrl takes the current log_probs first"
+)
 def policy_loss(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -211,10 +247,18 @@ def policy_loss(
     detached 0-d fp32 tensors (no host sync): ``pg_loss``, ``pg_clipfrac``,
     ``pg_clipfrac_lower``, ``ppo_kl``, plus ``kl`` and ``entropy`` (their
     aggregated values) when those inputs are given.
+
+    Argument order: the current log-probs first, as OpenRLHF's ``PolicyLoss``;
+    veRL's ``compute_policy_loss_vanilla`` takes the old ones first. With grad
+    enabled, ``old_log_probs`` requiring grad while ``log_probs`` does not (veRL's
+    order kept) raises a ValueError saying so, instead of a loss with no
+    gradient. Under ``torch.no_grad`` a swap cannot be detected: pass the two by
+    name when porting veRL code.
     """
     _validation.check_per_token(log_probs, "log_probs")
     for name, t in (("old_log_probs", old_log_probs), ("advantages", advantages)):
         _validation.check_per_token(t, name, like=log_probs)
+    _check_order(log_probs, "log_probs", old_log_probs)
     _validation.check_mask(response_mask, "response_mask", log_probs)
     for name, t in (("rollout_is_weights", rollout_is_weights), ("ref_log_probs", ref_log_probs), ("entropy", entropy)):
         if t is not None:
@@ -268,6 +312,7 @@ def policy_loss(
     return loss, metrics
 
 
+@_validation.keyword_only_options
 def policy_loss_from_logits(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -292,6 +337,9 @@ def policy_loss_from_logits(
     Returns ``(loss, metrics)`` as :func:`policy_loss`."""
     if "entropy" in options:
         raise TypeError("policy_loss_from_logits computes the entropy from the logits; pass with_entropy=True instead")
+    _validation.check_logits(logits)
+    _validation.check_per_token(old_log_probs, "old_log_probs")
+    _check_order(logits, "logits", old_log_probs)
     if with_entropy is None:
         with_entropy = options.get("entropy_coef", 0.0) != 0
     _validation.check_bool(with_entropy, "with_entropy")
@@ -299,6 +347,7 @@ def policy_loss_from_logits(
     return policy_loss(log_probs, old_log_probs, advantages, response_mask, entropy=entropy, **options)
 
 
+@_validation.keyword_only_options
 def rollout_correction(
     old_log_probs: torch.Tensor,
     rollout_log_probs: torch.Tensor,

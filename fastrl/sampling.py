@@ -141,6 +141,7 @@ def _reference_args(logits: torch.Tensor, params: dict) -> dict:
     return {k: v.view(rows) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
 
 
+@_validation.keyword_only_options
 def sample(
     logits: torch.Tensor,
     *,
@@ -213,6 +214,7 @@ class _TruncatedLogprobs(torch.autograd.Function):
         return grad_rows.reshape(ctx.logits_shape), None, None, None
 
 
+@_validation.keyword_only_options
 def truncated_logprobs(
     logits: torch.Tensor,
     labels: torch.Tensor,

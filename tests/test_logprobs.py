@@ -4,6 +4,8 @@ CPU or compiled on GPU, and the reference itself)."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from conftest import (
@@ -673,6 +675,71 @@ def test_bad_flags():
     # int32 labels: torch would wrap 2**32 - 100 to -100 in a comparison, the kernels would not
     with pytest.raises(ValueError, match=r"ignore_index must fit the labels' dtype torch.int32"):
         fastrl.logprobs_from_logits(logits, labels.int(), ignore_index=2**32 - 100)
+
+
+@pytest.mark.parametrize(
+    "temperature,shown",
+    [(0.7, "temperature=0.7"), (2, "temperature=2"), (torch.tensor([[0.7], [1.0]]), r"temperature=\.\.\.")],
+    ids=["float", "int", "tensor"],
+)
+def test_trl_positional_temperature_names_the_keyword(temperature, shown):
+    """TRL's selective_log_softmax(logits, index, temperature) takes the temperature
+    third, where logprobs_from_logits has veRL's inplace_backward: the error says
+    that temperature is keyword-only and how to pass it, before any kernel runs."""
+    logits, labels = _ok()
+    with pytest.raises(TypeError, match=rf"inplace_backward must be a bool.*temperature is keyword-only, pass {shown}"):
+        fastrl.logprobs_from_logits(logits, labels, temperature)
+    # TRL's fourth positional (row_mask) and the temperature after a veRL flag: Python's binding error, named
+    with pytest.raises(TypeError, match=r"takes 3 positional arguments .* but 4 were given; temperature, ignore_index "
+                                        r"are keyword-only: pass them by name.*temperature=\.\.\."):  # fmt: skip
+        fastrl.logprobs_from_logits(logits, labels, True, 0.7)
+
+
+def test_keyword_only_options_passed_positionally_name_the_keywords():
+    """Every op whose options are keyword-only says which names to use when one
+    is passed positionally (TRL's helpers take them positionally), instead of
+    Python's bare "takes 2 positional arguments but 3 were given"."""
+    logits, labels = _ok()
+    per_token, mask = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    calls = [
+        (lambda: fastrl.logprobs_and_entropy(logits, labels, True, 0.7),  # TRL's (..., entropy_requires_grad, T)
+         r"logprobs_and_entropy\(\) takes 2 positional arguments \(logits, labels\) but 4 were given; temperature, "
+         r"inplace_backward, ignore_index are keyword-only.*selective_log_softmax_and_entropy"),
+        (lambda: fastrl.entropy_from_logits(logits, 128),  # TRL's (logits, chunk_size)
+         r"temperature is keyword-only: pass it by name.*chunk size"),
+        (lambda: fastrl.sample(logits, 0.7), r"sample\(\) takes 1 positional argument \(logits\) but 2 were given; "
+                                             r"temperature, top_k, top_p, min_p, seed, offset are keyword-only"),
+        (lambda: fastrl.truncated_logprobs(logits, labels, 0.7), r"temperature, top_k, top_p, min_p are keyword-only"),
+        (lambda: fastrl.full_kl(logits, logits, 0.7), r"full_kl\(\) .* temperature is keyword-only"),
+        (lambda: fastrl.agg_loss(per_token, mask, "token-mean", 2), r"dp_size, batch_num_tokens, .* keyword-only"),
+        (lambda: fastrl.rollout_correction(per_token, per_token, mask, "sequence"), r"level, mode, .* keyword-only"),
+        (lambda: fastrl.policy_loss_from_logits(logits, labels, per_token, per_token, mask, 0.7),
+         r"temperature, inplace_backward, ignore_index, with_entropy are keyword-only"),
+    ]  # fmt: skip
+    for call, match in calls:
+        with pytest.raises(TypeError, match=match):
+            call()
+
+
+@pytest.mark.parametrize("backend", [b for b in kernel_backends("cpu") if b == "native"] + ["reference"])
+def test_verl_inplace_backward_default_stays_false(backend):
+    """veRL's logprobs_from_logits defaults to inplace_backward=True; ours stays
+    False on purpose (README, drop-in): by default the logits are never
+    overwritten, and veRL's positional flag is still taken. The wrapper naming
+    keyword-only options keeps the op's own signature for inspect / help."""
+    params = inspect.signature(fastrl.logprobs_from_logits).parameters
+    assert list(params)[:3] == ["logits", "labels", "inplace_backward"]
+    assert params["inplace_backward"].default is False
+    assert params["temperature"].kind is inspect.Parameter.KEYWORD_ONLY
+    logits, labels = _ok()
+    with fastrl.use_backend(backend):
+        h = logits.clone().requires_grad_(True) * 1.0  # a non-leaf activation, which in-place could overwrite
+        fastrl.logprobs_from_logits(h, labels).sum().backward()
+        assert torch.equal(h.detach(), logits), "the default backward must leave the logits as they were"
+        h = logits.clone().requires_grad_(True) * 1.0
+        fastrl.logprobs_from_logits(h, labels, True).sum().backward()  # veRL's positional flag
+    # The kernel honours it (the logits' storage now holds the gradient); the reference ignores it.
+    assert torch.equal(h.detach(), logits) == (backend == "reference")
 
 
 @pytest.mark.parametrize("device,backend", BACKENDS)

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_close_to_reference, backend_params, make_labels, make_logits
+from conftest import assert_close_to_reference, backend_params, kernel_backends, make_labels, make_logits
 
 import fastrl
 from fastrl import reference
@@ -383,6 +383,62 @@ def test_bad_input_raises_naming_the_argument(device, backend):
         for call, error, match in _bad_policy_calls(device):
             with pytest.raises(error, match=match):
                 call()
+
+
+SWAPPED = (
+    r"old_log_probs requires grad but log_probs does not, so the loss would have no gradient; the two look swapped"
+)
+
+
+@pytest.mark.parametrize("backend", [b for b in kernel_backends("cpu") if b == "native"] + ["reference"])
+def test_verl_argument_order_raises_naming_the_fix(backend):
+    """veRL's compute_policy_loss_vanilla(old_log_prob, log_prob, ...) takes the old
+    log-probs first; kept with fastrl.policy_loss, the loss would have no gradient
+    and torch would only say "element 0 of tensors does not require grad" at
+    backward. The swap is refused at call time, naming fastrl's order and the
+    keywords, on every backend (before any kernel); fastrl's order, positional or
+    by name, runs and differentiates."""
+    inputs = per_token_inputs((2, 5))
+    logp = inputs["log_probs"].clone().requires_grad_(True)  # the current policy, as a model gives it
+    old, adv, mask = inputs["old_log_probs"], inputs["advantages"], inputs["response_mask"]
+    entropy = inputs["entropy"].clone().requires_grad_(True)
+    with fastrl.use_backend(backend):
+        with pytest.raises(ValueError, match=SWAPPED + r": fastrl\.policy_loss\(log_probs, old_log_probs, advantages, "
+                           r"response_mask, \.\.\.\) takes the current policy's log-probs first, where veRL's "
+                           r"compute_policy_loss_vanilla\(old_log_prob, log_prob, \.\.\.\) takes the old ones first\. "
+                           r"Call it in fastrl's order or by name \(log_probs=\.\.\., old_log_probs=\.\.\.\)"):
+            fastrl.policy_loss(old, logp, adv, mask)  # veRL's order
+        with pytest.raises(ValueError, match=SWAPPED):  # an entropy term with a gradient does not hide it
+            fastrl.policy_loss(old, logp, adv, mask, entropy=entropy, entropy_coef=0.01)
+        # veRL's fifth positional argument, loss_agg_mode: the keyword-only options are named, with veRL's order
+        positional = r"policy_loss\(\) takes 4 positional arguments .* but 5 were given; "
+        with pytest.raises(TypeError, match=positional + r"clip_ratio_low, .*loss_agg_mode.* are keyword-only.*old "
+                                                         r"log-probs first"):  # fmt: skip
+            fastrl.policy_loss(old, logp, adv, mask, "token-mean")
+        for loss, _ in (fastrl.policy_loss(logp, old, adv, mask),
+                        fastrl.policy_loss(old_log_probs=old, log_probs=logp, advantages=adv, response_mask=mask)):
+            (grad,) = torch.autograd.grad(loss, logp)
+            assert grad[mask].abs().sum() > 0
+        with torch.no_grad():  # no gradient to lose: a metrics-only call is not refused
+            fastrl.policy_loss(logp, old.clone().requires_grad_(True), adv, mask)
+        # old log-probs that require grad beside current ones that do too: a constant, as documented
+        fastrl.policy_loss(logp, logp * 1.0, adv, mask)[0].backward()
+
+
+def test_policy_loss_from_logits_refuses_a_loss_without_gradient():
+    """From the logits: old_log_probs requiring grad while the logits do not is
+    the same no-gradient loss; the error names the logits, not log_probs."""
+    logits = torch.randn(2, 3, 7)
+    labels = torch.randint(7, (2, 3))
+    old = -torch.rand(2, 3, requires_grad=True)
+    adv, mask = torch.randn(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"old_log_probs requires grad but logits does not, so the loss would have no "
+                                         r"gradient; .* pass logits that require grad\..* torch\.no_grad\(\) or pass "
+                                         r"old_log_probs\.detach\(\)"):  # fmt: skip
+        fastrl.policy_loss_from_logits(logits, labels, old, adv, mask)
+    loss, _ = fastrl.policy_loss_from_logits(logits.requires_grad_(True), labels, old.detach(), adv, mask)
+    loss.backward()
+    assert logits.grad is not None
 
 
 @pytest.mark.gpu
