@@ -35,6 +35,7 @@ import contextlib
 import copy
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -289,6 +290,11 @@ def greedy_accuracy(model, prompts, targets, args) -> float:
     return (reward_of(responses, targets) == 1).float().mean().item()
 
 
+def _interactive() -> bool:
+    """Whether both stdout (the step lines) and stderr (tqdm's bar) are terminals."""
+    return all(stream is not None and stream.isatty() for stream in (sys.stdout, sys.stderr))
+
+
 def train(args, backend: str) -> RunResult:
     """The whole GRPO run on ``backend``: "fastrl" (the fused kernels fastrl picks
     for the device) or "reference" (fastrl's PyTorch reference of every op).
@@ -305,7 +311,9 @@ def train(args, backend: str) -> RunResult:
     result = RunResult(backend)
     with fastrl.use_backend("reference") if backend == "reference" else contextlib.nullcontext():
         result.greedy_before = greedy_accuracy(policy, eval_prompts, eval_targets, args)
-        bar = tqdm(range(args.steps), desc=f"GRPO [{backend}]", dynamic_ncols=True)
+        # A progress bar only on a terminal: written to a file or a pipe, its
+        # redraws would interleave with the step lines.
+        bar = tqdm(range(args.steps), desc=f"GRPO [{backend}]", dynamic_ncols=True, disable=not _interactive())
         start = time.perf_counter()
         for step in bar:
             # The first steps are not timed: Triton compiles its kernels on first use.
@@ -354,14 +362,17 @@ def summary(result: RunResult, window: int) -> str:
 
 def per_step_ms(result: RunResult) -> dict[str, float]:
     """Milliseconds per training step in each timed region, their total, the rest
-    of the step and the whole step: each the median over the timed steps (robust
-    to the odd step stalled by another process on a shared machine)."""
+    of the step and the whole step: each the mean over the timed steps, so that
+    the table adds up (the op rows sum to "all fastrl ops", and that plus "rest"
+    is the whole step; medians would not: the median of a sum is not the sum of
+    the medians). A step stalled by another process on a shared machine counts in
+    the mean like any other."""
     labels = (*FASTRL_OPS, "all fastrl ops", "rest (model, optimizer, ...)", "whole training step")
     per_step = []  # one row of values per step, in the order of labels
     for seconds in result.step_seconds:
         ops = sum(seconds[op] for op in FASTRL_OPS)
         per_step.append([seconds[op] for op in FASTRL_OPS] + [ops, seconds["step"] - ops, seconds["step"]])
-    return {label: 1e3 * statistics.median(column) for label, column in zip(labels, zip(*per_step))}
+    return {label: 1e3 * statistics.fmean(column) for label, column in zip(labels, zip(*per_step))}
 
 
 def timing_table(results: list[RunResult]) -> str:
@@ -456,7 +467,9 @@ def main(argv=None) -> list[RunResult]:
     for result in results:
         print(summary(result, window))
     if results[0].step_seconds:
-        print(f"\nMilliseconds per training step on {args.device}, median of {len(results[0].step_seconds)} steps:")
+        timed = len(results[0].step_seconds)
+        print(f"\nMilliseconds per training step on {args.device}, mean over {timed} steps "
+              f"(the first {args.steps - timed} left out: warm-up):")  # fmt: skip
         print(timing_table(results))
     if args.plot:
         plot(results, args.plot, window)

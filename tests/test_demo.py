@@ -43,6 +43,22 @@ def test_grpo_demo_reward_rises(tmp_path, capsys):
     early = [abs(a["reward"] - b["reward"]) for a, b in zip(fastrl_run.history[:10], reference_run.history[:10])]
     assert max(early) < 0.05, f"fastrl and reference diverge early: reward differences {early}"
 
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "speed-up" in out and "policy_loss bwd" in out
+    # The timing table adds up: its op rows sum to "all fastrl ops", and that plus
+    # "rest" is the whole step (each row a mean over the same steps), per backend.
+    rows = {}
+    for line in out.splitlines():
+        for label in (*demo.FASTRL_OPS, "all fastrl ops", "rest (model, optimizer, ...)", "whole training step"):
+            if line.startswith(label + " "):
+                rows[label] = [float(v) for v in line[len(label):].split()[-3:-1]]  # fastrl, reference ms/step
+    assert len(rows) == len(demo.FASTRL_OPS) + 3, out
+    for column in range(2):
+        ops = sum(rows[op][column] for op in demo.FASTRL_OPS)
+        assert abs(ops - rows["all fastrl ops"][column]) <= 0.001 * len(demo.FASTRL_OPS) + 1e-9, (column, rows)
+        total = rows["all fastrl ops"][column] + rows["rest (model, optimizer, ...)"][column]
+        assert abs(total - rows["whole training step"][column]) <= 0.002, (column, rows)
+    # Captured output is not a terminal: no progress bar between the step lines.
+    assert "GRPO [" not in captured.err and "\r" not in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
