@@ -743,23 +743,15 @@ def test_trl_fallbacks(trl):
 
 
 def _import_openrlhf_loss_modules():
-    """openrlhf.models.utils and .loss. Importing them runs openrlhf/models/__init__.py,
-    which imports the Actor and so flash-attn (a CUDA build) and peft; where those are
-    missing (CPU CI), the two modules are loaded from the installed package with that
-    __init__ bypassed: their own imports (torch, deepspeed) are real."""
-    try:
-        return importlib.import_module("openrlhf.models.utils"), importlib.import_module("openrlhf.models.loss")
-    except ModuleNotFoundError as error:
-        if error.name not in ("flash_attn", "peft", "ring_flash_attn"):
-            raise
-    if not isinstance(sys.modules.get("openrlhf.models"), types.ModuleType) or not getattr(
-        sys.modules.get("openrlhf.models"), "__fastrl_test_stub__", False
-    ):
-        package = types.ModuleType("openrlhf.models")
-        package.__path__ = [os.path.join(os.path.dirname(importlib.util.find_spec("openrlhf").origin), "models")]
-        package.__fastrl_test_stub__ = True
-        sys.modules["openrlhf.models"] = package
-    return importlib.import_module("openrlhf.models.utils"), importlib.import_module("openrlhf.models.loss")
+    """openrlhf.models.utils and .loss as fastrl.integrations.openrlhf.patch() imports
+    them: through openrlhf.models, or, where its __init__ cannot import (the Actor
+    needs flash-attn, a CUDA build, and peft), the two installed files themselves.
+    Either way OpenRLHF's own code with its own imports (torch, deepspeed): no stub."""
+    utils, loss = importlib.import_module("fastrl.integrations.openrlhf").load_loss_modules()
+    package = os.path.dirname(importlib.util.find_spec("openrlhf").origin)
+    for module, name in ((utils, "utils.py"), (loss, "loss.py")):
+        assert module.__file__ == os.path.join(package, "models", name), module.__file__
+    return utils, loss
 
 
 @pytest.fixture
@@ -894,6 +886,26 @@ FRAMEWORKS = [
     ("trl", "TRL", "trl", "1.16.x", "trl.trainer.utils", "selective_log_softmax"),
     ("openrlhf", "OpenRLHF", "openrlhf", "0.11.x", "openrlhf.models.utils", "log_probs_from_logits"),
 ]
+
+
+def test_patch_in_a_fresh_process():
+    """What a user's script does, in a process with nothing imported before: each
+    installed framework's patch() succeeds and its module then holds fastrl's
+    function (OpenRLHF's among them on a machine without flash-attn, where
+    openrlhf.models cannot import)."""
+    installed = [f for f in FRAMEWORKS if importlib.util.find_spec(f[0]) is not None]
+    if not installed:
+        pytest.skip("no framework is installed (make setup installs them)")
+    code = "; ".join(
+        f"import fastrl.integrations.{name}; fastrl.integrations.{name}.patch(); from {module} import {function}; "
+        f"print({name!r}, hasattr({function}, '__fastrl_original__'))"
+        for name, _, _, _, module, function in installed
+    )
+    env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd="/")
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.endswith(("True", "False"))]
+    assert lines == [f"{f[0]} True" for f in installed], run.stdout[-3000:]
 
 
 @pytest.mark.parametrize("name,display,distribution,supported,module,function", FRAMEWORKS, ids=[f[0] for f in FRAMEWORKS])

@@ -15,8 +15,15 @@ The functions are replaced in their modules and in every loaded module that
 imported them by name (``openrlhf.models.actor``, ``openrlhf.trainer.ray.ppo_actor``,
 ``openrlhf.trainer.ppo_utils.experience_maker``, ... whichever are loaded); the loss
 modules' own ``SFTLoss`` / ``ValueLoss`` then aggregate with fastrl too.
-``openrlhf.models`` imports the actor, which needs flash-attn and peft (GPU
-machines); the patch imports the two modules through it like OpenRLHF does.
+The two modules are imported through ``openrlhf.models`` as OpenRLHF does. That
+package's ``__init__`` also imports the Actor and the reward / critic models, which
+need flash-attn (a CUDA build; OpenRLHF's own requirements pin it), peft and
+transformers. Where that import fails for a missing module (a machine without
+CUDA, where OpenRLHF's models cannot run but its losses can), ``patch()`` loads
+the two modules themselves from the installed OpenRLHF, under their own names
+(``load_loss_modules``): the same files, run with their own imports (torch and
+deepspeed), only ``openrlhf/models/__init__.py`` is not run. Code that then does
+``from openrlhf.models.utils import compute_approx_kl`` gets them (and the patch).
 
 OpenRLHF's conventions kept:
 
@@ -62,7 +69,11 @@ advantages that require grad; and every call fastrl's argument checks reject.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
+import os
+import sys
+from types import ModuleType
 
 import torch
 
@@ -86,11 +97,48 @@ from . import patch as _patch
 from . import patched as _patched
 from . import unpatch as _unpatch
 
-__all__ = ["FRAMEWORK", "OPS", "patch", "patched", "unpatch"]
+__all__ = ["FRAMEWORK", "OPS", "load_loss_modules", "patch", "patched", "unpatch"]
 
 _NAME = "openrlhf"
 _UTILS = "openrlhf.models.utils"
 _LOSS = "openrlhf.models.loss"
+
+
+def load_loss_modules() -> tuple[ModuleType, ModuleType]:
+    """``openrlhf.models.utils`` and ``openrlhf.models.loss``, the modules that hold
+    the functions :func:`patch` replaces: imported through ``openrlhf.models``, or,
+    when that package's ``__init__`` fails for a missing module (flash-attn, peft,
+    transformers: what its Actor and models need), loaded from their files in the
+    installed OpenRLHF under their own names, their own imports (torch, deepspeed)
+    real. Raises the ImportError of those imports when they fail too."""
+    try:
+        return importlib.import_module(_UTILS), importlib.import_module(_LOSS)
+    except ModuleNotFoundError as error:
+        if error.name is None or error.name.split(".")[0] == "openrlhf":  # not OpenRLHF 0.11's layout
+            raise
+        package_error = error
+    if all(name in sys.modules for name in (_UTILS, _LOSS)):
+        return sys.modules[_UTILS], sys.modules[_LOSS]
+    spec = importlib.util.find_spec("openrlhf")
+    directory = os.path.join(next(iter(spec.submodule_search_locations)), "models")
+    for name in (_UTILS, _LOSS):  # loss imports masked_mean from .utils: utils first
+        if name in sys.modules:
+            continue
+        path = os.path.join(directory, name.rsplit(".", 1)[1] + ".py")
+        if not os.path.isfile(path):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException as error:
+            del sys.modules[name]
+            raise ImportError(
+                f"fastrl.integrations.openrlhf: importing {name} failed: {error} (openrlhf.models itself "
+                f"failed first: {package_error})"
+            ) from error
+    return sys.modules[_UTILS], sys.modules[_LOSS]
 
 
 @functools.cache
@@ -254,6 +302,13 @@ def patch(ops=None) -> dict[str, list[str]]:
     fastrl's adapters wherever they are loaded; returns where, per op. Idempotent.
     Raises ``UnsupportedVersionError`` naming the installed OpenRLHF when it is not
     0.11.x or its functions' layout differs."""
+    if importlib.util.find_spec(_NAME) is not None:  # else _patch says OpenRLHF is not installed
+        try:
+            load_loss_modules()
+        except ModuleNotFoundError as error:
+            if error.name is None or error.name.split(".")[0] != "openrlhf":
+                raise
+            # Another layout than 0.11's: _patch names the version and what is missing.
     return _patch(FRAMEWORK, ops)
 
 
