@@ -2,15 +2,29 @@
 
 `pip install .` / `pip install -e .` configure CMake with the Ninja generator and
 build the native extension fastrl._C (CPU kernels always; CUDA kernels when
-CMake finds a CUDA toolkit). The Triton kernels in kernels/ install as the
-subpackage fastrl.kernels. FASTRL_NO_NATIVE=1 skips the native build entirely
-(the package then runs on the Triton and reference backends).
+CMake finds a CUDA toolkit, unless FASTRL_NO_CUDA=1). The Triton kernels in
+kernels/ install as the subpackage fastrl.kernels. FASTRL_NO_NATIVE=1 skips the
+native build entirely (the package then runs on the Triton and reference backends).
+
+The CMake build directory persists across installs, under
+build/cmake/<python>-<build type>-<cuda|nocuda>/ in the source tree (`make clean`
+removes it): reinstalling with nothing changed compiles nothing, and a change to
+one csrc/ file recompiles that file only. The directory is wiped and configured
+afresh when the tools that configured it change (the Python, CMake, Ninja or
+pybind11 paths, or the CMake options), so a stale cache is never reused; and it
+is locked while a build runs, so that two installs from one tree do not build in
+it at once.
 """
 
+import contextlib
+import filecmp
+import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -24,25 +38,107 @@ class CMakeExtension(Extension):
         super().__init__(name, sources=[])
 
 
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on ``path`` (created) for the duration; a no-op where
+    fcntl is missing."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _replace(src: Path, dst: Path) -> None:
+    """Copies ``src`` to ``dst`` unless they are already identical, through a
+    temporary file and a rename: a process that has the old library loaded keeps
+    its mapping instead of seeing the file truncated under it."""
+    if dst.exists() and filecmp.cmp(src, dst, shallow=False):
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.")
+    os.close(fd)
+    try:
+        shutil.copy2(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         if not isinstance(ext, CMakeExtension):
             return super().build_extension(ext)
-        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
-        build_temp = Path(self.build_temp).resolve() / "cmake"
-        build_temp.mkdir(parents=True, exist_ok=True)
-        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        build_type = os.environ.get("FASTRL_BUILD_TYPE", "Release")
+        no_cuda = os.environ.get("FASTRL_NO_CUDA") == "1"
+        flavour = f"{sys.implementation.cache_tag}-{build_type.lower()}-{'nocuda' if no_cuda else 'cuda'}"
+        build_dir = ROOT / "build" / "cmake" / flavour
+        lib_dir = build_dir / "lib"
+        ninja = shutil.which("ninja")
+        generator = ["-G", "Ninja"] if ninja else []
         cmake_args = [
             *generator,
-            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
+            f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={lib_dir}",
             f"-DPython3_EXECUTABLE={sys.executable}",
-            f"-DCMAKE_BUILD_TYPE={os.environ.get('FASTRL_BUILD_TYPE', 'Release')}",
+            f"-DCMAKE_BUILD_TYPE={build_type}",
+            f"-DFASTRL_NO_CUDA={'ON' if no_cuda else 'OFF'}",
         ]
-        if os.environ.get("FASTRL_NO_CUDA") == "1":
-            cmake_args.append("-DFASTRL_NO_CUDA=ON")
+        # What the cache depends on besides the sources: when any of it differs
+        # from the last configure here, start from an empty directory.
+        fingerprint = json.dumps(
+            {"args": cmake_args, "cmake": shutil.which("cmake"), "ninja": ninja, "pybind11": _pybind11_cmake_dir()},
+            sort_keys=True,
+        )
+        stamp = build_dir / "fastrl-configure.json"
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
-        subprocess.run(["cmake", str(ROOT), *cmake_args], cwd=build_temp, check=True)
-        subprocess.run(["cmake", "--build", ".", "--parallel", jobs], cwd=build_temp, check=True)
+        build_dir.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(build_dir.parent / f"{build_dir.name}.lock"):
+            configured = stamp.exists() and stamp.read_text() == fingerprint
+            if not configured:
+                shutil.rmtree(build_dir, ignore_errors=True)
+                build_dir.mkdir(parents=True)
+                subprocess.run(["cmake", str(ROOT), *cmake_args], cwd=build_dir, check=True)
+                stamp.write_text(fingerprint)
+            # Ninja re-runs CMake by itself when CMakeLists.txt changed, and
+            # recompiles only the sources (and their headers) that changed.
+            subprocess.run(["cmake", "--build", ".", "--parallel", jobs], cwd=build_dir, check=True)
+            built = lib_dir / Path(self.get_ext_filename(ext.name)).name
+            if not built.exists():
+                raise RuntimeError(f"the CMake build did not produce {built}")
+            _replace(built, Path(self.get_ext_fullpath(ext.name)))
+
+    def copy_extensions_to_source(self) -> None:
+        # pip install -e: the library goes next to the sources, but only when it
+        # changed, and never truncated under a process that has it loaded.
+        build_py = self.get_finalized_command("build_py")
+        for ext in self.extensions:
+            if not isinstance(ext, CMakeExtension):
+                continue
+            inplace_file, regular_file = self._get_inplace_equivalent(build_py, ext)
+            _replace(Path(regular_file), Path(inplace_file))
+        others = [ext for ext in self.extensions if not isinstance(ext, CMakeExtension)]
+        if others:
+            cmake_exts, self.extensions = self.extensions, others
+            try:
+                super().copy_extensions_to_source()
+            finally:
+                self.extensions = cmake_exts
+
+
+def _pybind11_cmake_dir() -> str:
+    try:
+        import pybind11
+    except ImportError:
+        return ""
+    return pybind11.get_cmake_dir()
 
 
 ext_modules = [] if os.environ.get("FASTRL_NO_NATIVE") == "1" else [CMakeExtension("fastrl._C")]
