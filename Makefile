@@ -1,4 +1,5 @@
-# The three commands of the README do all set-up on a fresh machine:
+# The three commands of the README do all set-up on a fresh machine, each
+# installing what it needs and no more:
 #   make demo    builds fastrl, then trains a tiny transformer with GRPO on its fused kernels and on the reference (the main job)
 #   make bench   builds fastrl, then benchmarks every op against its peers on the local device
 #   make test    builds fastrl, then runs the tests
@@ -6,28 +7,81 @@ PYTHON ?= python3
 # The torch we test with; installed only when torch is missing, because a bare
 # `torch` requirement pulls several GB of CUDA packages.
 TORCH_VERSION ?= 2.13.0
-# The veRL release the parity tests compare against (its loss functions only).
+# The veRL release the parity tests and the benchmarks compare against (its
+# loss and log-prob functions only; --no-deps, their imports come from the
+# `verl` extra).
 VERL_VERSION ?= 0.9.0
 # The OpenRLHF release fastrl.integrations.openrlhf is tested with (--no-deps:
 # its loss modules need only torch and deepspeed, from the `openrlhf` extra).
 OPENRLHF_VERSION ?= 0.11.2
 
-.PHONY: setup bench bench-quick test demo clean
+.PHONY: setup setup-demo setup-bench setup-test bench bench-quick test demo clean
 
 # Build requirements of pyproject.toml, installed here so that the editable
 # build can run without pip's isolated build environment (faster rebuilds).
 BUILD_REQUIREMENTS = "setuptools>=64" wheel "pybind11>=2.10" "cmake>=3.18" ninja
 
-setup:
+# Set-up runs again only when something it depends on changed: a stamp per
+# set-up and Python environment (and native-build switches) under build/stamps/,
+# older than one of the files below, or missing. A changed csrc/ file makes the
+# next set-up re-run `pip install -e`, which recompiles that file alone (setup.py
+# keeps the CMake build directory in build/cmake/); Python sources need nothing
+# (editable install). The stamps are dropped when the `fastrl` this Python
+# imports is not this tree's (another checkout installed, or none).
+BUILD_INPUTS = pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*)
+ENV_PROBE := $(shell $(PYTHON) -I -c "import hashlib, importlib.util, os, sys; \
+	key = '|'.join([sys.prefix] + [os.environ.get(v, '') for v in ('FASTRL_NO_NATIVE', 'FASTRL_NO_CUDA', 'FASTRL_BUILD_TYPE')]); \
+	spec = importlib.util.find_spec('fastrl'); \
+	print(hashlib.sha1(key.encode()).hexdigest()[:12], os.path.realpath(spec.origin) if spec and spec.origin else '-')" 2>/dev/null)
+STAMPS := build/stamps/$(or $(word 1,$(ENV_PROBE)),unknown)
+ifneq ($(word 2,$(ENV_PROBE)),$(realpath $(CURDIR)/fastrl/__init__.py))
+$(shell rm -rf $(STAMPS))
+endif
+
+# The extras (pyproject.toml) each set-up installs.
+DEMO_EXTRAS = demo
+BENCH_EXTRAS = bench,verl,trl
+TEST_EXTRAS = test,demo,bench,verl,trl,openrlhf
+
+# torch (only when missing), the build tools, then this tree in editable mode
+# with the extras $(1).
+define install
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
 	$(PYTHON) -m pip install $(BUILD_REQUIREMENTS)
-	$(PYTHON) -m pip install --no-build-isolation -e ".[test,bench,verl,trl,openrlhf]"
+	$(PYTHON) -m pip install --no-build-isolation -e ".[$(1)]"
+endef
+
+# make demo: fastrl and what the example imports (tqdm, matplotlib).
+setup-demo: $(STAMPS)/demo
+$(STAMPS)/demo: $(BUILD_INPUTS)
+	$(call install,$(DEMO_EXTRAS))
+	@mkdir -p $(@D) && touch $@
+
+# make bench: the benchmark tools and the peers it times fastrl against that run
+# here (veRL's and TRL's functions; Liger, flash-attn, FlashInfer and quack are
+# GPU-only: bench/gpu/peers.sh).
+setup-bench: $(STAMPS)/bench
+$(STAMPS)/bench: $(BUILD_INPUTS) Makefile
+	$(call install,$(BENCH_EXTRAS))
+	$(PYTHON) -m pip install --no-deps "verl==$(VERL_VERSION)"
+	@mkdir -p $(@D) && touch $@
+
+# make test: the test tools, the demo's and the benchmarks' packages (their tests
+# run them), and the three frameworks the integration tests run against. A
+# superset of the other two, so their stamps are renewed too.
+setup-test: $(STAMPS)/test
+$(STAMPS)/test: $(BUILD_INPUTS) Makefile
+	$(call install,$(TEST_EXTRAS))
 	$(PYTHON) -m pip install --no-deps "verl==$(VERL_VERSION)" "openrlhf==$(OPENRLHF_VERSION)"
+	@mkdir -p $(@D) && touch $@ $(@D)/demo $(@D)/bench
+
+# Everything (what `make test` installs).
+setup: setup-test
 
 # Every op against every peer on this machine; writes
 # bench/results/<device>.json and its plots, then regenerates the README's
 # performance section from the results files.
-bench: setup
+bench: setup-bench
 	$(PYTHON) -m fastrl.bench --plot bench/results/plots
 	$(PYTHON) -m fastrl.bench.report
 
@@ -36,16 +90,16 @@ bench: setup
 # kernels run their AVX2 clone (AMD EPYC CI machines) they trail torch today
 # (issue 18; 0.42x to 0.90x measured there): the gate then catches a regression
 # beyond that gap, until issue 18 brings them to 1.0x.
-bench-quick: setup
+bench-quick: setup-bench
 	$(PYTHON) -m fastrl.bench --quick --check-speed 1.0 --check-speed-avx2 0.25 --json build/bench-quick.json --plot build/bench-quick-plots
 
-test: setup
+test: setup-test
 	$(PYTHON) -m pytest
 
 # End to end: GRPO on a tiny transformer (examples/grpo_tiny.py), once on the
 # fused kernels and once on the PyTorch reference; prints the reward and the
-# per-op times side by side and writes the reward curve. About a minute on 2 CPU cores.
-demo: setup
+# per-op times side by side and writes the reward curve. About three minutes on 2 CPU cores.
+demo: setup-demo
 	$(PYTHON) examples/grpo_tiny.py --compare --plot build/demo/reward_curve.png
 
 clean:
