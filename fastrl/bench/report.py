@@ -1,5 +1,9 @@
 """Regenerates the README's performance section from the results files the
-suite wrote (bench/results/*.json), so that no number there is typed by hand.
+suite wrote (bench/results/*.json), so that no number there is typed by hand:
+the measured tables first, then the static sm_90 model's predictions
+(bench/results/sm90-predicted.json, written by ``python -m fastrl.bench.sass``),
+headed as predictions, with the measured time beside each prediction once a
+GPU run of the same case exists.
 
     python -m fastrl.bench.report            rewrite the section in README.md
     python -m fastrl.bench.report --check    exit 1 if it is out of date
@@ -46,13 +50,94 @@ def render_device(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def _measured_gpu_times(measured: list[dict]) -> dict[tuple, tuple[str, float]]:
+    """(op, shape, dtype) -> (device, fastrl's median ms) of the GPU results files."""
+    out = {}
+    for payload in measured:
+        if payload.get("device_type") != "cuda":
+            continue
+        for r in payload["rows"]:
+            if r.get("impl") == "fastrl" and "median_ms" in r and not r.get("sweep"):
+                out[row_key(r)] = (payload["device"], r["median_ms"])
+    return out
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.1f} us"
+
+
+def render_predicted(payload: dict, measured: list[dict]) -> str:
+    """The static model's tables: per op on H100 and H200 (with the measured
+    time of the same case beside it when a GPU run recorded one), then per
+    kernel launch on H100. Every figure is a prediction."""
+    commit = (payload.get("commit") or "unknown")[:10]
+    gpu = _measured_gpu_times(measured)
+    models = payload["model"]
+    lines = [
+        f"**Predicted, not measured: {payload['device']}** by the static sm_90 model (`python -m fastrl.bench.sass`, "
+        f"triton {payload['triton']}, nvcc {payload.get('nvcc') or '-'}, commit `{commit}`, {payload['date'][:10]}). "
+        f"Copy bandwidth assumed {models['H100']['copy_bw'] / 1e12:.1f} TB/s (H100) and "
+        f"{models['H200']['copy_bw'] / 1e12:.1f} TB/s (H200), {models['H100']['sms']} SMs at "
+        f"{models['H100']['clock_hz'] / 1e9:.3f} GHz; the model and its assumptions are stated in "
+        "`fastrl/bench/sass.py`. Predicted % of copy bandwidth = the op's minimum bytes / predicted time.",
+        "",
+        "| op | shape | dtype | impl | predicted H100 | % of copy BW | predicted H200 | % of copy BW | bound | measured |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for op in payload["ops"]:
+        h100, h200 = op["predicted"]["H100"], op["predicted"]["H200"]
+        key = (op["op"], tuple(op["shape"]), op["dtype"])
+        seen = gpu.get(key) if op["impl"] == "triton" else None
+        bounds = "/".join(dict.fromkeys(h100["bounds"]))
+        lines.append(
+            f"| {op['op']} | {'x'.join(map(str, op['shape']))} | {op['dtype']} | {op['impl']} | {_time(h100['time_s'])} | "
+            f"{h100['copy_pct']:.0f}% | {_time(h200['time_s'])} | {h200['copy_pct']:.0f}% | {bounds} | "
+            f"{f'{seen[1]:.3f} ms ({seen[0]})' if seen else '-'} |"
+        )
+    lines += [
+        "",
+        "Per kernel launch, predicted on H100 (main loop: the pass over the row with the most elements; "
+        "SASS / element on its hot path, with the most expensive pass in brackets when it differs):",
+        "",
+        "| kernel | shape | dtype | impl | regs | spills | CTAs/SM (occupancy) | grid / SMs used | main-loop loads "
+        "(count x bits) | barriers / iter | 64-bit int ops / iter | SASS / element | passes | issue / memory | "
+        "% of copy BW |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    done = set()
+    for r in payload["launches"]:
+        key = (r["role"], tuple(r["shape"]), r["dtype"], r["impl"], r["variant"])
+        if key in done:
+            continue
+        done.add(key)
+        p = r["predicted"]["H100"]
+        ml = r["main_loop"] or {}
+        loads = ", ".join(f"{n}x{w}" for w, n in sorted((ml.get("ldg") or {}).items(), key=lambda x: -int(x[0])))
+        spe = f"{r['sass_per_element']:.1f}" if r.get("sass_per_element") else "-"
+        worst = r.get("sass_per_element_max")
+        if worst and r.get("sass_per_element") and worst > 1.05 * r["sass_per_element"]:
+            spe += f" ({worst:.0f})"
+        ratio = p["issue_memory_ratio"]
+        lines.append(
+            f"| {r['role']} | {'x'.join(map(str, r['shape']))} | {r['dtype']} | {r['impl']} | {r['registers']} | "
+            f"{r['spill_bytes']} | {r['ctas_per_sm']} ({100 * r['occupancy']:.0f}%) | {r['grid']} / {r['active_sms']} | "
+            f"{loads or '-'} | {ml.get('barriers', '-')} | {ml.get('int64', '-')} | {spe} | {r['passes']} | "
+            f"{'-' if ratio is None else f'{ratio:.2f}'} | {p['copy_pct']:.0f}% |"
+        )
+    return "\n".join(lines)
+
+
 def render(results_dir: Path) -> str:
-    """The whole generated section: GPU results first, then CPU."""
+    """The whole generated section: GPU results first, then CPU, then the predictions."""
     payloads = [json.loads(p.read_text()) for p in sorted(results_dir.glob("*.json"))]
-    payloads.sort(key=lambda p: (p["device_type"] != "cuda", p["device"]))
-    if not payloads:
-        return "No results recorded yet: run `make bench` and `python -m fastrl.bench.report`."
-    return "\n\n".join(render_device(p) for p in payloads)
+    predicted = [p for p in payloads if p.get("kind") == "predicted"]
+    measured = [p for p in payloads if p.get("kind") != "predicted"]
+    measured.sort(key=lambda p: (p["device_type"] != "cuda", p["device"]))
+    parts = [render_device(p) for p in measured]
+    if not measured:
+        parts.append("No measured results recorded yet: run `make bench` and `python -m fastrl.bench.report`.")
+    parts += [render_predicted(p, measured) for p in predicted]
+    return "\n\n".join(parts)
 
 
 def updated(readme: str, section: str) -> str:

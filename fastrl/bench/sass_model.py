@@ -1,0 +1,384 @@
+"""The static sm_90 model's two halves: what a compiled kernel is (``analyse_*``:
+resources, loops, instructions on each loop's hot path) and how long one launch
+of it is *predicted* to take on a device (``predict``). ``fastrl.bench.sass``
+states the model and its assumptions; every figure here is a prediction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import subprocess
+from pathlib import Path
+
+from . import sass_parse as sp
+
+# ---------------------------------------------------------------------------
+# Devices and the model's constants (see fastrl.bench.sass for why each is what it is)
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    name: str
+    copy_bw: float  # bytes/s, device-to-device copy
+    sms: int = 132
+    clock_hz: float = 1.755e9  # sustained SM clock under a streaming load (H100 boost is 1.98 GHz)
+    schedulers: int = 4  # warp schedulers per SM, one instruction issued per cycle each
+    regs_per_sm: int = 65536
+    smem_per_sm: int = 228 * 1024
+    smem_reserved_per_cta: int = 1024
+    max_threads_per_sm: int = 2048
+    max_ctas_per_sm: int = 32
+    l2_bytes: int = 50 * 1024 * 1024
+    l2_bw: float = 7.0e12  # bytes/s, L2 hits
+    sm_max_bytes_per_cycle: float = 64.0  # what one SM can pull from L2 / DRAM per cycle
+    dram_latency_cycles: float = 800.0
+    l2_latency_cycles: float = 270.0
+    barrier_cycles: float = 30.0  # a bar.sync with the shared-memory round trip of a block reduction
+    launch_s: float = 2.0e-6  # launch and ramp-up of one kernel
+
+
+H100 = Device("H100 SXM", copy_bw=3.0e12)
+H200 = Device("H200 SXM", copy_bw=4.3e12)
+DEVICES = {"H100": H100, "H200": H200}
+
+FLOAT_TYPES = {"bf16", "f16", "f32", "f64", "fp8e4nv", "fp8e5"}
+ELEMENT_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i64": 8, "i32": 4, "i16": 2, "i8": 1, "u8": 1, "i1": 1}
+
+
+# ---------------------------------------------------------------------------
+# Analysis of one compiled kernel
+
+
+@dataclasses.dataclass
+class LoopInfo:
+    source: tuple[str, int] | None
+    text: str  # the source line of the loop
+    guards: list[str]  # source lines of the runtime ifs around it
+    lower: int | None
+    upper: str | None  # the kernel argument bounding it (V, L, ...), or None
+    upper_const: int | None
+    step: int | None  # elements per iteration (per CTA)
+    hot: dict  # sp.summarise of the cheapest path through one iteration
+    longest_sass: int  # instructions on the dearest path (a rare branch taken)
+    float_load_bits: list[int]  # widths of the loads of floating-point data on the hot path
+    load_args: list[str]  # kernel arguments it loads from
+    depth: int
+    mapped: bool  # matched to a TTGIR loop (its bound and step are known)
+
+
+@dataclasses.dataclass
+class KernelAnalysis:
+    name: str
+    arch: int
+    regs: int
+    shared: int  # bytes per CTA
+    local: int  # bytes per thread of local memory: spills (what Triton reports as n_spills on a GPU)
+    spill_instrs: int  # LDL / STL on a loop's hot path (local memory traffic per element)
+    num_warps: int
+    loops: list[LoopInfo]
+    straight: dict  # summary of the code outside loops (entry to exit)
+    straight_bytes: int  # bytes one CTA moves outside its loops
+    loads: list[str]  # kernel arguments read
+    stores: list[str]  # kernel arguments written
+    stack: int = 0  # bytes of call stack (registers saved around a CALL, e.g. an fp64 division's slow path)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def spills(self) -> int:
+        return self.local + self.spill_instrs
+
+    def brief(self) -> dict:
+        return {"kernel": self.name, "arch": f"sm_{self.arch}", "registers": self.regs, "spill_bytes": self.local,
+                "spill_instructions": self.spill_instrs, "shared_bytes": self.shared, "warps": self.num_warps}  # fmt: skip
+
+
+def _loop_summary(cfg: sp.CFG, loop: sp.Loop) -> tuple[list[sp.Instr], int]:
+    hot = cfg.path(loop.body, loop.header, set(loop.latches), loop.children)
+    cold = cfg.path(loop.body, loop.header, set(loop.latches), loop.children, shortest=False)
+    return cfg.instrs_of(hot), len(cfg.instrs_of(cold))
+
+
+def _straight_line(cfg: sp.CFG) -> list[sp.Instr]:
+    """The cheapest path from the entry to the last EXIT, loops standing as single nodes."""
+    exits = [b.index for b in cfg.blocks if any(i.base == "EXIT" for i in b.instrs)]
+    last = max(exits, key=lambda k: cfg.blocks[k].instrs[-1].addr) if exits else len(cfg.blocks) - 1
+    top = [lp for lp in cfg.loops if lp.parent is None]
+    return cfg.instrs_of(cfg.path(set(range(len(cfg.blocks))), 0, {last}, top))
+
+
+def analyse_triton(compiled: dict, arch: int, param_names: list[str]) -> KernelAnalysis:
+    """A Triton kernel from its cubin and TTGIR; ``param_names`` are the kernel's
+    non-constexpr parameters in order (TTGIR's arguments, which Triton 3.6 names
+    %arg0, %arg1, ...)."""
+    cubin = compiled["cubin"]
+    usage = next(iter(sp.resource_usage(cubin).values()))
+    instrs = next(iter(sp.split_functions(sp.disassemble(cubin)).values()))
+    cfg = sp.CFG(instrs)
+    ir = sp.parse_ttgir(compiled["ttgir"])
+    rename = dict(zip(ir.args, param_names))
+
+    def arg_name(token: str) -> str | None:
+        name = token.lstrip("%")
+        name = rename.get(name, name)
+        return name if name in param_names else None
+
+    def const(token: str) -> int | None:
+        if re.fullmatch(r"-?\d+", token):
+            return int(token)
+        return ir.constants.get(token)
+
+    # Which element type each source line loads (to tell row data from masks).
+    load_types: dict[tuple[str, int], set[str]] = {}
+    for op in ir.memops:
+        if op.source is not None and op.kind == "load":
+            load_types.setdefault(op.source, set()).add(op.elem)
+
+    sass_loops = cfg.all_loops()
+    notes = []
+    pairs = _match_loops(sass_loops, cfg, ir.loops)
+    if len(sass_loops) != len(ir.loops):
+        notes.append(f"{len(sass_loops)} SASS loops for {len(ir.loops)} TTGIR loops")
+    loops = []
+    for sloop, iloop in pairs:
+        hot, longest = _loop_summary(cfg, sloop)
+        latch = cfg.blocks[max(sloop.latches)].instrs[-1]
+        source = iloop.source if iloop is not None else latch.source
+        float_bits = []
+        for ins in hot:
+            if ins.base == "LDG":
+                types = load_types.get(ins.source, {"?"})
+                if types & FLOAT_TYPES or "?" in types:
+                    float_bits.append(sp.access_bits(ins))
+        index = ir.loops.index(iloop) if iloop is not None else None
+        load_args = sorted({op.arg for op in ir.memops if op.kind == "load" and op.loop == index and op.arg})
+        loops.append(LoopInfo(
+            source=source, text=sp.source_text(source), guards=[sp.source_text(g) for g in (iloop.guards if iloop else [])],
+            lower=const(iloop.lower) if iloop else None, upper=arg_name(iloop.upper) if iloop else None,
+            upper_const=const(iloop.upper) if iloop else None, step=const(iloop.step) if iloop else None,
+            hot=sp.summarise(hot), longest_sass=longest, float_load_bits=float_bits, load_args=load_args,
+            depth=iloop.depth if iloop else 0, mapped=iloop is not None,
+        ))  # fmt: skip
+    straight = _straight_line(cfg)
+    straight_bytes = sum(op.elements * ELEMENT_BYTES.get(op.elem, 4) for op in ir.memops if op.loop is None)
+    return KernelAnalysis(
+        name=compiled["name"], arch=arch, regs=usage.get("REG", 0),
+        shared=max(compiled.get("shared", 0), usage.get("SHARED", 0)), local=usage.get("LOCAL", 0),
+        spill_instrs=sum(lp.hot["local"] for lp in loops), num_warps=compiled["num_warps"], stack=usage.get("STACK", 0),
+        loops=loops, straight=sp.summarise(straight), straight_bytes=straight_bytes,
+        loads=sorted({op.arg for op in ir.memops if op.kind == "load" and op.arg}),
+        stores=sorted({op.arg for op in ir.memops if op.kind == "store" and op.arg}), notes=notes,
+    )  # fmt: skip
+
+
+def _match_loops(sass_loops: list[sp.Loop], cfg: sp.CFG, ir_loops: list[sp.IRLoop]):
+    """(SASS loop, TTGIR loop or None) pairs: in program order when the counts and
+    source lines agree, else each SASS loop to the first unused TTGIR loop of its
+    latch's source line."""
+
+    def line(loop: sp.Loop):
+        src = cfg.blocks[max(loop.latches)].instrs[-1].source
+        return (Path(src[0]).name, src[1]) if src else None
+
+    def ir_line(loop: sp.IRLoop):
+        return (Path(loop.source[0]).name, loop.source[1]) if loop.source else None
+
+    if len(sass_loops) == len(ir_loops):
+        return list(zip(sass_loops, ir_loops))
+    used, out = set(), []
+    for sl in sass_loops:
+        match = next((k for k, il in enumerate(ir_loops) if k not in used and ir_line(il) == line(sl)), None)
+        if match is not None:
+            used.add(match)
+        out.append((sl, ir_loops[match] if match is not None else None))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# CUDA C++ kernels (csrc/*.cu)
+
+
+def nvcc_cubin(source: Path, arch: int, include: Path) -> tuple[bytes, str]:
+    """(cubin, ptxas's resource report) of a .cu file, compiled as CMakeLists.txt does (-O3 -lineinfo)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "k.cubin"
+        cmd = ["nvcc", f"-arch=sm_{arch}", "-cubin", "-O3", "-lineinfo", "-std=c++17", "--resource-usage",
+               f"-I{include}", str(source), "-o", str(out)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        return out.read_bytes(), proc.stdout + proc.stderr
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    try:
+        out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True).stdout
+        return dict(zip(names, out.splitlines()))
+    except (OSError, subprocess.CalledProcessError):
+        return {n: n for n in names}
+
+
+def analyse_cuda(cubin: bytes, arch: int, num_warps: dict[str, int], elem_bytes: dict[str, int]
+                 ) -> dict[str, KernelAnalysis]:  # fmt: skip
+    """Every kernel of a CUDA cubin, keyed by demangled name. Loops carry no
+    TTGIR: a loop whose source line steps over packs is the main loop, its
+    elements per thread per iteration read off its loads (``elem_bytes`` of the
+    kernel's row type), its bound the row length."""
+    usage = sp.resource_usage(cubin)
+    functions = sp.split_functions(sp.disassemble(cubin))
+    names = demangle(list(functions))
+    out = {}
+    for mangled, instrs in functions.items():
+        pretty = names[mangled]
+        cfg = sp.CFG(instrs)
+        loops = []
+        for sloop in cfg.all_loops():
+            hot, longest = _loop_summary(cfg, sloop)
+            latch = cfg.blocks[max(sloop.latches)].instrs[-1]
+            text = sp.source_text(latch.source)
+            summary = sp.summarise(hot)
+            loops.append(LoopInfo(
+                source=latch.source, text=text, guards=[], lower=0, upper="V", upper_const=None, step=None,
+                hot=summary, longest_sass=longest, float_load_bits=[sp.access_bits(i) for i in hot if i.base == "LDG"],
+                load_args=["logits"], depth=0, mapped=False,
+            ))  # fmt: skip
+        straight = _straight_line(cfg)
+        u = usage.get(mangled, {})
+        out[pretty] = KernelAnalysis(
+            name=pretty, arch=arch, regs=u.get("REG", 0), shared=u.get("SHARED", 0), local=u.get("LOCAL", 0),
+            spill_instrs=sum(lp.hot["local"] for lp in loops), num_warps=num_warps.get(pretty, 32), stack=u.get("STACK", 0),
+            loops=loops, straight=sp.summarise(straight),
+            straight_bytes=sum(sp.access_bits(i) for i in straight if i.base in ("LDG", "STG")) // 8,
+            loads=[], stores=[],
+        )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Prediction of one launch
+
+
+@dataclasses.dataclass
+class LoopRun:
+    """A loop as one launch runs it."""
+
+    loop: LoopInfo
+    trips: int  # iterations per CTA
+    elements_per_thread: float  # row elements per thread per iteration
+    row: bool  # a pass over a row (bounded by the row length)
+    cached: float  # share of its reads served by L2 (a repeat pass over rows still there)
+    executed: bool
+
+
+def occupancy(k: KernelAnalysis, dev: Device) -> dict:
+    """CTAs per SM and what limits them (registers allocated per warp in units of
+    256, shared memory with 1 KB reserved per CTA, threads, CTA slots)."""
+    regs_per_warp = math.ceil(max(k.regs, 1) * 32 / 256) * 256
+    limits = {
+        "threads": dev.max_threads_per_sm // k.threads,
+        "registers": dev.regs_per_sm // (regs_per_warp * k.num_warps),
+        "shared": dev.smem_per_sm // (k.shared + dev.smem_reserved_per_cta),
+        "slots": dev.max_ctas_per_sm,
+    }
+    ctas = max(0, min(limits.values()))
+    limiter = min(limits, key=limits.get)
+    return {"ctas_per_sm": ctas, "limiter": limiter, "occupancy": ctas * k.threads / dev.max_threads_per_sm}
+
+
+def mva(customers: int, queues: list[float], delay: float) -> float:
+    """Throughput (customer iterations per cycle) of a closed queueing network by
+    exact mean-value analysis: ``customers`` cycling through single-server
+    queues of the given service demands and a pure delay."""
+    q = [0.0] * len(queues)
+    x = 0.0
+    for n in range(1, customers + 1):
+        r = [d * (1 + qi) for d, qi in zip(queues, q)]
+        x = n / (delay + sum(r))
+        q = [x * ri for ri in r]
+    return x
+
+
+def _phase_cycles(k: KernelAnalysis, dev: Device, ctas_here: int, resident: int, trips: int, sass: float,
+                  bytes_dram: float, bytes_l2: float, latency: float, barriers: int, bw_dram_cyc: float,
+                  bw_l2_cyc: float) -> float:  # fmt: skip
+    """Cycles one SM spends on ``ctas_here`` CTAs (at most ``resident`` at once)
+    each running ``trips`` iterations of a phase (``sass`` warp instructions and
+    ``bytes_*`` per CTA-iteration)."""
+    if trips <= 0 or ctas_here <= 0:
+        return 0.0
+    # Warps that meet at a barrier every iteration move as one customer (the CTA);
+    # without barriers each warp is its own customer.
+    per_customer = k.num_warps if barriers > 0 else 1
+    parallel = min(per_customer, dev.schedulers)
+    issue = sass * per_customer / dev.schedulers  # the SM's schedulers as one server
+    # Seidmann's multi-server correction: a customer of fewer warps than
+    # schedulers cannot use all of them, the rest of its issue time is delay.
+    delay = latency + barriers * dev.barrier_cycles + sass * per_customer * (1 / parallel - 1 / dev.schedulers)
+    share = per_customer / k.num_warps
+    memory = share * (bytes_dram / bw_dram_cyc + bytes_l2 / bw_l2_cyc)
+    cycles, left = 0.0, ctas_here
+    while left > 0:
+        wave = min(resident, left)
+        customers = wave * (k.num_warps // per_customer)
+        cycles += customers * trips / mva(customers, [issue, memory], delay)
+        left -= wave
+    return cycles
+
+
+def predict(k: KernelAnalysis, runs: list[LoopRun], grid: int, dev: Device, straight_latencies: int) -> dict:
+    """Predicted time of one launch of ``k`` with ``grid`` CTAs on ``dev`` (see
+    fastrl.bench.sass for the model)."""
+    occ = occupancy(k, dev)
+    resident = max(occ["ctas_per_sm"], 1)
+    active = min(grid, dev.sms)
+    per_sm = math.ceil(grid / dev.sms)
+    f = dev.clock_hz
+    bw_dram_cyc = min(dev.copy_bw / active / f, dev.sm_max_bytes_per_cycle)
+    bw_l2_cyc = min(dev.l2_bw / active / f, dev.sm_max_bytes_per_cycle)
+    threads = k.threads
+
+    cycles = 0.0
+    issue_instr = 0.0  # warp instructions of the whole grid
+    dram = l2 = 0.0
+    for run in runs:
+        if not run.executed or run.trips <= 0:
+            continue
+        hot = run.loop.hot
+        cta_bytes = (hot["ld_bits"] + hot["st_bits"]) * threads / 8
+        ld_bytes = hot["ld_bits"] * threads / 8
+        b_l2 = ld_bytes * run.cached
+        b_dram = cta_bytes - b_l2
+        latency = run.cached * dev.l2_latency_cycles + (1 - run.cached) * dev.dram_latency_cycles
+        cycles += _phase_cycles(k, dev, per_sm, resident, run.trips, hot["sass"], b_dram, b_l2, latency,
+                                hot["barriers"], bw_dram_cyc, bw_l2_cyc)  # fmt: skip
+        issue_instr += hot["sass"] * k.num_warps * run.trips * grid
+        dram += b_dram * run.trips * grid
+        l2 += b_l2 * run.trips * grid
+    s = k.straight
+    s_bytes = k.straight_bytes
+    cycles += _phase_cycles(k, dev, per_sm, resident, 1, s["sass"], s_bytes, 0.0,
+                            straight_latencies * dev.dram_latency_cycles, s["barriers"], bw_dram_cyc, bw_l2_cyc)  # fmt: skip
+    issue_instr += s["sass"] * k.num_warps * grid
+    dram += s_bytes * grid
+
+    t_mem = dram / dev.copy_bw + l2 / dev.l2_bw
+    t_issue = issue_instr / (dev.schedulers * dev.sms * f)
+    t_run = cycles / f
+    t = t_run + dev.launch_s
+    if t_mem >= 0.8 * t_run:
+        bound = "memory"
+    elif t_issue >= 0.8 * t_run:
+        bound = "issue"
+    else:
+        bound = "latency"
+    return {
+        "time_s": t, "memory_s": t_mem, "issue_s": t_issue, "issue_memory_ratio": t_issue / t_mem if t_mem else None,
+        "dram_bytes": dram, "l2_bytes": l2, "bound": bound, "ctas_per_sm": occ["ctas_per_sm"],
+        "occupancy": occ["occupancy"], "occupancy_limiter": occ["limiter"], "active_sms": active,
+        "waves": grid / (dev.sms * resident),
+    }  # fmt: skip
