@@ -82,8 +82,10 @@ class CMakeBuild(build_ext):
         flavour = f"{sys.implementation.cache_tag}-{build_type.lower()}-{'nocuda' if no_cuda else 'cuda'}"
         build_dir = ROOT / "build" / "cmake" / flavour
         lib_dir = build_dir / "lib"
-        ninja = shutil.which("ninja")
-        generator = ["-G", "Ninja"] if ninja else []
+        cmake, ninja = _tool("cmake"), _tool("ninja")
+        if cmake is None:
+            raise RuntimeError("building fastrl._C needs CMake >= 3.18 (pip install cmake), or FASTRL_NO_NATIVE=1")
+        generator = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
         cmake_args = [
             *generator,
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={lib_dir}",
@@ -94,7 +96,7 @@ class CMakeBuild(build_ext):
         # What the cache depends on besides the sources: when any of it differs
         # from the last configure here, start from an empty directory.
         fingerprint = json.dumps(
-            {"args": cmake_args, "cmake": shutil.which("cmake"), "ninja": ninja, "pybind11": _pybind11_cmake_dir()},
+            {"args": cmake_args, "cmake": cmake, "pybind11": _pybind11_cmake_dir()},
             sort_keys=True,
         )
         stamp = build_dir / "fastrl-configure.json"
@@ -105,11 +107,11 @@ class CMakeBuild(build_ext):
             if not configured:
                 shutil.rmtree(build_dir, ignore_errors=True)
                 build_dir.mkdir(parents=True)
-                subprocess.run(["cmake", str(ROOT), *cmake_args], cwd=build_dir, check=True)
+                subprocess.run([cmake, str(ROOT), *cmake_args], cwd=build_dir, check=True)
                 stamp.write_text(fingerprint)
             # Ninja re-runs CMake by itself when CMakeLists.txt changed, and
             # recompiles only the sources (and their headers) that changed.
-            subprocess.run(["cmake", "--build", ".", "--parallel", jobs], cwd=build_dir, check=True)
+            subprocess.run([cmake, "--build", ".", "--parallel", jobs], cwd=build_dir, check=True)
             built = lib_dir / Path(self.get_ext_filename(ext.name)).name
             if not built.exists():
                 raise RuntimeError(f"the CMake build did not produce {built}")
@@ -131,6 +133,19 @@ class CMakeBuild(build_ext):
                 super().copy_extensions_to_source()
             finally:
                 self.extensions = cmake_exts
+
+
+def _tool(name: str) -> str | None:
+    """The ``cmake`` / ``ninja`` executable of the PyPI package this build imports
+    (pyproject's build requirement: pip's isolated build environment, or this
+    Python's own packages with --no-build-isolation, whose bin/ is not on PATH in
+    a virtual environment that is not activated), else the one on PATH."""
+    try:
+        module = __import__(name)
+        directory = getattr(module, "CMAKE_BIN_DIR", None) or getattr(module, "BIN_DIR", None)
+    except ImportError:
+        directory = None
+    return (shutil.which(name, path=directory) if directory else None) or shutil.which(name)
 
 
 def _pybind11_cmake_dir() -> str:
