@@ -89,7 +89,9 @@ class CMakeBuild(build_ext):
         cmake_args = [
             *generator,
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={lib_dir}",
-            f"-DPython3_EXECUTABLE={sys.executable}",
+            # The interpreter itself (python and python3 are one; a venv's is its base's):
+            # only its headers and extension suffix matter, and the name must not vary.
+            f"-DPython3_EXECUTABLE={os.path.realpath(sys.executable)}",
             f"-DCMAKE_BUILD_TYPE={build_type}",
             f"-DFASTRL_NO_CUDA={'ON' if no_cuda else 'OFF'}",
         ]
