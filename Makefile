@@ -98,7 +98,7 @@ test: setup-test
 
 # End to end: GRPO on a tiny transformer (examples/grpo_tiny.py), once on the
 # fused kernels and once on the PyTorch reference; prints the reward and the
-# per-op times side by side and writes the reward curve. About three minutes on 2 CPU cores.
+# per-op times side by side and writes the reward curve. About two minutes on 2 CPU cores.
 demo: setup-demo
 	$(PYTHON) examples/grpo_tiny.py --compare --plot build/demo/reward_curve.png
 
