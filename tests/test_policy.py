@@ -398,10 +398,13 @@ def test_verl_argument_order_raises_naming_the_fix(backend):
     backward. The swap is refused at call time, naming fastrl's order and the
     keywords, on every backend (before any kernel); fastrl's order, positional or
     by name, runs and differentiates."""
-    inputs = per_token_inputs((2, 5))
-    logp = inputs["log_probs"].clone().requires_grad_(True)  # the current policy, as a model gives it
-    old, adv, mask = inputs["old_log_probs"], inputs["advantages"], inputs["response_mask"]
-    entropy = inputs["entropy"].clone().requires_grad_(True)
+    # old = current (ratio 1, inside every clip range), advantages in [0.5, 1.5) and
+    # every token valid, so that fastrl's order has the gradient -A / n on each token
+    # whatever the seed.
+    logp = -torch.rand(2, 5, requires_grad=True)  # the current policy, as a model gives it
+    old, adv = logp.detach().clone(), torch.rand(2, 5) + 0.5
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    entropy = (torch.rand(2, 5) * 4).requires_grad_(True)
     with fastrl.use_backend(backend):
         with pytest.raises(ValueError, match=SWAPPED + r": fastrl\.policy_loss\(log_probs, old_log_probs, advantages, "
                            r"response_mask, \.\.\.\) takes the current policy's log-probs first, where veRL's "
