@@ -99,6 +99,15 @@ def render_predicted(payload: dict, measured: list[dict]) -> str:
         "Per kernel launch, predicted on H100 (main loop: the pass over the row with the most elements; "
         "SASS / element on its hot path, with the most expensive pass in brackets when it differs):",
         "",
+        launch_table(payload),
+    ]
+    return "\n".join(lines)
+
+
+def launch_table(payload: dict) -> str:
+    """The static model's per-launch table on H100 as markdown (one row per
+    distinct kernel variant and case); every figure is a prediction."""
+    lines = [
         "| kernel | shape | dtype | impl | regs | spills | CTAs/SM (occupancy) | grid / SMs used | main-loop loads "
         "(count x bits) | barriers / iter | 64-bit int ops / iter | SASS / element | passes | issue / memory | "
         "% of copy BW |",

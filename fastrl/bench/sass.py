@@ -772,34 +772,6 @@ def spills(payload: dict) -> dict[str, list[str]]:
 # Output
 
 
-def table(payload: dict) -> str:
-    """The per-launch table (H100) as markdown; every figure predicted."""
-    lines = [
-        "| kernel | case | regs | spills | CTAs/SM (occ.) | grid / SMs used | main-loop loads | barriers/iter | "
-        "SASS/elem | passes | issue/mem | bound | predicted H100 | % of copy BW |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in payload["launches"]:
-        p = r["predicted"]["H100"]
-        ml = r["main_loop"] or {}
-        loads = ", ".join(f"{n}x{w}" for w, n in sorted((ml.get("ldg") or {}).items(), key=lambda x: -int(x[0])))
-        spe = f"{r['sass_per_element']:.1f}" if r["sass_per_element"] else "-"
-        if (
-            r["sass_per_element_max"]
-            and r["sass_per_element"]
-            and r["sass_per_element_max"] > 1.05 * r["sass_per_element"]
-        ):
-            spe += f" (max {r['sass_per_element_max']:.0f})"
-        ratio = p["issue_memory_ratio"]
-        lines.append(
-            f"| {r['role']} | {r['case']} | {r['registers']} | {r['spill_bytes']} | {r['ctas_per_sm']} "
-            f"({100 * r['occupancy']:.0f}%) | {r['grid']} / {r['active_sms']} | {loads or '-'} | "
-            f"{ml.get('barriers', '-')} | {spe} | {r['passes']} | {ratio:.2f} | {p['bound']} | "
-            f"{_ms(p['time_s'])} | {p['copy_pct']:.0f}% |"
-        )
-    return "\n".join(lines)
-
-
 def dumps(payload: dict) -> str:
     """The results file: one line per launch, op and variant, so that a kernel
     change shows as a readable diff."""
@@ -811,10 +783,6 @@ def dumps(payload: dict) -> str:
         else:
             parts.append(f" {json.dumps(key)}: {json.dumps(value)}")
     return "{\n" + ",\n".join(parts) + "\n}\n"
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.1f} us"
 
 
 def _version(module: str) -> str | None:
@@ -860,7 +828,9 @@ def main(argv: list[str] | None = None) -> int:
     args.json.write_text(dumps(payload))
     if not args.quiet:
         print(f"\nAll figures {LABEL}.\n")
-        print(table(payload))
+        from .report import launch_table
+
+        print(launch_table(payload))
         print(f"\nwrote {args.json}")
     for failure in payload["compile_failures"]:
         print(f"FAILED to compile: {failure}", file=sys.stderr)
