@@ -87,11 +87,14 @@ bench: setup-bench
 
 # CI: small shapes; fails if a result is off the reference or fastrl is slower
 # than the torch reference measured in the same run. On a CPU whose native
-# kernels run their AVX2 clone (AMD EPYC CI machines) they trail torch today
-# (issue 18; 0.42x to 0.90x measured there): the gate then catches a regression
-# beyond that gap, until issue 18 brings them to 1.0x.
+# kernels run their AVX2 clone (AMD EPYC CI machines) the closest case, log-probs
+# of [256, 32000] fp32 against torch's two-thread log_softmax, measured 1.16x
+# on an idle machine once the AVX2 loops vectorised (0.73x with six jobs on the
+# two cores; scalar loops gave 0.42x-0.90x idle): 0.6x there keeps a busy
+# machine from failing the gate by chance and still catches the worst of that
+# regression, until issue 18 gives the margin to require 1.0x.
 bench-quick: setup-bench
-	$(PYTHON) -m fastrl.bench --quick --check-speed 1.0 --check-speed-avx2 0.25 --json build/bench-quick.json --plot build/bench-quick-plots
+	$(PYTHON) -m fastrl.bench --quick --check-speed 1.0 --check-speed-avx2 0.6 --json build/bench-quick.json --plot build/bench-quick-plots
 
 test: setup-test
 	$(PYTHON) -m pytest
