@@ -8,11 +8,10 @@ API layer picks a backend by picking a module.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ._backend import native_module
+from ._rows import row_count, row_layout
 
 DTYPE_CODES = {
     torch.float32: 0,
@@ -44,14 +43,6 @@ def _entry(name: str, device: torch.device):
     return getattr(mod, name)
 
 
-def _rows(t: torch.Tensor) -> tuple[int, int, int]:
-    """The row layout (inner, outer_stride, inner_stride) of the rows of ``[N, V]``
-    or of an ``[outer, inner, V]`` view (csrc/rows.h: row r is (r // inner, r % inner))."""
-    if t.dim() == 2:
-        return max(t.shape[0], 1), 0, t.stride(0)
-    return max(t.shape[1], 1), t.stride(0), t.stride(1)
-
-
 def _row_param(value: float | int | torch.Tensor) -> tuple[int, float | int]:
     """(pointer to per-row values or 0, the scalar value) of a per-row parameter."""
     if isinstance(value, torch.Tensor):
@@ -79,7 +70,7 @@ def logprobs_forward(
     """The contract of ``fastrl.kernels.logprobs.logprobs_forward``, on the C++
     kernels; per-row temperatures come as a contiguous ``[N]`` tensor of the
     accumulation dtype."""
-    n_rows, vocab = math.prod(logits.shape[:-1]), logits.shape[-1]
+    n_rows, vocab = row_count(logits), logits.shape[-1]
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     new = lambda: torch.empty(n_rows, dtype=acc, device=logits.device)  # noqa: E731
     logprob = new() if labels is not None else None
@@ -87,7 +78,7 @@ def logprobs_forward(
     stats = torch.empty(n_rows, 2, dtype=acc, device=logits.device) if with_stats else None
     temps_ptr, temp_scalar = _row_param(temperature)
     _entry("logprobs_forward", logits.device)(
-        logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, _rows(logits),
+        logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, row_layout(logits),
         _ptr(labels), DTYPE_CODES[labels.dtype] if labels is not None else -1, ignore_index,
         temps_ptr, temp_scalar, _ptr(logprob), _ptr(entropy), _ptr(stats),
     )  # fmt: skip
@@ -106,27 +97,27 @@ def logprobs_backward(
     grad_out: torch.Tensor,
 ) -> None:
     """The contract of ``fastrl.kernels.logprobs.logprobs_backward``, on the C++ kernels."""
-    n_rows, vocab = math.prod(logits.shape[:-1]), logits.shape[-1]
+    n_rows, vocab = row_count(logits), logits.shape[-1]
     temps_ptr, temp_scalar = _row_param(temperature)
     _entry("logprobs_backward", logits.device)(
-        logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, _rows(logits),
+        logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, row_layout(logits),
         _ptr(labels), DTYPE_CODES[labels.dtype] if labels is not None else -1, ignore_index,
         temps_ptr, temp_scalar, stats.data_ptr(), _ptr(entropy), _ptr(grad_logprob),
-        _ptr(grad_entropy), grad_out.data_ptr(), _rows(grad_out),
+        _ptr(grad_entropy), grad_out.data_ptr(), row_layout(grad_out),
     )  # fmt: skip
 
 
 def _truncation(logits, temperature, top_k, top_p, min_p) -> tuple:
     """The processed-distribution arguments of csrc/sampling.h, in binding order."""
     return (
-        logits.data_ptr(), DTYPE_CODES[logits.dtype], math.prod(logits.shape[:-1]), logits.shape[-1], _rows(logits),
+        logits.data_ptr(), DTYPE_CODES[logits.dtype], row_count(logits), logits.shape[-1], row_layout(logits),
         *_row_param(temperature), *_row_param(top_k), *_row_param(top_p), *_row_param(min_p),
     )  # fmt: skip
 
 
 def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
     """The contract of ``fastrl.kernels.sampling.sample_forward``, on the C++ kernels."""
-    n_rows = math.prod(logits.shape[:-1])
+    n_rows = row_count(logits)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     tokens = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(n_rows, dtype=acc, device=logits.device)
@@ -142,7 +133,7 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
 
 def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_stats):
     """The contract of ``fastrl.kernels.sampling.truncated_forward``, on the C++ kernels."""
-    n_rows = math.prod(logits.shape[:-1])
+    n_rows = row_count(logits)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     out = torch.empty(n_rows, dtype=acc, device=logits.device)
     stats = torch.empty(n_rows, 3, dtype=acc, device=logits.device) if with_stats else None
@@ -158,7 +149,7 @@ def truncated_backward(logits, labels, stats, grad_logprob, grad_out, *, tempera
     native_module().truncated_logprobs_backward(
         _truncation(logits, temperature, top_k, top_p, min_p),
         labels.data_ptr(), DTYPE_CODES[labels.dtype], stats.data_ptr(), grad_logprob.data_ptr(),
-        grad_out.data_ptr(), _rows(grad_out),
+        grad_out.data_ptr(), row_layout(grad_out),
     )  # fmt: skip
 
 
@@ -187,9 +178,9 @@ def kl_penalty_backward(
 def _full_kl(logits, ref_logits, temperature) -> tuple:
     """The full-KL arguments of csrc/kl.h, in binding order."""
     return (
-        logits.data_ptr(), ref_logits.data_ptr(), DTYPE_CODES[logits.dtype], math.prod(logits.shape[:-1]),
+        logits.data_ptr(), ref_logits.data_ptr(), DTYPE_CODES[logits.dtype], row_count(logits),
         logits.shape[-1],
-        _rows(logits), _rows(ref_logits), *_row_param(temperature),
+        row_layout(logits), row_layout(ref_logits), *_row_param(temperature),
     )  # fmt: skip
 
 
@@ -197,7 +188,7 @@ def full_kl_forward(
     logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float | torch.Tensor, *, with_stats: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The contract of ``fastrl.kernels.kl.full_kl_forward``, on the C++ kernels."""
-    n_rows = math.prod(logits.shape[:-1])
+    n_rows = row_count(logits)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     kl = torch.empty(n_rows, dtype=acc, device=logits.device)
     stats = torch.empty(n_rows, 4, dtype=acc, device=logits.device) if with_stats else None
@@ -217,7 +208,7 @@ def full_kl_backward(
     """The contract of ``fastrl.kernels.kl.full_kl_backward``, on the C++ kernels."""
     native_module().full_kl_backward(
         *_full_kl(logits, ref_logits, temperature), stats.data_ptr(), kl.data_ptr(), grad_kl.data_ptr(),
-        grad_out.data_ptr(), _rows(grad_out),
+        grad_out.data_ptr(), row_layout(grad_out),
     )  # fmt: skip
 
 

@@ -44,7 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .logprobs import _acc_dtypes, _launch_config, _row_inv_temperature, _temperature_args, row_count, row_layout
+from fastrl._rows import row_count, row_layout
+
+from .logprobs import _acc_dtypes, _launch_config, _row_inv_temperature, _temperature_args
 from .reduce import rebase, row_start, shift_sums
 
 # veRL's clamps of the k3 estimator: its log-ratio and its value.

@@ -20,11 +20,11 @@ logits (inplace_backward): each block is loaded before it is stored.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
+
+from fastrl._rows import row_count, row_layout
 
 from .reduce import log_sum, row_start, softmax_stats
 
@@ -38,19 +38,6 @@ def _launch_config(vocab: int) -> tuple[int, int]:
     block = min(triton.next_power_of_2(vocab), _MAX_BLOCK_V)
     num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
     return block, num_warps
-
-
-def row_layout(t: torch.Tensor) -> tuple[int, int, int]:
-    """(inner, outer_stride, inner_stride) of the rows of ``[N, V]`` or of an
-    ``[outer, inner, V]`` view: the arguments ``reduce.row_start`` takes."""
-    if t.dim() == 2:
-        return max(t.shape[0], 1), 0, t.stride(0)
-    return max(t.shape[1], 1), t.stride(0), t.stride(1)
-
-
-def row_count(t: torch.Tensor) -> int:
-    """The rows of ``[N, V]`` or ``[outer, inner, V]``."""
-    return math.prod(t.shape[:-1])
 
 
 def _acc_dtypes(logits: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:

@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .logprobs import row_count, row_layout
+from fastrl._rows import row_count, row_layout
+
 from .random import exponential_variate, philox4x32_10
 from .reduce import row_start
 
@@ -336,7 +337,7 @@ def _params(temperature, top_k, top_p, min_p) -> tuple[list, dict]:
 
 def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
     """One draw per row of ``logits`` [N, V] or [outer, inner, V] (unit stride in V,
-    any leading strides: ``logprobs.row_layout``): (tokens int64
+    any leading strides: ``fastrl._rows.row_layout``): (tokens int64
     [N], log-probs under the processed distribution [N], raw log-probs [N]).
     Parameters are scalars or flat per-row tensors (accumulation dtype, int64
     for top_k); ``seed`` an int64 or int64 [N] per-row seeds; ``offset`` an int
