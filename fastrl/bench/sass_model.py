@@ -66,6 +66,7 @@ class LoopInfo:
     load_args: list[str]  # kernel arguments it loads from
     depth: int
     mapped: bool  # matched to a TTGIR loop (its bound and step are known)
+    whole_tiles: bool = False  # runs floor(upper / step) times (the partial tile is straight-line code)
 
 
 @dataclasses.dataclass
@@ -163,6 +164,7 @@ def analyse_triton(compiled: dict, arch: int, param_names: list[str]) -> KernelA
             upper_const=const(iloop.upper) if iloop else None, step=const(iloop.step) if iloop else None,
             hot=sp.summarise(hot), longest_sass=longest, float_load_bits=float_bits, load_args=load_args,
             depth=iloop.depth if iloop else 0, mapped=iloop is not None,
+            whole_tiles=iloop.whole_tiles if iloop else False,
         ))  # fmt: skip
     straight = _straight_line(cfg)
     straight_bytes = sum(op.elements * ELEMENT_BYTES.get(op.elem, 4) for op in ir.memops if op.loop is None)

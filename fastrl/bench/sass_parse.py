@@ -405,6 +405,7 @@ class IRLoop:
     step: str
     guards: list[tuple[str, int]]  # the runtime `if`s around it (source lines)
     depth: int
+    whole_tiles: bool = False  # bounded by upper - upper % c: floor(upper / c) trips of step c
 
 
 @dataclasses.dataclass
@@ -500,7 +501,8 @@ def parse_ttgir(text: str) -> TTGIR:
         if re.search(r"\bscf\.for\b", s) and s.endswith("{"):
             fm = re.search(rf"scf\.for ({_SSA}) = ({_SSA}|\d+) to ({_SSA}|\d+) step ({_SSA}|\d+)", s)
             depth = sum(1 for k, _ in stack if k == "for")
-            loops.append(IRLoop(None, fm.group(2), fm.group(3), fm.group(4), [], depth))
+            upper, whole = _whole_tiles_bound(fm.group(3), defs, args)
+            loops.append(IRLoop(None, fm.group(2), upper, fm.group(4), [], depth, whole))
             guard_markers.append([marker for k, marker in stack if k == "if"])
             if "iter_args" in s:
                 for im in re.finditer(rf"({_SSA}) = ({_SSA})", s.split("iter_args", 1)[1]):
@@ -542,6 +544,22 @@ def parse_ttgir(text: str) -> TTGIR:
     for loop, markers in zip(loops, guard_markers):
         loop.guards = [if_locs[k] for k in markers if if_locs.get(k) is not None]
     return TTGIR([a.lstrip("%") for a in args], constants, loops, memops)
+
+
+def _whole_tiles_bound(upper: str, defs: dict, args: list[str]) -> tuple[str, bool]:
+    """(bound, whole_tiles): a loop over the whole tiles of a row, ``range(0, n - n % c, c)``
+    with n = V or V less a few elements (its partial tile and a head before an
+    aligned boundary handled apart), is bounded by V, in floor(V / c) trips."""
+    op, operands = defs.get(upper.split("#")[0], (None, []))
+    if op != "arith.subi" or len(operands) != 2:
+        return upper, False
+    rem_op, rem_operands = defs.get(operands[1].split("#")[0], (None, []))
+    if rem_op not in ("arith.remsi", "arith.remui") or rem_operands[:1] != operands[:1]:
+        return upper, False
+    n = operands[0].split("#")[0]
+    while n not in args and defs.get(n, (None,))[0] == "arith.subi":
+        n = defs[n][1][0].split("#")[0]
+    return (n if n in args else operands[0]), True
 
 
 def _trace_arg(ssa: str, defs: dict, args: list[str]) -> str | None:
