@@ -21,7 +21,8 @@ inverse temperature inv_t = 1/T, read once each:
     s = sum e^{d_v},  s' = sum e^{d'_v},  t = sum e^{d_v} ((x_v - m) - (y_v - m'))
     KL = sum p_v (log p_v - log q_v) = inv_t t / s - log s + log s'
 
-Online over blocks: when the logits' running max grows from m to M (c = (m - M) inv_t
+Online over tiles, per lane (reduce.softmax_stats' lanes, merged once after the
+loop in the same way): when the logits' running max grows from m to M (c = (m - M) inv_t
 <= 0, a = e^c) every e^{d_v} is scaled by a and every x_v - m grows by m - M;
 when the reference max grows from m' to M' every y_v - m' grows by m' - M'. Hence
     s <- a s,   t <- a (t + (m - M - (m' - M')) s),   s' <- e^{c'} s'.
@@ -46,8 +47,8 @@ import triton.language as tl
 
 from fastrl._rows import row_count, row_layout
 
-from .logprobs import _acc_dtypes, _launch_config, _row_inv_temperature, _temperature_args
-from .reduce import rebase, row_start, shift_sums
+from .logprobs import _acc_dtypes, _launch_config, _row_inv_temperature, _temperature_args, tile_config
+from .reduce import lane_max, row_start, tile_offsets
 
 # veRL's clamps of the k3 estimator: its log-ratio and its value.
 K3_LOG_RATIO_CLAMP = tl.constexpr(20.0)
@@ -158,50 +159,96 @@ def kl_penalty_backward(
 def _full_kl_fwd_kernel(
     x_ptr, x_inner, x_outer_stride, x_inner_stride, y_ptr, y_inner, y_outer_stride, y_inner_stride,
     temps_ptr, temp_scalar, kl_ptr, stats_ptr, V,
-    PER_ROW_TEMP: tl.constexpr, WITH_STATS: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    PER_ROW_TEMP: tl.constexpr, WITH_STATS: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr,
+    VEC: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     x_row = row_start(x_ptr, row, x_inner, x_outer_stride, x_inner_stride)
     y_row = row_start(y_ptr, row, y_inner, y_outer_stride, y_inner_stride)
     inv_t = _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
+    k = inv_t * 1.4426950408889634
     neg_inf = float("-inf")
-    m = tl.full([], neg_inf, ACC)
-    m_ref = tl.full([], neg_inf, ACC)
-    s = tl.zeros([], tl.float64)  # float64 running sums, as reduce.softmax_stats keeps them
-    s_ref = tl.zeros([], tl.float64)
-    t = tl.zeros([], tl.float64)
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        x = tl.load(x_row + offs, mask=offs < V, other=neg_inf).to(ACC)
-        y = tl.load(y_row + offs, mask=offs < V, other=neg_inf).to(ACC)
-        m_new, ref_point, _, a = rebase(m, tl.max(x, axis=0), inv_t, ACC)
-        m_ref_new, ref_point_ref, _, a_ref = rebase(m_ref, tl.max(y, axis=0), inv_t, ACC)
-        dx = x - ref_point
-        dy = y - ref_point_ref
-        e = tl.exp(dx * inv_t)
-        term = tl.where(e > 0, e * (dx - dy), 0.0)
-        # The maxima's shifts in logit units (rebase's c is one times inv_t); 0
-        # while the running max is -inf, and -inf when it rose beyond the float range.
-        shift = tl.where(m == neg_inf, 0.0, m - ref_point)
-        shift_ref = tl.where(m_ref == neg_inf, 0.0, m_ref - ref_point_ref)
-        # t' = a (t + shift s) - shift_ref a s: the x shift first, then the
-        # reference's (with no term summed yet, s = 0 adds nothing).
-        s, t = shift_sums(s, t, shift.to(tl.float64), a)
-        # The terms are summed in float64: where the reference masks with finfo.min,
-        # they reach 3e38 and a float32 sum of a few of them overflows.
-        t = tl.where(s == 0, t, t - shift_ref.to(tl.float64) * s) + tl.sum(term.to(tl.float64), axis=0)
-        s += tl.sum(e, axis=0).to(tl.float64)
-        s_ref = a_ref * s_ref + tl.sum(tl.exp(dy * inv_t), axis=0).to(tl.float64)
-        m = m_new
-        m_ref = m_ref_new
-    log_s = tl.log(s)
-    log_s_ref = tl.log(s_ref)
-    tl.store(kl_ptr + row, (inv_t.to(tl.float64) * t / s - log_s + log_s_ref).to(ACC))
+    # Per-lane sums (reduce.softmax_stats' tiles: no reduction across threads in the
+    # loop), merged once after it.
+    m = tl.full([LANES], neg_inf, ACC)
+    m_ref = tl.full([LANES], neg_inf, ACC)
+    s = tl.zeros([LANES], ACC)
+    s_ref = tl.zeros([LANES], ACC)
+    t = tl.zeros([LANES], tl.float64)
+    offs = tile_offsets(REPS, LANES, VEC)
+    tile = REPS * LANES * VEC
+    whole = V - V % tile
+    for start in range(0, whole, tile):
+        x = tl.load(x_row + start + offs)
+        y = tl.load(y_row + start + offs)
+        m, m_ref, s, s_ref, t = _full_kl_tile(x, y, m, m_ref, s, s_ref, t, k, MAX_IN_STORAGE_TYPE)
+    if whole < V:
+        in_row = whole + offs < V
+        x = tl.load(x_row + whole + offs, mask=in_row, other=neg_inf)
+        y = tl.load(y_row + whole + offs, mask=in_row, other=neg_inf)
+        m, m_ref, s, s_ref, t = _full_kl_tile(x, y, m, m_ref, s, s_ref, t, k, MAX_IN_STORAGE_TYPE)
+    # The merge: every lane's sums moved to the row maxima, as a tile moves them.
+    row_max = tl.max(m, axis=0)
+    row_max_ref = tl.max(m_ref, axis=0)
+    _, shift, a = _move_to(m, row_max, k)
+    _, shift_ref, a_ref = _move_to(m_ref, row_max_ref, k)
+    s64 = s.to(tl.float64)
+    a64 = a.to(tl.float64)
+    t = tl.where(a == 0, 0.0, a64 * (t + shift.to(tl.float64) * s64))
+    s64 = a64 * s64
+    t = tl.where(s64 == 0, t, t - shift_ref.to(tl.float64) * s64)
+    s_row = tl.sum(s64, axis=0)
+    t_row = tl.sum(t, axis=0)
+    s_ref_row = tl.sum(a_ref.to(tl.float64) * s_ref.to(tl.float64), axis=0)
+    log_s = tl.log(s_row)
+    log_s_ref = tl.log(s_ref_row)
+    tl.store(kl_ptr + row, (inv_t.to(tl.float64) * t_row / s_row - log_s + log_s_ref).to(ACC))
     if WITH_STATS:
-        tl.store(stats_ptr + 4 * row, m)
+        tl.store(stats_ptr + 4 * row, row_max)
         tl.store(stats_ptr + 4 * row + 1, log_s.to(ACC))
-        tl.store(stats_ptr + 4 * row + 2, m_ref)
+        tl.store(stats_ptr + 4 * row + 2, row_max_ref)
         tl.store(stats_ptr + 4 * row + 3, log_s_ref.to(ACC))
+
+
+@triton.jit
+def _move_to(m, m_new, k):
+    """A running max m (per lane) meeting m_new >= m: (ref, shift, a) with ref the
+    new reference point (m_new, or 0 while it is -inf, so no -inf - -inf), shift =
+    m - ref the old terms' move in logit units and a = 2^(shift k) their scale;
+    shift and a are 0 while m is -inf (nothing to move), and a is 0 when the max
+    rose beyond the float range (shift -inf)."""
+    neg_inf = float("-inf")
+    ref = tl.where(m_new == neg_inf, 0.0, m_new)
+    shift = tl.where(m == neg_inf, 0.0, m - ref)
+    a = tl.where(m == neg_inf, 0.0, tl.exp2(shift * k))
+    return ref, shift, a
+
+
+@triton.jit
+def _full_kl_tile(x, y, m, m_ref, s, s_ref, t, k, MAX_IN_STORAGE_TYPE: tl.constexpr):
+    """Each lane's sums (module docstring) after its elements of one tile of the
+    logits x and the reference y ([REPS, LANES, VEC], their own dtype)."""
+    ACC = m.dtype
+    m_new = tl.maximum(m, lane_max(x, ACC, MAX_IN_STORAGE_TYPE))
+    m_ref_new = tl.maximum(m_ref, lane_max(y, ACC, MAX_IN_STORAGE_TYPE))
+    ref, shift, a = _move_to(m, m_new, k)
+    ref_y, shift_ref, a_ref = _move_to(m_ref, m_ref_new, k)
+    dx = x.to(ACC) - ref[None, :, None]
+    dy = y.to(ACC) - ref_y[None, :, None]
+    e = tl.exp2(dx * k)
+    # A token with e = 0 adds nothing (never 0 * inf). The terms are summed in
+    # float64: where the reference masks with finfo.min, they reach 3e38 and a
+    # float32 sum of a few of them overflows.
+    term = tl.where(e > 0, e * (dx - dy), 0.0).to(tl.float64)
+    # t' = a (t + shift s) - shift_ref a s: the x shift first, then the reference's
+    # (with no term summed yet, s = 0 adds nothing).
+    t = tl.where(a == 0, 0.0, a.to(tl.float64) * (t + shift.to(tl.float64) * s.to(tl.float64)))
+    s = a * s
+    t = tl.where(s == 0, t, t - shift_ref.to(tl.float64) * s.to(tl.float64))
+    t += tl.sum(tl.sum(term, axis=2), axis=0)
+    s += tl.sum(tl.sum(e, axis=2), axis=0)
+    s_ref = a_ref * s_ref + tl.sum(tl.sum(tl.exp2(dy * k), axis=2), axis=0)
+    return m_new, m_ref_new, s, s_ref, t
 
 
 @triton.jit
@@ -246,10 +293,9 @@ def full_kl_forward(
     kl = torch.empty(n_rows, dtype=acc, device=logits.device)
     stats = torch.empty(n_rows, 4, dtype=acc, device=logits.device) if with_stats else None
     temps, temp_scalar, per_row = _temperature_args(temperature)
-    block, num_warps = _launch_config(vocab)
     _full_kl_fwd_kernel[(n_rows,)](
         logits, *row_layout(logits), ref_logits, *row_layout(ref_logits), temps, temp_scalar, kl, stats, vocab,
-        PER_ROW_TEMP=per_row, WITH_STATS=with_stats, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
+        PER_ROW_TEMP=per_row, WITH_STATS=with_stats, ACC=acc_tl, **tile_config(logits),
     )  # fmt: skip
     return kl, stats
 

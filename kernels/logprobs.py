@@ -31,6 +31,8 @@ from .reduce import log_sum, row_start, softmax_stats
 # Elements of a row handled per loop iteration. It depends on V only, never on
 # the number of rows, which keeps results batch invariant.
 _MAX_BLOCK_V = 8192
+# Elements each thread of the forward handles per iteration (REPS 128-bit loads).
+_THREAD_ELEMS = 16
 
 
 def _launch_config(vocab: int) -> tuple[int, int]:
@@ -38,6 +40,27 @@ def _launch_config(vocab: int) -> tuple[int, int]:
     block = min(triton.next_power_of_2(vocab), _MAX_BLOCK_V)
     num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
     return block, num_warps
+
+
+def tile_config(logits: torch.Tensor) -> dict:
+    """The forward's tile (reduce.tile_offsets) for rows of ``logits``: VEC elements
+    in a 128-bit load, one lane per thread (fewer for a short row), REPS loads per
+    lane; num_warps; and where reduce.lane_max may take the max in the logits' own
+    type (compiled, not interpreted: a CPU tensor runs in Triton's interpreter)."""
+    vocab = logits.shape[-1]
+    block, num_warps = _launch_config(vocab)
+    vec = 16 // logits.element_size()
+    lanes = max(1, min(32 * num_warps, block // vec))
+    reps = max(1, min(_THREAD_ELEMS // vec, triton.next_power_of_2(vocab) // (lanes * vec)))
+    return {"REPS": reps, "LANES": lanes, "VEC": vec, "MAX_IN_STORAGE_TYPE": logits.device.type != "cpu",
+            "num_warps": num_warps}  # fmt: skip
+
+
+def rows_aligned(logits: torch.Tensor) -> bool:
+    """Whether every row of ``logits`` (row_layout) starts on a 16-byte boundary."""
+    _, outer_stride, inner_stride = row_layout(logits)
+    e = logits.element_size()
+    return logits.data_ptr() % 16 == 0 and (outer_stride * e) % 16 == 0 and (inner_stride * e) % 16 == 0
 
 
 def _acc_dtypes(logits: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
@@ -62,12 +85,13 @@ def _logprobs_fwd_kernel(
     logits_ptr, inner, outer_stride, inner_stride, labels_ptr, temps_ptr, temp_scalar, ignore_index,
     logprob_ptr, entropy_ptr, stats_ptr, V,
     HAS_LABELS: tl.constexpr, PER_ROW_TEMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-    WITH_STATS: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    WITH_STATS: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
+    ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
     inv_t = _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
-    m, n, t, w = softmax_stats(row_ptr, V, inv_t, WITH_ENTROPY, BLOCK_V, ACC)
+    m, n, t, w = softmax_stats(row_ptr, V, inv_t, WITH_ENTROPY, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE, ACC)
     log_s_exact = log_sum(n, t)  # float64, as n, t and w are (reduce.py)
     log_s = log_s_exact.to(ACC)
     if WITH_STATS:
@@ -155,12 +179,11 @@ def logprobs_forward(
     entropy = new() if with_entropy else None
     stats = torch.empty(n_rows, 2, dtype=acc, device=logits.device) if with_stats else None
     temps, temp_scalar, per_row = _temperature_args(temperature)
-    block, num_warps = _launch_config(vocab)
     _logprobs_fwd_kernel[(n_rows,)](
         logits, *row_layout(logits), labels, temps, temp_scalar, ignore_index,
         logprob, entropy, stats, vocab,
         HAS_LABELS=labels is not None, PER_ROW_TEMP=per_row, WITH_ENTROPY=with_entropy,
-        WITH_STATS=with_stats, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
+        WITH_STATS=with_stats, ACC=acc_tl, ALIGNED=rows_aligned(logits), **tile_config(logits),
     )  # fmt: skip
     return logprob, entropy, stats
 

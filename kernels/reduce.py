@@ -12,10 +12,18 @@ scaling, so large logits (|x| ~ 1e4) with T != 1 lose no absolute accuracy, and
 w stays relative to the max so that a small entropy does not come from two
 cancelling numbers of size |x|.
 
-The row is read once, BLOCK_V elements at a time; when a block raises the
-running max from m to m', the sums move to the new reference point:
+The row is read once, a tile at a time, and every thread keeps the statistics
+of its own lane of the row (``tile_offsets``): no reduction crosses threads in
+the loop (no barrier, no shuffle), and the lanes are merged once after it
+(``merge_lanes``). When a tile raises a lane's running max from m to m', its
+sums move to the new reference point:
 
     s' = a s,   w' = a (w + c s),   c = (m - m') * inv_t,   a = exp(c).
+
+The exponentials are taken in base 2, e = 2^((x - m) k) with k = inv_t log2(e)
+(one multiply; w is kept in base-2 units and scaled by ln 2 in the merge); on a
+GPU tl.exp is that same exp2 of a rounded product, so a term at depth d is
+within about 2 |d| + 3 ulps of float32 whichever is written.
 
 Accuracy on peaked rows, where users watch the entropy collapse: s = n + t,
 with n the count of terms at the max (each exactly 1) and t the tail of tiny
@@ -23,16 +31,17 @@ terms, and the entropy of such a row is about t (1 + gap). A float32 sum that
 holds a 1 drops every term below half an ulp of 1 (6e-8), which at V = 32000,
 T = 1 is the whole tail (entropy 1e-7, off by 3%); even in float64, n + t
 rounds t away past a gap of about 33 (1e-6 of the entropy, 2% at a gap of 45).
-So n and t are kept apart to the end: each block sums its terms below the max
-on their own (in ACC, a tree) and counts those at the max, the running n and t
-are float64 scalars, and log s = log n + log1p(t / n) (``log_sum``).
+So n and t are kept apart to the end: each lane sums its terms below its max on
+their own (in ACC: at most REPS * VEC terms per tile, then one add per tile)
+and counts those at the max, the merge adds the lanes in float64, and
+log s = log n + log1p(t / n) (``log_sum``).
 
 Guards test the term, not the logit: (x - m) * inv_t overflows to -inf for
 finite logits too (finfo.min masking at T < 1, or +-3e38 in one row), so a
 term with exp(d) = 0 adds exactly 0 to w (never 0 * -inf), and a rescale with
 a = 0 drops the old sums (c may be -inf). -inf logits (masked vocabulary) add
 exactly nothing; a row that is all -inf gives s = 0 (log-probs NaN, as
-log_softmax gives); NaN propagates into s (a block of only NaN has no max but
+log_softmax gives); NaN propagates into s (a lane of only NaN has no max but
 its terms are still summed, from the reference point 0).
 """
 
@@ -49,70 +58,174 @@ def row_start(base_ptr, row, inner, outer_stride, inner_stride):
 
 
 @triton.jit
-def rebase(m, block_max, inv_t, ACC: tl.constexpr):
-    """A running max m meeting a block's max: (m', ref, c, a) with m' the new max,
-    ref the reference point the block's terms are taken from (m', or 0 while the
-    row is all -inf so far, so that no -inf - -inf appears), c = (m - ref) inv_t
-    the shift of the old terms' exponents (0 while m is -inf; -inf when the max
-    rose beyond the float range) and a = exp(c) their scale (0 while m is -inf:
-    there is nothing to rescale). a is evaluated in ACC and returned as float64:
-    its rounding scales only the old terms, so it moves log s by an ulp of their
-    share, which is small where the entropy is small (a float64 exp would cost
-    the loop more than its sums)."""
-    neg_inf = float("-inf")
-    m_new = tl.maximum(m, block_max)
-    ref = tl.where(m_new == neg_inf, 0.0, m_new).to(ACC)
-    c = tl.where(m == neg_inf, 0.0, (m - ref) * inv_t).to(ACC)
-    a = tl.where(m == neg_inf, 0.0, tl.exp(c)).to(tl.float64)
-    return m_new, ref, c, a
-
-
-@triton.jit
-def shift_sums(s, w, c, a):
-    """(s', w') = (a s, a (w + c s)): sums of e^d and of e^d times a quantity
-    that grows with d by c, moved to the new reference point; a = 0 leaves
-    nothing of the old terms (tested, so that 0 * -inf never appears)."""
-    return a * s, tl.where(a == 0, 0.0, a * (w + c * s))
-
-
-@triton.jit
-def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
+def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr,
+                  VEC: tl.constexpr, ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr,
+                  ACC: tl.constexpr):  # fmt: skip
     """(m, n, t, w) of the row as defined above (n, t, w in float64; s = n + t);
-    w is 0 unless WITH_W."""
+    w is 0 unless WITH_W.
+
+    The loop keeps LANES partial statistics, one per thread (``tile_layout``),
+    and merges them once after it, so that an iteration has no reduction across
+    threads (no barrier, no shuffle): a thread's REPS x VEC elements of a tile
+    are VEC contiguous ones (one 128-bit load) at REPS places LANES * VEC apart.
+    The exponent is taken in base 2, d2 = (x - ref) * k with k = inv_t log2(e)
+    (the scale folded into one multiply; w is summed in base-2 units and
+    scaled by ln 2 at the end). A lane's sums are float32 sums of at most
+    REPS * VEC terms per tile, one float32 add per tile into its running sums,
+    and float64 only in the merge."""
     neg_inf = float("-inf")
-    m = tl.full([], neg_inf, ACC)
-    n = tl.zeros([], tl.float64)
-    t = tl.zeros([], tl.float64)
-    w = tl.zeros([], tl.float64)
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
-        block_max = tl.max(x, axis=0)
-        m_new, ref, c, a = rebase(m, block_max, inv_t, ACC)
-        d = (x - ref) * inv_t
-        e = tl.exp(d)
-        # When the max rose, the terms at the old max join the tail (c and a are
-        # 0 and 1, or 0 and 0 while m is -inf, when it did not).
-        grew = m_new > m
-        t_shifted, w = shift_sums(n + t, w, c, a)
-        t = tl.where(grew, t_shifted, t)
-        n = tl.where(grew, 0.0, n)
-        # For w, d is clamped to the lowest finite value: where d = -inf, e = 0 and
-        # the term is 0 * finite = 0, never 0 * -inf (one instruction, no select).
-        if WITH_W:
-            w += tl.sum(e * tl.maximum(d, -3.4028234663852886e38), axis=0).to(tl.float64)
-        if block_max >= m_new:
-            # The block reaches the running max, whose terms are exactly 1: they are
-            # counted apart (e - [d == 0] is the tail term), so that a peaked row's
-            # tail is summed on its own, not into a 1 that drops it. Only such
-            # blocks pay for the count (on a random row, about 3 of V / BLOCK_V).
-            at_max = (d == 0).to(ACC)
-            t += tl.sum(e - at_max, axis=0).to(tl.float64)
-            n += tl.sum(at_max, axis=0).to(tl.float64)
-        else:
-            t += tl.sum(e, axis=0).to(tl.float64)
-        m = m_new
-    return m, n, t, w
+    k = inv_t * 1.4426950408889634
+    m = tl.full([LANES], neg_inf, ACC)
+    n = tl.zeros([LANES], ACC)  # terms at the lane's max: an exact integer count
+    t = tl.zeros([LANES], ACC)
+    w = tl.zeros([LANES], ACC)
+    offs = tile_offsets(REPS, LANES, VEC)
+    tile = REPS * LANES * VEC
+    # The whole tiles unmasked (no mask or fill per element) from the first element
+    # on a 16-byte boundary (``aligned_body``), then the partial tile and the head
+    # before that boundary, masked.
+    if ALIGNED:  # the launcher knows every row starts on a 16-byte boundary
+        head, body_ptr, rest = 0, row_ptr, V
+    else:
+        head, body_ptr, rest = aligned_body(row_ptr, V)
+    whole = rest - rest % tile
+    for start in range(0, whole, tile):
+        x = tl.load(body_ptr + start + offs)
+        m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
+    edge = rest - whole + head
+    if edge > 0:
+        x = tl.load(row_ptr + edge_offsets(offs, head, whole, rest), mask=offs < edge, other=neg_inf)
+        m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
+    if not ALIGNED and edge > tile:  # a partial tile of more than tile - VEC elements and a head
+        x = tl.load(row_ptr + offs + (tile - (rest - whole)), mask=offs < edge - tile, other=neg_inf)
+        m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
+    return merge_lanes(m, n, t, w, k)
+
+
+@triton.jit
+def accumulate_tile(x, m, n, t, w, k, WITH_W: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr):
+    """Each lane's (m, n, t, w) after its elements of one tile x [REPS, LANES, VEC]
+    (softmax_stats), all inside the lane's thread."""
+    neg_inf = float("-inf")
+    ACC = m.dtype
+    tile_max = lane_max(x, ACC, MAX_IN_STORAGE_TYPE)
+    m_new = tl.maximum(m, tile_max)
+    # The reference point: m', or 0 while the lane is all -inf so far (no -inf - -inf).
+    ref = tl.where(m_new == neg_inf, 0.0, m_new).to(ACC)
+    # The old terms' shift in base-2 units and their scale: 0 and 0 while m is -inf
+    # (nothing to rescale), 0 and 1 when the max did not rise, -inf and 0 when it
+    # rose beyond the float range.
+    c2 = tl.where(m == neg_inf, 0.0, (m - ref) * k).to(ACC)
+    a = tl.where(m == neg_inf, 0.0, tl.exp2(c2)).to(ACC)
+    at_max = x == ref.to(x.dtype)[None, :, None]
+    ref3 = ref[None, :, None]
+    x = x.to(ACC)
+    d2 = (x - ref3) * k
+    e = tl.exp2(d2)
+    # Terms at the max are exactly 1 and counted apart (n), so that a peaked
+    # row's tail (t) is never summed into a 1 that drops it; the count is the
+    # sum of all terms less the tail, rounded (its float32 error is far below 1/2).
+    tail = tl.where(at_max, -0.0, e)
+    tile_tail = tl.sum(tl.sum(tail, axis=2), axis=0)
+    tile_count = round_small(tl.sum(tl.sum(e, axis=2), axis=0) - tile_tail)
+    if WITH_W:
+        # w moves by c2 s with the reference (the docstring's w'), before n joins t;
+        # d2 is clamped to the lowest finite value so that e = 0 gives 0, never 0 * -inf.
+        w = tl.where(a == 0, 0.0, a * (w + c2 * (n + t)))
+        w += tl.sum(tl.sum(e * tl.maximum(d2, -3.4028234663852886e38), axis=2), axis=0)
+    # When the max rose, the terms at the old max join the tail.
+    grew = m_new > m
+    t = tl.where(grew, a * (n + t), t) + tile_tail
+    n = tl.where(grew, 0.0, n) + tile_count
+    return m_new, n, t, w
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def lane_max(x, ACC: tl.constexpr, IN_STORAGE_TYPE: tl.constexpr):
+    """Each lane's max of a tile x [REPS, LANES, VEC], in ACC. The max is exact in
+    any type, so on a GPU it is taken in x's own type (tl.max would reduce 16-bit
+    floats in float32), over the REPS axis first: two bfloat16 or float16 per
+    instruction. Triton's interpreter keeps bfloat16 as its uint16 bits and
+    compares those, so there (IN_STORAGE_TYPE False) it is taken in ACC."""
+    if IN_STORAGE_TYPE:
+        return tl.reduce(tl.reduce(x, 0, _maximum), 1, _maximum).to(ACC)
+    else:
+        return tl.max(tl.max(x.to(ACC), axis=0), axis=1)
+
+
+@triton.jit
+def round_small(v):
+    """v rounded to the nearest integer, for |v| < 2^22 (float32) or 2^51 (float64):
+    adding and taking away 1.5 * 2^23 (2^52) leaves only the integer part, with
+    no conversion (NaN stays NaN)."""
+    if v.dtype == tl.float64:
+        magic = 6755399441055744.0
+    else:
+        magic = 12582912.0
+    return (v + magic) - magic
+
+
+@triton.jit
+def aligned_body(row_ptr, V):
+    """(head, body_ptr, rest): a row's first ``head`` elements (fewer than 16 bytes)
+    come before the first 16-byte boundary, where its ``rest`` = V - head elements
+    start (``body_ptr``), so that whole tiles from there load 128 bits at a time
+    whatever V and the row's alignment (a GPT-2 row of 50257 bf16 logits starts
+    at any even byte)."""
+    es: tl.constexpr = row_ptr.dtype.element_ty.primitive_bitwidth // 8
+    head = ((16 - row_ptr.to(tl.int64) % 16) % 16 // es).to(tl.int32)
+    head = tl.minimum(head, V)
+    return head, tl.multiple_of(row_ptr + head, 16), V - head
+
+
+@triton.jit
+def edge_offsets(offs, head, whole, rest):
+    """Offsets, from the row start, of its elements outside the whole tiles: the
+    partial tile's rest - whole first (after the head and the whole tiles), then
+    the head's; offs beyond their count are masked by the caller."""
+    tail = rest - whole
+    return tl.where(offs < tail, head + whole + offs, offs - tail)
+
+
+@triton.jit
+def tile_offsets(REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr):
+    """Offsets [REPS, LANES, VEC] of one tile of a row: lane l's elements are the
+    VEC contiguous ones at r * LANES * VEC + l * VEC, r < REPS. With LANES the
+    threads of the program, Triton's layout gives each thread one lane (the
+    VEC elements in one 128-bit load, the REPS in registers), so reductions over
+    axes 2 and 0 stay inside a thread."""
+    r = tl.arange(0, REPS)[:, None, None]
+    lane = tl.arange(0, LANES)[None, :, None]
+    v = tl.arange(0, VEC)[None, None, :]
+    return r * (LANES * VEC) + lane * VEC + v
+
+
+@triton.jit
+def merge_lanes(m, n, t, w, k):
+    """The row's (m, n, t, w) from per-lane ones (w in base-2 units of k), once, in
+    float64: a lane at the row max M keeps its count and tail apart; any other
+    lane's terms, scaled by a = 2^((m_l - M) k), join the tail, and its w moves
+    by c s (the module docstring's w'). A lane with nothing finite (m_l = -inf) adds its
+    sums times 0 (NaN stays NaN)."""
+    neg_inf = float("-inf")
+    row_max = tl.max(m, axis=0)
+    ref = tl.where(row_max == neg_inf, 0.0, row_max)
+    c2 = tl.where(m == neg_inf, 0.0, (m - ref) * k)
+    a = tl.where(m == neg_inf, 0.0, tl.exp2(c2)).to(tl.float64)
+    at_max = m == row_max
+    n64 = n.to(tl.float64)
+    t64 = t.to(tl.float64)
+    s64 = n64 + t64
+    n_row = tl.sum(tl.where(at_max, n64, 0.0), axis=0)
+    t_row = tl.sum(tl.where(at_max, t64, a * s64), axis=0)
+    w_lane = tl.where(a == 0, 0.0, a * (w.to(tl.float64) + c2.to(tl.float64) * s64))
+    w_row = tl.sum(w_lane, axis=0) * 0.6931471805599453
+    return row_max, n_row, t_row, w_row
 
 
 @triton.jit
