@@ -241,13 +241,13 @@ def test_nan_anywhere_in_a_row_gives_nan(device, backend):
 @pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
 def test_entropy_of_peaked_rows_is_accurate(device, backend, vocab, temperature):
     """One logit 30 above the rest (entropy 1e-18 to 0.04): the entropy, about
-    sum_tail e^d (1 - d), to (2 D + 45) ulps of float32 relative (about 1e-5 at
+    sum_tail e^d (1 - d), to (2 D + 60) ulps of float32 relative (about 1e-5 at
     T = 0.5), D the mean |d| of the tail weighted by e^d (1 + |d|), from the
     float64 reference. Error bound: on a GPU each e^d is 2^(d log2 e) with
     d log2 e rounded to float32 (2 ulps of it, the scale's rounding and the
     product's: 2 |d| ulps of e^d) and exp2's own 3 ulps, d itself within an ulp;
     the sums add at most 16 terms per tile in float32 plus one add per tile (at
-    most 19 tiles), then float64: 2 |d| + 5 + 16 + 19 + a few, per term. They are
+    most 38 tiles of 4096), then float64: 2 |d| + 5 + 16 + 38 + a few, per term. They are
     summed without a float32 1 in the sum (the old kernels lost the tail to it:
     2e-3 off at V = 32000, T = 1.7)."""
     logits = torch.randn(3, vocab, dtype=torch.float64)
@@ -260,7 +260,7 @@ def test_entropy_of_peaked_rows_is_accurate(device, backend, vocab, temperature)
     d = (logits.double().cpu() - logits.double().cpu().max(-1, keepdim=True).values) / temperature
     weight = torch.where(d < 0, d.exp() * (1 - d), 0.0)
     mean_abs_d = (weight * -d).sum(-1) / weight.sum(-1)
-    rtol = (2 * mean_abs_d + 45) * 2.0**-24
+    rtol = (2 * mean_abs_d + 60) * 2.0**-24
     err = (ent.double().cpu() - ref.cpu()).abs() / ref.cpu().abs()
     assert bool((err <= rtol).all()), f"entropy: relative errors {err.tolist()} over bounds {rtol.tolist()}"
 
@@ -307,7 +307,8 @@ def test_rows_at_any_alignment(device, backend, dtype, vocab):
     """Rows that start anywhere in a 16-byte line (an odd V; a row offset by one
     element): the Triton forward loads whole tiles from each row's first 16-byte
     boundary and the few elements before it with the partial tile, or apart when
-    both do not fit one tile (V = tile + 1). Tolerance: DESIGN.md's output bound."""
+    both do not fit one tile (V = 8193, 16387: whole 4096-element tiles and 1 or 3
+    more). Tolerance: DESIGN.md's output bound."""
     base = torch.randn(6, vocab + 1, dtype=torch.float64, device=device) * 3
     logits = base.to(dtype)[:, 1:]  # every row one element past its allocation's alignment
     labels = torch.randint(vocab, (6,), device=device)
