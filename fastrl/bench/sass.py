@@ -203,8 +203,8 @@ _P2_FULL_KL = (
 )
 _P2_ODD_V = ("issue 13 part 2: a vectorised main loop from the first 16-byte aligned element, with a masked head and "
              "tail, so rows that do not start 16-byte aligned (V % 8 != 0) still load 128 bits")  # fmt: skip
-_P2_POLICY = ("issue 13 part 2: split L across programs with per-chunk partials combined in a fixed order, masked "
-              "loads through tl.where so they vectorise, fp32 partials with fp64 only in the final merge")  # fmt: skip
+_P2_POLICY = ("issue 13 part 2: GSPO's row mean of u in a first launch of per-chunk sums (a new role in "
+              "fastrl.bench.sass_cases), so the sequence-level forward splits L across programs as the token level does")  # fmt: skip
 _P2_CUDA = ("issue 13 part 2: csrc/logprobs.cu unrolled x4 with hoisted loads, ex2.approx.ftz, a 32-bit index and "
             "__launch_bounds__, or deleted")  # fmt: skip
 _ISSUE_14 = "issue 14: the sampler in three passes (histogram selection, candidates only, split rows at small batch)"
@@ -237,15 +237,8 @@ KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
     ("", "truncated_logprobs fwd", "128-bit loads"): _ISSUE_14,
     ("", "truncated_logprobs fwd", "passes"): _ISSUE_14,
     ("", "truncated_logprobs bwd", "issue/memory"): _ISSUE_14_KEYS,
-    # policy loss, rollout correction: one program per sequence
-    ("policy_loss fwd+bwd [", "policy fwd", "issue/memory"): _P2_POLICY,
-    ("", "policy fwd", "128-bit loads"): _P2_POLICY,
-    ("", "policy bwd", "128-bit loads"): _P2_POLICY,
-    ("", "policy fwd", "grid"): _P2_POLICY,
-    ("", "policy bwd", "grid"): _P2_POLICY,
-    ("", "rollout_correction fwd", "issue/memory"): _P2_POLICY,
-    ("", "rollout_correction fwd", "128-bit loads"): _P2_POLICY,
-    ("", "rollout_correction fwd", "grid"): _P2_POLICY,
+    # policy loss: GSPO's forward is one program per sequence
+    ("policy_loss GSPO fwd+bwd [", "policy fwd", "grid"): _P2_POLICY,
     # csrc/logprobs.cu
     ("", "logprobs fwd (CUDA C++)", "issue/memory"): _P2_CUDA,
     ("", "logprobs+entropy fwd (CUDA C++)", "issue/memory"): _P2_CUDA,
