@@ -104,7 +104,7 @@ def stats_shape(n_rows, length) -> tuple:
 
 @triton.jit
 def _chunk_tokens(mask_ptr, base, start, L, BLOCK_L: tl.constexpr):
-    """(offsets, in the row, valid) of the chunk of BLOCK_L tokens from ``start``."""
+    """(offsets, in the row, valid) of the block of BLOCK_L tokens from ``start``."""
     offs = start + tl.arange(0, BLOCK_L)
     in_row = offs < L
     valid = in_row & (tl.load(mask_ptr + base + offs, mask=in_row, other=0) != 0)
@@ -113,27 +113,21 @@ def _chunk_tokens(mask_ptr, base, start, L, BLOCK_L: tl.constexpr):
 
 @triton.jit
 def _load(ptr, base, offs, in_row):
-    """A chunk of a row, masked by the row's end only (so the load vectorises); the
+    """A block of a row, masked by the row's end only (so the load vectorises); the
     caller passes every value through tl.where on the token mask."""
     return tl.load(ptr + base + offs, mask=in_row, other=0.0)
 
 
 @triton.jit
-def _masked_sum(x, valid):
-    """sum over the chunk's valid tokens, in x's dtype (the masked-out may be NaN)."""
-    return tl.sum(tl.where(valid, x, 0.0), axis=0)
-
-
-@triton.jit
 def _row_diff_sum(a_ptr, b_ptr, mask_ptr, base, L, BLOCK_L: tl.constexpr):
-    """(sum, count) over the row's valid tokens of a - b, in float64 (each chunk's
-    sum in float64 too, added in chunk order)."""
+    """(sum, count) over the row's valid tokens of a - b, in float64 (each block's
+    sum in float64 too, added in order)."""
     total = tl.zeros([], tl.float64)
     count = tl.zeros([], tl.float64)
     for start in range(0, L, BLOCK_L):
         offs, in_row, valid = _chunk_tokens(mask_ptr, base, start, L, BLOCK_L)
         diff = (_load(a_ptr, base, offs, in_row) - _load(b_ptr, base, offs, in_row)).to(tl.float64)
-        total += _masked_sum(diff, valid)
+        total += tl.sum(tl.where(valid, diff, 0.0), axis=0)
         count += tl.sum(valid.to(tl.float64), axis=0)
     return total, count
 
