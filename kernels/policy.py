@@ -14,7 +14,8 @@ chunk's partial sums: stats [B, C * 8], C = ceil(L / CHUNK_L). At token level
 grid (B, C): 512 programs at the canonical [64, 8192]. A program walks its chunk
 in blocks of BLOCK_L = 256 tokens (4 a thread: 128-bit loads), each lane adding
 its tokens' terms, then reduces once (no block reduction, no barrier, per
-block). The sums are fp32 (fp64 for fp64 inputs); the finalize kernels merge a
+block). The sums are fp32 (fp64 for fp64 inputs, and for the rollout
+correction's sums of w and w^2, which its std cancels); the finalize kernels merge a
 row's chunks in float64 (a fixed tree along the chunks), then the rows. So a
 row's sums depend on its own tokens and L only (batch-invariant), combined in
 one fixed order (deterministic, no atomics). Error of a chunk's fp32 sum: a
@@ -316,11 +317,14 @@ def _correction_chunk(
     """One chunk of the rollout correction: its weights, and its statistics to
     stats[row, 8 chunk : 8 chunk + 8] (at sequence level, from the row's log-weight
     ``log_w_row`` and valid-token count ``row_count``). Each lane accumulates its
-    tokens of every block; one reduction at the end."""
+    tokens of every block; one reduction at the end. The sums of w and w^2 are
+    float64: the std sqrt(E[w^2] - E[w]^2) cancels when the weights cluster at 1
+    (the usual case), so an fp32 partial's 16 u relative error of sum w^2 would
+    be a large error of the std (w^2 of a float32 w is exact in float64)."""
     base = row * L
     count = tl.zeros([BLOCK_L], ACC)
-    w_sum = tl.zeros([BLOCK_L], ACC)
-    w_sq_sum = tl.zeros([BLOCK_L], ACC)
+    w_sum = tl.zeros([BLOCK_L], tl.float64)
+    w_sq_sum = tl.zeros([BLOCK_L], tl.float64)
     n_zeroed = tl.zeros([BLOCK_L], ACC)
     w_max = tl.full([BLOCK_L], float("-inf"), ACC)
     w_min = tl.full([BLOCK_L], float("inf"), ACC)
@@ -336,8 +340,9 @@ def _correction_chunk(
         w, zeroed = _correction_weights(raw, valid, clip_min, clip_max, TRUNCATE)
         tl.store(weights_ptr + base + offs, w.to(tl.float32), mask=in_row)
         count += valid.to(ACC)
-        w_sum += w
-        w_sq_sum += w * w
+        w64 = w.to(tl.float64)
+        w_sum += w64
+        w_sq_sum += w64 * w64
         n_zeroed += zeroed.to(ACC)
         if not SEQUENCE:
             w_max = tl.maximum(w_max, tl.where(valid, w, float("-inf")))
