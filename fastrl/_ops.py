@@ -285,6 +285,14 @@ _POLICY_INPUTS = (
 _POLICY_OPTIONS = "float clip_low, float clip_high, float? clip_c, bool sequence, bool with_pg"
 
 
+def _stats(rows: torch.Tensor, backend: str) -> torch.Tensor:
+    """The forward's statistics of [B, L] rows: per row [B, N_STATS] (native), per
+    chunk of the row [B, C * N_STATS] (Triton: fastrl.kernels.policy.stats_shape)."""
+    if backend == "triton":
+        return _new(rows, *launchers(backend, "policy").stats_shape(*rows.shape), dtype=torch.float64)
+    return _new(rows, rows.shape[0], N_STATS, dtype=torch.float64)
+
+
 def _policy_forward(log_probs, old, adv, mask, weights, ref, values, estimator, clip_low, clip_high, clip_c,
                     sequence, with_pg, backend):  # fmt: skip
     return launchers(backend, "policy").policy_forward(
@@ -295,7 +303,7 @@ def _policy_forward(log_probs, old, adv, mask, weights, ref, values, estimator, 
 
 policy_forward = _define(
     f"policy_forward({_POLICY_INPUTS}, Tensor? values, int estimator, {_POLICY_OPTIONS}, str backend) -> Tensor",
-    _policy_forward, lambda log_probs, *args: _new(log_probs, log_probs.shape[0], N_STATS, dtype=torch.float64),
+    _policy_forward, lambda log_probs, *args: _stats(log_probs, args[-1]),
 )  # fmt: skip
 
 
@@ -358,7 +366,7 @@ def _rollout_correction_forward(old, rollout, mask, sequence, truncate, clip_min
 
 
 def _rollout_correction_forward_fake(old, *args):
-    return _new(old, *old.shape, dtype=torch.float32), _new(old, old.shape[0], N_STATS, dtype=torch.float64)
+    return _new(old, *old.shape, dtype=torch.float32), _stats(old, args[-1])
 
 
 rollout_correction_forward = _define(

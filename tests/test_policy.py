@@ -91,15 +91,59 @@ def assert_as_accurate_as_eager(actual, truth, eager, rtol=1e-5, what="value", m
         assert bool((err <= bound).all()), f"{what}: error {err[worst]:.3g} at {t[worst]:.6g} exceeds {bound[worst]:.3g}"
 
 
-def _check_against_reference(got, truth, eager, with_entropy, extra_metrics=()):
+# The kernels sum a row's tokens per chunk in float32 (fastrl.kernels.policy):
+# a token's value passes at most 16 additions there (its lane's share of the
+# chunk, then tl.sum's tree), so a chunk's sum is within 16 u sum |x| of the
+# exact one, u = 2^-24; chunks and rows are merged in float64 (adds ~1e-16). An
+# aggregate (every mode is sum_b w_b sum_t x_bt with w_b >= 0) is then within
+# 16 u agg(|x|) + the float32 rounding of the result.
+CHUNK_SUM_ROUNDINGS = 16
+
+
+def _sum_magnitudes(inputs, options, with_entropy):
+    """CHUNK_SUM_ROUNDINGS x the aggregate of |x| of each summed term (the loss and
+    its summed metrics), from the float64 reference: |l| <= |A| max(r, clip(r)) |w|,
+    the PG loss of advantages -|A| without the dual clip."""
+    x = _float64(inputs)
+    mask = x["response_mask"]
+    agg_keys = ("loss_agg_mode", "dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
+    agg_options = {k: options[k] for k in agg_keys if k in options}
+    agg = lambda v: reference.agg_loss(v.abs(), mask, **agg_options)  # noqa: E731
+    weights = options.get("rollout_is_weights")
+    level = options.get("ratio_level", "token")
+    _, pg = reference.policy_loss(
+        x["log_probs"], x["old_log_probs"], -x["advantages"].abs(), mask, ratio_level=level,
+        clip_ratio_low=options.get("clip_ratio_low", 0.2), clip_ratio_high=options.get("clip_ratio_high", 0.2),
+        rollout_is_weights=None if weights is None else weights.double().abs(), **agg_options,
+    )  # fmt: skip
+    u = torch.where(mask, x["log_probs"] - x["old_log_probs"], 0.0)
+    if level == "token":
+        u = u.clamp(-reference.LOG_RATIO_CLAMP, reference.LOG_RATIO_CLAMP)
+    out = {"pg_loss": pg["pg_loss"].double(), "ppo_kl": u.abs().sum() / max(int(mask.sum()), 1)}
+    out["loss"] = out["pg_loss"].clone()
+    if options.get("ref_log_probs") is not None:
+        estimator = options.get("kl_estimator", "low_var_kl")
+        kl = reference.kl_penalty(x["log_probs"], options["ref_log_probs"].double(), estimator)
+        out["kl"] = agg(torch.where(mask, kl, 0.0))
+        out["loss"] += abs(options.get("kl_coef", 0.0)) * out["kl"]
+    if with_entropy:
+        out["entropy"] = agg(x["entropy"])
+        out["loss"] += abs(options.get("entropy_coef", 0.0)) * out["entropy"]
+    return {name: CHUNK_SUM_ROUNDINGS * m for name, m in out.items()}
+
+
+def _check_against_reference(got, truth, eager, with_entropy, extra_metrics=(), magnitudes=None):
+    """``magnitudes``: _sum_magnitudes' bounds of the float32 chunk sums."""
     loss, metrics, grad_logp, grad_entropy = got
+    magnitudes = magnitudes or {}
     assert loss.shape == () and loss.dtype == torch.float32
-    assert_as_accurate_as_eager(loss, truth[0], eager[0], what="loss")
+    assert_as_accurate_as_eager(loss, truth[0], eager[0], what="loss", magnitude=magnitudes.get("loss"))
     assert set(metrics) == set(METRICS) | set(extra_metrics)
     for name in metrics:
         assert metrics[name].shape == () and metrics[name].dtype == torch.float32
         assert not metrics[name].requires_grad
-        assert_as_accurate_as_eager(metrics[name], truth[1][name], eager[1][name], what=name)
+        assert_as_accurate_as_eager(metrics[name], truth[1][name], eager[1][name], what=name,
+                                    magnitude=magnitudes.get(name))  # fmt: skip
     assert torch.isfinite(grad_logp).all(), "masked-out NaN must not reach the gradient"
     assert_as_accurate_as_eager(grad_logp, truth[2], eager[2], what="grad log_probs")
     if with_entropy:
@@ -126,7 +170,75 @@ def test_policy_loss_matches_reference(device, backend, ratio_level, loss_agg_mo
     truth, eager = _reference_runs(inputs, options, with_entropy)
     with fastrl.use_backend(backend):
         got = _run_policy(fastrl.policy_loss, inputs, options, with_entropy)
-    _check_against_reference(got, truth, eager, with_entropy, ("kl", "entropy") if with_entropy else ())
+    _check_against_reference(got, truth, eager, with_entropy, ("kl", "entropy") if with_entropy else (),
+                             _sum_magnitudes(inputs, options, with_entropy))  # fmt: skip
+
+
+# Rows longer than a chunk (fastrl.kernels.policy: 1024 tokens): three chunks, the
+# last one partial, and L not a multiple of the 16-byte vector.
+LONG_SHAPE = (3, 2500)
+
+
+@pytest.mark.parametrize("ratio_level", reference.RATIO_LEVELS)
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_policy_loss_of_rows_longer_than_a_chunk(device, backend, ratio_level):
+    """Rows split across programs: the chunks' partial sums merged into the loss,
+    metrics and per-row weights, GSPO's row mean of u reaching every chunk's gradient."""
+    inputs = per_token_inputs(LONG_SHAPE, device)
+    options = {
+        "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, "ratio_level": ratio_level,
+        "loss_agg_mode": "seq-mean-token-mean", "ref_log_probs": inputs["ref_log_probs"], "kl_coef": 0.05,
+        "entropy_coef": 0.01, "rollout_is_weights": inputs["rollout_is_weights"],
+    }  # fmt: skip
+    truth, eager = _reference_runs(inputs, options, True)
+    with fastrl.use_backend(backend):
+        got = _run_policy(fastrl.policy_loss, inputs, options, True)
+    _check_against_reference(got, truth, eager, True, ("kl", "entropy"), _sum_magnitudes(inputs, options, True))
+
+
+@pytest.mark.parametrize("level", reference.RATIO_LEVELS)
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_rollout_correction_of_rows_longer_than_a_chunk(device, backend, level):
+    """Sequence level: one weight e^S per row, S summed over all its chunks. Token-level
+    rows of small log-ratios (|S| stays well inside the clamp at sequence level)."""
+    inputs = per_token_inputs(LONG_SHAPE, device)
+    old, mask = inputs["log_probs"], inputs["response_mask"]
+    rollout = old + 0.002 * torch.randn(LONG_SHAPE, device=device)
+    rollout[~mask] = math.nan
+    truth_w, truth_m = reference.rollout_correction(old.double(), rollout.double(), mask, level=level, mode="mask")
+    with fastrl.use_backend(backend):
+        weights, metrics = fastrl.rollout_correction(old, rollout, mask, level=level, mode="mask")
+    assert_close_to_reference(weights, truth_w, 1e-5, what="weights")
+    for name, value in metrics.items():
+        assert_close_to_reference(value, truth_m[name], 1e-5, what=name)
+
+
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_rows_do_not_depend_on_the_batch(device, backend):
+    """Batch invariance, bitwise: a row's statistics, gradient and correction weights
+    are the same alone as in a batch (its chunks are summed and merged the same way),
+    for one chunk and for several."""
+    for shape in ((5, 67), LONG_SHAPE):
+        x = per_token_inputs(shape, device)
+        options = {"clip_ratio_c": 3.0, "ref_log_probs": x["ref_log_probs"], "kl_coef": 0.1,
+                   "rollout_is_weights": x["rollout_is_weights"], "loss_agg_mode": "token-sum"}  # fmt: skip
+        for level in reference.RATIO_LEVELS:
+            options["ratio_level"] = level
+            with fastrl.use_backend(backend):
+                _, _, batch_grad, _ = _run_policy(fastrl.policy_loss, x, options, False)
+                batch_w, _ = fastrl.rollout_correction(
+                    x["log_probs"], x["old_log_probs"], x["response_mask"], level=level
+                )
+                for row in (0, shape[0] - 1):
+                    one = {k: v[row : row + 1] for k, v in x.items()}
+                    alone = {**options, "ref_log_probs": one["ref_log_probs"],
+                             "rollout_is_weights": one["rollout_is_weights"]}  # fmt: skip
+                    _, _, grad, _ = _run_policy(fastrl.policy_loss, one, alone, False)
+                    w, _ = fastrl.rollout_correction(one["log_probs"], one["old_log_probs"], one["response_mask"],
+                                                     level=level)  # fmt: skip
+                    # token-sum: every row's weight is 1, so the gradient is the row's own
+                    assert torch.equal(grad[0], batch_grad[row]), (shape, level, row)
+                    assert torch.equal(w[0], batch_w[row]), (shape, level, row)
 
 
 ESTIMATORS = reference.KL_ESTIMATORS + tuple(name + "+" for name in reference.KL_ESTIMATORS)
@@ -235,7 +347,8 @@ def test_one_dimensional_inputs(device, backend):
         options = {"loss_agg_mode": "seq-mean-token-mean", "ratio_level": "sequence"}
         got = _run_policy(fastrl.policy_loss, flat, options, False)
     truth, eager = _reference_runs(inputs, options, False)
-    assert_as_accurate_as_eager(got[0], truth[0], eager[0], what="loss of a 1-D sequence")
+    assert_as_accurate_as_eager(got[0], truth[0], eager[0], what="loss of a 1-D sequence",
+                                magnitude=_sum_magnitudes(inputs, options, False)["loss"])  # fmt: skip
 
 
 AGG_OPTIONS = [
@@ -265,7 +378,7 @@ def test_agg_loss_matches_reference(device, backend, loss_agg_mode, options):
     with fastrl.use_backend(backend):
         got = run(fastrl.agg_loss, values.float())
     assert got[0].shape == () and got[0].dtype == torch.float32
-    magnitude = reference.agg_loss(values.abs(), mask, loss_agg_mode, **options)
+    magnitude = CHUNK_SUM_ROUNDINGS * reference.agg_loss(values.abs(), mask, loss_agg_mode, **options)
     assert_as_accurate_as_eager(got[0], truth[0], eager[0], what="agg_loss", magnitude=magnitude)
     assert_as_accurate_as_eager(got[1], truth[1], eager[1], what="grad")
 
@@ -462,8 +575,9 @@ def test_kl_term_is_accurate_for_tiny_log_ratios(device, backend, estimator):
     """The policy kernels' k3 term near d = logp - ref = 0 (|d| from 1e-7 to 1e-2),
     against float64 expm1(c) - c, c = -d (relative error <= 2^-52 / |c|, below 1e-9
     here). Bound, 48 eps relative: 24 eps per token (tests/test_kl.py derives it)
-    for values of one sign, so their sum keeps it, plus the reference backend's
-    float32 summation (<= log2(256) = 8 eps) and the final rounding; the gradient is
+    for values of one sign, so their sum keeps it, plus the float32 summation of the
+    reference backend (<= log2(256) = 8 eps) or of the kernels' 64-token chunk (<= 7:
+    2 tokens a thread, 5 shuffles) and the final rounding; the gradient is
     kl_coef / N (1 - e^c) per token, within the same bound."""
     shape = (4, 64)
     logp = -0.5 - 3 * torch.rand(shape, dtype=torch.float64)

@@ -209,8 +209,8 @@ _P2_FULL_KL = ("issue 13 part 2: full_kl's forward on the lane tiles (0 barriers
 _P2_ODD_V = ("issue 13 part 2: rows that do not start 16-byte aligned (V % 8 != 0): the forward now loads whole tiles "
              "from each row's first 16-byte boundary (128-bit), the backward still loads 16 bits at a time, and the "
              "forward's masked head-and-tail tile is priced by the model as a full tile of bytes")  # fmt: skip
-_P2_POLICY = ("issue 13 part 2: split L across programs with per-chunk partials combined in a fixed order, masked "
-              "loads through tl.where so they vectorise, fp32 partials with fp64 only in the final merge")  # fmt: skip
+_P2_POLICY = ("issue 13 part 2: GSPO's row mean of u in a first launch of per-chunk sums (a new role in "
+              "fastrl.bench.sass_cases), so the sequence-level forward splits L across programs as the token level does")  # fmt: skip
 _P2_CUDA = ("issue 13 part 2: csrc/logprobs.cu unrolled x4 with hoisted loads, ex2.approx.ftz, a 32-bit index and "
             "__launch_bounds__, or deleted")  # fmt: skip
 _ISSUE_14 = "issue 14: the sampler in three passes (histogram selection, candidates only, split rows at small batch)"
@@ -238,15 +238,8 @@ KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
     ("", "truncated_logprobs fwd", "128-bit loads"): _ISSUE_14,
     ("", "truncated_logprobs fwd", "passes"): _ISSUE_14,
     ("", "truncated_logprobs bwd", "issue/memory"): _ISSUE_14_KEYS,
-    # policy loss, rollout correction: one program per sequence
-    ("policy_loss fwd+bwd [", "policy fwd", "issue/memory"): _P2_POLICY,
-    ("", "policy fwd", "128-bit loads"): _P2_POLICY,
-    ("", "policy bwd", "128-bit loads"): _P2_POLICY,
-    ("", "policy fwd", "grid"): _P2_POLICY,
-    ("", "policy bwd", "grid"): _P2_POLICY,
-    ("", "rollout_correction fwd", "issue/memory"): _P2_POLICY,
-    ("", "rollout_correction fwd", "128-bit loads"): _P2_POLICY,
-    ("", "rollout_correction fwd", "grid"): _P2_POLICY,
+    # policy loss: GSPO's forward is one program per sequence
+    ("policy_loss GSPO fwd+bwd [", "policy fwd", "grid"): _P2_POLICY,
     # csrc/logprobs.cu
     ("", "logprobs fwd (CUDA C++)", "issue/memory"): _P2_CUDA,
     ("", "logprobs+entropy fwd (CUDA C++)", "issue/memory"): _P2_CUDA,
