@@ -113,16 +113,20 @@ class Budget:
 
 
 # Forward kernels that stream a row once: issue 13 targets >= 90% of copy
-# bandwidth; the audit found 0.71 (log-probs) and 0.84 (full_kl) short of it and
-# a reworked loop (164 instead of 246 SASS per 16 elements, no barriers) at 0.47,
-# so the schedulers must stay at most half busy: with loads issued once per
-# iteration, the other half is what keeps them in flight through reductions.
+# bandwidth. The audit's kernels reduced across the block every iteration (4 to
+# 10 barriers), and for those the loads are in flight only while the schedulers
+# are idle: the budget was 0.5. The lane-tile forwards (reduce.softmax_stats)
+# have no reduction across threads in the loop, so the loads of other warps stay
+# in flight through a warp's arithmetic, as in the backward streams: the model
+# predicts 95% at 0.54 (log-probs), 93% at 0.69 (with entropy) and 95% at 0.55
+# (full_kl). 0.7, the backward's budget, with the op-level >= 90% gate beside it.
 _FORWARD = Budget(
-    max_issue_ratio=0.5,
+    max_issue_ratio=0.7,
     vector_loads=True,
     min_active_sms=0.5,
     max_passes=1,
-    why="forward row stream: >= 90% of copy bandwidth needs issue / memory <= 0.5 (issue 13)",
+    why="forward row stream, no reduction across threads per iteration: >= 90% of copy bandwidth at issue / "
+    "memory <= 0.7 (issue 13)",
 )
 # Backward kernels read the row and write the gradient (twice the bytes per
 # element): issue 13 calls 0.3-0.66 fine for >= 85% forward + backward; 0.7
@@ -196,15 +200,9 @@ OP_BUDGETS: dict[str, float] = {
 # What today's kernels miss: (case id or op prefix, role or "*", gate) -> the
 # change that fixes it. The test marks these xfail(strict=True): once the kernel
 # is fixed the test passes, fails as XPASS, and the entry is removed.
-_P2_LOGPROBS = ("issue 13 part 2: the lane-tile forward (0 barriers, ~10.2 SASS per element on bf16) spends ~3 SASS per "
-                "element on the exact split of the terms at the max from the tail (reduce.softmax_stats); the rest of "
-                "the budget needs the bf16 conversion and that split cheaper")  # fmt: skip
 _P2_ENTROPY = ("issue 13 part 2: the entropy's sum (clamp, multiply, add per element) takes the lane-tile forward to "
                "~13 SASS per element and 55 registers (4 CTAs of 8 warps per SM); at V = 32000 fp32, 8 tiles a row, "
                "the merge after the loop weighs too: fewer registers or a cheaper w sum")  # fmt: skip
-_P2_FULL_KL = ("issue 13 part 2: full_kl's forward on the lane tiles (0 barriers, ~21 SASS per element) sums its terms "
-               "in float64 (a conversion and a float64 add per element: a reference masked with finfo.min makes terms "
-               "of 3e38); a float32 sum that cannot overflow would meet the budget")  # fmt: skip
 _P2_ODD_V = ("issue 13 part 2: rows that do not start 16-byte aligned (V % 8 != 0): the forward now loads whole tiles "
              "from each row's first 16-byte boundary (128-bit), the backward still loads 16 bits at a time, and the "
              "forward's masked head-and-tail tile is priced by the model as a full tile of bytes")  # fmt: skip
@@ -219,13 +217,10 @@ _ISSUE_14_KEYS = (
 # (fragment of the case id, role, gate) -> the change that fixes it.
 KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
     # log-probs, entropy: the row streams
-    ("bfloat16]", "logprobs fwd", "issue/memory"): _P2_LOGPROBS,
-    ("bfloat16]", "logprobs+entropy fwd", "issue/memory"): _P2_ENTROPY,
     ("x50257 ", "logprobs bwd", "128-bit loads"): _P2_ODD_V,
     ("logprobs fwd [16384x50257", "*", "copy bandwidth"): _P2_ODD_V,
     ("logprobs fwd+bwd [16384x50257", "*", "copy bandwidth"): _P2_ODD_V,
     ("logprobs+entropy fwd [4096x32000", "*", "copy bandwidth"): _P2_ENTROPY,
-    ("", "full_kl fwd", "issue/memory"): _P2_FULL_KL,
     # the sampler and the truncated log-probs' selection
     ("", "sample", "128-bit loads"): _ISSUE_14,
     ("", "sample", "passes"): _ISSUE_14,
