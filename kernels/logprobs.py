@@ -26,7 +26,7 @@ import triton.language as tl
 
 from fastrl._rows import row_count, row_layout
 
-from .reduce import log_sum, row_start, softmax_stats
+from .reduce import aligned_body, log_sum, row_start, softmax_stats
 
 # Elements of a row handled per loop iteration. It depends on V only, never on
 # the number of rows, which keeps results batch invariant.
@@ -63,11 +63,22 @@ def tile_config(logits: torch.Tensor) -> dict:
             "num_warps": num_warps}  # fmt: skip
 
 
+def _row_offsets_mod_16(t: torch.Tensor) -> tuple[int, int, int]:
+    """(start, outer step, inner step) in bytes, modulo 16, of the rows of ``t`` (row_layout)."""
+    _, outer_stride, inner_stride = row_layout(t)
+    e = t.element_size()
+    return t.data_ptr() % 16, (outer_stride * e) % 16, (inner_stride * e) % 16
+
+
 def rows_aligned(logits: torch.Tensor) -> bool:
     """Whether every row of ``logits`` (row_layout) starts on a 16-byte boundary."""
-    _, outer_stride, inner_stride = row_layout(logits)
-    e = logits.element_size()
-    return logits.data_ptr() % 16 == 0 and (outer_stride * e) % 16 == 0 and (inner_stride * e) % 16 == 0
+    return _row_offsets_mod_16(logits) == (0, 0, 0)
+
+
+def same_row_alignment(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether row r of ``a`` and row r of ``b`` (same element size) start at the same
+    place in a 16-byte line, for every r."""
+    return _row_offsets_mod_16(a) == _row_offsets_mod_16(b)
 
 
 def _acc_dtypes(logits: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
@@ -122,7 +133,7 @@ def _logprobs_bwd_kernel(
     labels_ptr, temps_ptr, temp_scalar,
     ignore_index, stats_ptr, entropy_ptr, grad_logprob_ptr, grad_entropy_ptr, V,
     HAS_GRAD_LOGPROB: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr, PER_ROW_TEMP: tl.constexpr,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    ALIGN_BODY: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
@@ -140,23 +151,50 @@ def _logprobs_bwd_kernel(
         g = tl.where(in_range, tl.load(grad_logprob_ptr + row).to(ACC), float("nan"))
         g = tl.where(ignored, 0.0, g).to(ACC)
         label = tl.where(in_range & ~ignored, label, -1)
+    h = tl.zeros([], ACC)
+    entropy = tl.zeros([], ACC)
     if HAS_GRAD_ENTROPY:
         h = tl.load(grad_entropy_ptr + row).to(ACC)
         entropy = tl.load(entropy_ptr + row).to(ACC)
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        mask = offs < V
-        x = tl.load(row_ptr + offs, mask=mask, other=0.0).to(ACC)
-        logp = (x - m) * inv_t - log_s
-        p = tl.exp(logp)
-        grad = -g * p
-        if HAS_GRAD_ENTROPY:
-            # p = 0 adds nothing; logp may be -inf there, also for a finite logit whose
-            # (x - m) / T overflowed, so the term is tested, not the logit (no 0 * -inf).
-            logp_finite = tl.where(p == 0, 0.0, logp)
-            grad -= h * p * (logp_finite + entropy)
-        grad = tl.where(offs == label, grad + g, grad)
-        tl.store(grad_row_ptr + offs, (grad * inv_t).to(grad_ptr.dtype.element_ty), mask=mask)
+    # Whole blocks unmasked, from the rows' first 16-byte boundary when they start
+    # off it at the same place in the logits and the gradient (reduce.aligned_body),
+    # then the partial block (masked, still 128-bit) and the head before it.
+    offs = tl.arange(0, BLOCK_V)
+    if ALIGN_BODY:
+        head, x_body, rest = aligned_body(row_ptr, V)
+        grad_body = tl.multiple_of(grad_row_ptr + head, 16)
+    else:
+        head, x_body, grad_body, rest = 0, row_ptr, grad_row_ptr, V
+    whole = rest - rest % BLOCK_V
+    for start in range(0, whole, BLOCK_V):
+        x = tl.load(x_body + start + offs).to(ACC)
+        grad = _logprobs_grad(x, head + start + offs, m, log_s, inv_t, g, h, entropy, label, HAS_GRAD_ENTROPY)
+        tl.store(grad_body + start + offs, grad.to(grad_ptr.dtype.element_ty))
+    if whole < rest:
+        in_row = whole + offs < rest
+        x = tl.load(x_body + whole + offs, mask=in_row, other=0.0).to(ACC)
+        grad = _logprobs_grad(x, head + whole + offs, m, log_s, inv_t, g, h, entropy, label, HAS_GRAD_ENTROPY)
+        tl.store(grad_body + whole + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_row)
+    if ALIGN_BODY and head > 0:  # under 16 bytes
+        first = tl.arange(0, 16)
+        x = tl.load(row_ptr + first, mask=first < head, other=0.0).to(ACC)
+        grad = _logprobs_grad(x, first, m, log_s, inv_t, g, h, entropy, label, HAS_GRAD_ENTROPY)
+        tl.store(grad_row_ptr + first, grad.to(grad_ptr.dtype.element_ty), mask=first < head)
+
+
+@triton.jit
+def _logprobs_grad(x, index, m, log_s, inv_t, g, h, entropy, label, HAS_GRAD_ENTROPY: tl.constexpr):
+    """dL/dx at the elements ``index`` of a row whose logits are x (module docstring)."""
+    logp = (x - m) * inv_t - log_s
+    p = tl.exp(logp)
+    grad = -g * p
+    if HAS_GRAD_ENTROPY:
+        # p = 0 adds nothing; logp may be -inf there, also for a finite logit whose
+        # (x - m) / T overflowed, so the term is tested, not the logit (no 0 * -inf).
+        logp_finite = tl.where(p == 0, 0.0, logp)
+        grad -= h * p * (logp_finite + entropy)
+    grad = tl.where(index == label, grad + g, grad)
+    return grad * inv_t
 
 
 def _temperature_args(temperature: float | torch.Tensor) -> tuple[torch.Tensor | None, float, bool]:
@@ -217,5 +255,6 @@ def logprobs_backward(
         logits, *row_layout(logits), grad_out, *row_layout(grad_out), labels, temps, temp_scalar,
         ignore_index, stats, entropy, grad_logprob, grad_entropy, vocab,
         HAS_GRAD_LOGPROB=grad_logprob is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
-        PER_ROW_TEMP=per_row, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
+        PER_ROW_TEMP=per_row, ALIGN_BODY=not rows_aligned(logits) and same_row_alignment(logits, grad_out),
+        BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
     )  # fmt: skip

@@ -82,8 +82,8 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
     offs = tile_offsets(REPS, LANES, VEC)
     tile = REPS * LANES * VEC
     # The whole tiles unmasked (no mask or fill per element) from the first element
-    # on a 16-byte boundary (``aligned_body``), then the partial tile and the head
-    # before that boundary, masked.
+    # on a 16-byte boundary (``aligned_body``); then the partial tile, masked (its
+    # loads still 128 bits), and the head before that boundary, one element a lane.
     if ALIGNED:  # the launcher knows every row starts on a 16-byte boundary
         head, body_ptr, rest = 0, row_ptr, V
     else:
@@ -92,12 +92,12 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
     for start in range(0, whole, tile):
         x = tl.load(body_ptr + start + offs)
         m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
-    edge = rest - whole + head
-    if edge > 0:
-        x = tl.load(row_ptr + edge_offsets(offs, head, whole, rest), mask=offs < edge, other=neg_inf)
+    if whole < rest:
+        x = tl.load(body_ptr + whole + offs, mask=whole + offs < rest, other=neg_inf)
         m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
-    if not ALIGNED and edge > tile:  # a partial tile of more than tile - VEC elements and a head
-        x = tl.load(row_ptr + offs + (tile - (rest - whole)), mask=offs < edge - tile, other=neg_inf)
+    if not ALIGNED and head > 0:
+        lane = tile_offsets(1, LANES, 1)
+        x = tl.load(row_ptr + lane, mask=lane < head, other=neg_inf)
         m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
     return merge_lanes(m, n, t, w, k)
 
@@ -181,15 +181,6 @@ def aligned_body(row_ptr, V):
     head = ((16 - row_ptr.to(tl.int64) % 16) % 16 // es).to(tl.int32)
     head = tl.minimum(head, V)
     return head, tl.multiple_of(row_ptr + head, 16), V - head
-
-
-@triton.jit
-def edge_offsets(offs, head, whole, rest):
-    """Offsets, from the row start, of its elements outside the whole tiles: the
-    partial tile's rest - whole first (after the head and the whole tiles), then
-    the head's; offs beyond their count are masked by the caller."""
-    tail = rest - whole
-    return tl.where(offs < tail, head + whole + offs, offs - tail)
 
 
 @triton.jit

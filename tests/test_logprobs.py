@@ -305,21 +305,26 @@ def test_entropy_and_logprobs_of_extremely_peaked_rows(device, backend, temperat
 @pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
 def test_rows_at_any_alignment(device, backend, dtype, vocab):
     """Rows that start anywhere in a 16-byte line (an odd V; a row offset by one
-    element): the Triton forward loads whole tiles from each row's first 16-byte
-    boundary and the few elements before it with the partial tile, or apart when
+    element): the Triton forward and backward load whole tiles from each row's
+    first 16-byte boundary and the few elements before it with the partial tile, or apart when
     both do not fit one tile (V = 8193, 16387: whole 4096-element tiles and 1 or 3
     more). Tolerance: DESIGN.md's output bound."""
     base = torch.randn(6, vocab + 1, dtype=torch.float64, device=device) * 3
-    logits = base.to(dtype)[:, 1:]  # every row one element past its allocation's alignment
+    sliced = base.to(dtype)[:, 1:]  # every row one element past its allocation's alignment
     labels = torch.randint(vocab, (6,), device=device)
-    ref_lp, ref_ent = reference.logprobs_and_entropy(logits.double(), labels)
-    with fastrl.use_backend(backend):
-        lp, ent = fastrl.logprobs_and_entropy(logits, labels)
-        lp_contig, ent_contig = fastrl.logprobs_and_entropy(logits.contiguous(), labels)
+    weights = torch.randn(2, 6, dtype=torch.float64, device=device)
+    truth = sliced.double().requires_grad_(True)
+    ref_lp, ref_ent = reference.logprobs_and_entropy(truth, labels)
+    (weights[0] * ref_lp + weights[1] * ref_ent).sum().backward()
     tol = output_tolerance(vocab)
-    for a, e, what in ((lp, ref_lp, "logprob"), (ent, ref_ent, "entropy"), (lp_contig, ref_lp, "logprob"),
-                       (ent_contig, ref_ent, "entropy")):  # fmt: skip
-        assert_close_to_reference(a, e, tol, what=what)
+    for logits in (sliced, sliced.contiguous()):  # the backward's rows: as the gradient's, or not
+        leaf = logits.detach().requires_grad_(True)  # keeps the layout (a view of the same storage)
+        with fastrl.use_backend(backend):
+            lp, ent = fastrl.logprobs_and_entropy(leaf, labels)
+            (weights[0].to(lp.dtype) * lp + weights[1].to(ent.dtype) * ent).sum().backward()
+        assert_close_to_reference(lp, ref_lp, tol, what="logprob")
+        assert_close_to_reference(ent, ref_ent, tol, what="entropy")
+        assert_close_to_reference(leaf.grad, truth.grad, *_grad_bound(truth.grad, dtype), what="grad")
 
 
 @pytest.mark.parametrize("layout", ["transposed", "sliced-vocab", "strided-rows"])
