@@ -80,11 +80,16 @@ class KernelAnalysis:
     num_warps: int
     loops: list[LoopInfo]
     straight: dict  # summary of the code outside loops (entry to exit)
-    straight_bytes: int  # bytes one CTA moves outside its loops
+    straight_bytes: int  # bytes one CTA moves outside its loops (less the edge tiles below)
     loads: list[str]  # kernel arguments read
     stores: list[str]  # kernel arguments written
     stack: int = 0  # bytes of call stack (registers saved around a CALL, e.g. an fp64 division's slow path)
     notes: list[str] = dataclasses.field(default_factory=list)
+    # Per row argument a whole-tiles loop reads or writes: the bytes per element of
+    # its masked loads and stores outside the loops, the edge tiles that take the
+    # remainder of a row (V % step elements, and a head of under 16 bytes), which
+    # move that remainder, not the whole tiles their shapes have.
+    edge_bytes_per_element: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def threads(self) -> int:
@@ -167,12 +172,17 @@ def analyse_triton(compiled: dict, arch: int, param_names: list[str]) -> KernelA
             whole_tiles=iloop.whole_tiles if iloop else False,
         ))  # fmt: skip
     straight = _straight_line(cfg)
-    straight_bytes = sum(op.elements * ELEMENT_BYTES.get(op.elem, 4) for op in ir.memops if op.loop is None)
+    tiled = [i for i, lp in enumerate(ir.loops) if lp.whole_tiles]
+    tiled_args = {op.arg for op in ir.memops if op.loop in tiled and op.arg}
+    edge = [op for op in ir.memops if op.loop is None and op.tensor and op.arg in tiled_args]
+    straight_bytes = sum(op.elements * ELEMENT_BYTES.get(op.elem, 4) for op in ir.memops
+                         if op.loop is None and op not in edge)  # fmt: skip
+    edge_bytes = {op.arg: ELEMENT_BYTES.get(op.elem, 4) for op in edge}
     return KernelAnalysis(
         name=compiled["name"], arch=arch, regs=usage.get("REG", 0),
         shared=max(compiled.get("shared", 0), usage.get("SHARED", 0)), local=usage.get("LOCAL", 0),
         spill_instrs=sum(lp.hot["local"] for lp in loops), num_warps=compiled["num_warps"], stack=usage.get("STACK", 0),
-        loops=loops, straight=sp.summarise(straight), straight_bytes=straight_bytes,
+        loops=loops, straight=sp.summarise(straight), straight_bytes=straight_bytes, edge_bytes_per_element=edge_bytes,
         loads=sorted({op.arg for op in ir.memops if op.kind == "load" and op.arg}),
         stores=sorted({op.arg for op in ir.memops if op.kind == "store" and op.arg}), notes=notes,
     )  # fmt: skip
@@ -275,6 +285,7 @@ class LoopRun:
     row: bool  # a pass over a row (bounded by the row length)
     cached: float  # share of its reads served by L2 (a repeat pass over rows still there)
     executed: bool
+    span: int = 0  # elements between its bounds (the row length for a row loop)
 
 
 def occupancy(k: KernelAnalysis, dev: Device) -> dict:
