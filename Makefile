@@ -30,7 +30,7 @@ BUILD_REQUIREMENTS = "setuptools>=64" wheel "pybind11>=2.10" "cmake>=3.18" ninja
 # imports is not this tree's (another checkout installed, or none).
 BUILD_INPUTS = pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*)
 ENV_PROBE := $(shell $(PYTHON) -I -c "import hashlib, importlib.util, os, sys; \
-	key = '|'.join([sys.prefix] + [os.environ.get(v, '') for v in ('FASTRL_NO_NATIVE', 'FASTRL_NO_CUDA', 'FASTRL_BUILD_TYPE')]); \
+	key = '|'.join([sys.prefix] + [os.environ.get(v, '') for v in ('FASTRL_NO_NATIVE', 'FASTRL_BUILD_TYPE')]); \
 	spec = importlib.util.find_spec('fastrl'); \
 	print(hashlib.sha1(key.encode()).hexdigest()[:12], os.path.realpath(spec.origin) if spec and spec.origin else '-')" 2>/dev/null)
 STAMPS := build/stamps/$(or $(word 1,$(ENV_PROBE)),unknown)

@@ -1,13 +1,12 @@
 """Build and packaging of fastrl.
 
 `pip install .` / `pip install -e .` configure CMake with the Ninja generator and
-build the native extension fastrl._C (CPU kernels always; CUDA kernels when
-CMake finds a CUDA toolkit, unless FASTRL_NO_CUDA=1). The Triton kernels in
+build the native extension fastrl._C (the CPU kernels). The Triton kernels in
 kernels/ install as the subpackage fastrl.kernels. FASTRL_NO_NATIVE=1 skips the
 native build entirely (the package then runs on the Triton and reference backends).
 
 The CMake build directory persists across installs, under
-build/cmake/<python>-<build type>-<cuda|nocuda>/ in the source tree (`make clean`
+build/cmake/<python>-<build type>/ in the source tree (`make clean`
 removes it): reinstalling with nothing changed compiles nothing, and a change to
 one csrc/ file recompiles that file only. The directory is wiped and configured
 afresh when the tools that configured it change (the Python, CMake, Ninja or
@@ -78,8 +77,7 @@ class CMakeBuild(build_ext):
         if not isinstance(ext, CMakeExtension):
             return super().build_extension(ext)
         build_type = os.environ.get("FASTRL_BUILD_TYPE", "Release")
-        no_cuda = os.environ.get("FASTRL_NO_CUDA") == "1"
-        flavour = f"{sys.implementation.cache_tag}-{build_type.lower()}-{'nocuda' if no_cuda else 'cuda'}"
+        flavour = f"{sys.implementation.cache_tag}-{build_type.lower()}"
         build_dir = ROOT / "build" / "cmake" / flavour
         lib_dir = build_dir / "lib"
         cmake, ninja = _tool("cmake"), _tool("ninja")
@@ -93,7 +91,6 @@ class CMakeBuild(build_ext):
             # only its headers and extension suffix matter, and the name must not vary.
             f"-DPython3_EXECUTABLE={os.path.realpath(sys.executable)}",
             f"-DCMAKE_BUILD_TYPE={build_type}",
-            f"-DFASTRL_NO_CUDA={'ON' if no_cuda else 'OFF'}",
         ]
         # What the cache depends on besides the sources: when any of it differs
         # from the last configure here, start from an empty directory.

@@ -1,7 +1,6 @@
 // pybind11 bindings of fastrl._C. Tensors cross as integers (data pointers)
-// with sizes, strides and dtype codes, and CUDA streams as integers too, so the
-// extension never links libtorch and one build serves every torch version. The
-// GIL is released while a kernel runs (or is launched, on CUDA).
+// with sizes, strides and dtype codes, so the extension never links libtorch and
+// one build serves every torch version. The GIL is released while a kernel runs.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #ifdef _OPENMP
@@ -88,7 +87,7 @@ const char* cpu_isa() {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fastrl native kernels (CPU; CUDA when built with a toolkit)";
+  m.doc() = "fastrl native kernels (CPU)";
 
   m.def(
       "logprobs_forward",
@@ -255,35 +254,6 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(r.w[0], r.w[1], r.w[2], r.w[3]);
   });
 
-#ifdef FASTRL_WITH_CUDA
-  m.def(
-      "logprobs_forward_cuda",
-      [](std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab, const RowsTuple& rows,
-         std::uintptr_t labels, int label_dtype, int64_t ignore_index, std::uintptr_t temps,
-         double temp_scalar, std::uintptr_t out_logprob, std::uintptr_t out_entropy,
-         std::uintptr_t out_stats, std::uintptr_t stream) {
-        fastrl::logprobs_forward_cuda(logprobs_args(logits, dtype, n_rows, vocab, rows, labels,
-                                                    label_dtype, ignore_index, temps, temp_scalar),
-                                      mptr(out_logprob), mptr(out_entropy), mptr(out_stats), stream);
-      },
-      py::call_guard<py::gil_scoped_release>());
-
-  m.def(
-      "logprobs_backward_cuda",
-      [](std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab, const RowsTuple& rows,
-         std::uintptr_t labels, int label_dtype, int64_t ignore_index, std::uintptr_t temps,
-         double temp_scalar, std::uintptr_t stats, std::uintptr_t entropy,
-         std::uintptr_t grad_logprob, std::uintptr_t grad_entropy, std::uintptr_t grad_out,
-         const RowsTuple& grad_rows, std::uintptr_t stream) {
-        fastrl::logprobs_backward_cuda(logprobs_args(logits, dtype, n_rows, vocab, rows,
-                                                     labels, label_dtype, ignore_index, temps,
-                                                     temp_scalar),
-                                       cptr(stats), cptr(entropy), cptr(grad_logprob),
-                                       cptr(grad_entropy), mptr(grad_out), row_layout(grad_rows), stream);
-      },
-      py::call_guard<py::gil_scoped_release>());
-#endif
-
   m.def("build_info", []() {
     py::dict d;
 #ifdef _OPENMP
@@ -292,11 +262,6 @@ PYBIND11_MODULE(_C, m) {
     d["openmp_threads"] = 0;  // built without OpenMP: one thread
 #endif
     d["cpu_isa"] = cpu_isa();
-#ifdef FASTRL_WITH_CUDA
-    d["cuda"] = true;
-#else
-    d["cuda"] = false;
-#endif
     return d;
   });
 }

@@ -2,8 +2,8 @@
 // stores, a vectorisable exp, the ISA-clone attribute, and the dtype dispatch.
 //
 // The extension does not link libtorch. Python passes raw data pointers, sizes,
-// strides and a dtype code (dtypes.h), and each kernel switches on the code once
-// per call.
+// strides and a dtype code (DType below), and each kernel switches on the code
+// once per call.
 #pragma once
 
 #include <cmath>
@@ -13,9 +13,17 @@
 #include <stdexcept>
 #include <string>
 
-#include "dtypes.h"
-
 namespace fastrl {
+
+// Dtype codes, mirrored in fastrl/_native.py (DTYPE_CODES).
+enum DType : int {
+  kFloat32 = 0,
+  kFloat16 = 1,
+  kBFloat16 = 2,
+  kFloat64 = 3,
+  kInt32 = 10,
+  kInt64 = 11,
+};
 
 // bfloat16 is stored as its raw 16 bits; fp16 uses the compiler's _Float16,
 // whose conversions are exactly rounded (hardware F16C where the clone has it).

@@ -38,14 +38,4 @@ void logprobs_backward(const LogprobsArgs& args, const void* stats, const void* 
                        const void* grad_logprob, const void* grad_entropy, void* grad_out,
                        RowLayout grad_rows);
 
-#ifdef FASTRL_WITH_CUDA
-// The same two passes on CUDA device pointers, launched on the given stream
-// (a cudaStream_t passed as an integer). Defined in logprobs.cu.
-void logprobs_forward_cuda(const LogprobsArgs& args, void* out_logprob, void* out_entropy,
-                           void* out_stats, std::uintptr_t stream);
-void logprobs_backward_cuda(const LogprobsArgs& args, const void* stats, const void* entropy,
-                            const void* grad_logprob, const void* grad_entropy, void* grad_out,
-                            RowLayout grad_rows, std::uintptr_t stream);
-#endif
-
 }  // namespace fastrl

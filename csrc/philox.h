@@ -1,4 +1,4 @@
-// Counter-based randomness shared by the CPU and CUDA kernels: Philox4x32-10
+// Counter-based randomness of the CPU samplers: Philox4x32-10
 // (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11), and the
 // exponential variate the samplers draw from two of its words. The Triton
 // kernels implement the same functions (kernels/random.py); tests check both
@@ -8,11 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define FASTRL_HD __host__ __device__ __forceinline__
-#else
-#define FASTRL_HD inline __attribute__((always_inline))
-#endif
+#include "common.h"
 
 namespace fastrl {
 
@@ -21,7 +17,7 @@ struct Words4 {
 };
 
 // Ten rounds of Philox4x32 on counter c under key (k0, k1).
-FASTRL_HD Words4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
+FASTRL_INLINE Words4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
                                uint32_t k1) {
   for (int round = 0; round < 10; ++round) {
     const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0;
@@ -44,7 +40,7 @@ FASTRL_HD Words4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c
 // race at its exact rate. For U < 1/16, where 1 - U would lose the low bits of
 // U, E comes from the series U + U^2/2 + ... + U^8/8 (truncation < 1e-10
 // relative); U = 1 (a 2^-25 chance) gives E = inf, a draw that loses the race.
-FASTRL_HD float exponential_variate(uint32_t w0, uint32_t w1) {
+FASTRL_INLINE float exponential_variate(uint32_t w0, uint32_t w1) {
   const float u = static_cast<float>(w0) * 2.3283064365386963e-10f +
                   (static_cast<float>(w1) + 0.5f) * 5.421010862427522e-20f;
   if (u >= 0.0625f) return -logf(1.0f - u);

@@ -1,19 +1,12 @@
-// Row addressing shared by the CPU and CUDA kernels (plain C++, so nvcc can
-// include it too). The logits arrive as an [outer, inner, V] strided view of
-// the caller's tensor (fastrl/logprobs.py, row_view): rows are numbered
-// row-major over the two leading dims, and a row's V elements have unit
-// stride. Two leading strides read every layout that the frameworks slice in
+// Row addressing of the kernels' interfaces. The logits arrive as an
+// [outer, inner, V] strided view of the caller's tensor (fastrl/logprobs.py,
+// row_view): rows are numbered row-major over the two leading dims, and a
+// row's V elements have unit stride. Two leading strides read every layout that the frameworks slice in
 // place, such as veRL's logits[:, -response_length - 1:-1] or a transposed
 // [S, B, V], without copying it; a plain [N, V] tensor is outer = 1, inner = N.
 #pragma once
 
 #include <cstdint>
-
-#if defined(__CUDACC__)
-#define FASTRL_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define FASTRL_HOST_DEVICE inline
-#endif
 
 namespace fastrl {
 
@@ -24,7 +17,7 @@ struct RowLayout {
 
   // Elements from the base pointer to the start of row r (int64: 32768 rows of
   // 151936 logits are more than 2^31 elements).
-  FASTRL_HOST_DEVICE int64_t offset(int64_t r) const { return (r / inner) * outer_stride + (r % inner) * inner_stride; }
+  int64_t offset(int64_t r) const { return (r / inner) * outer_stride + (r % inner) * inner_stride; }
 };
 
 }  // namespace fastrl

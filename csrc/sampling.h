@@ -37,7 +37,7 @@ struct RandomArgs {
   const int64_t* seeds;
   int64_t seed;
   bool per_row_seeds;
-  const int64_t* offset_ptr;  // read on the device when set (CUDA graphs)
+  const int64_t* offset_ptr;  // when set, the offset is read from here (a tensor offset)
   int64_t offset;
 };
 

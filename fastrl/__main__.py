@@ -19,19 +19,6 @@ def _version(module: str) -> str:
         return "not installed"
 
 
-def _native_cuda(build: dict | None, cuda: bool) -> str:
-    """What is built and what can run: a CUDA build of fastrl._C on a machine
-    without a CUDA device (a CUDA toolkit but no GPU) is built, not usable."""
-    if build is None:
-        return "no (fastrl._C not built)"
-    if not build["cuda"]:
-        return "no (fastrl._C built without CUDA kernels: no CUDA toolkit found, or FASTRL_NO_CUDA=1)"
-    if cuda:
-        return "yes"
-    why = "no CUDA device" if torch.version.cuda else f"torch {torch.__version__} is a CPU-only build"
-    return f"built, not usable here ({why}; FASTRL_NO_CUDA=1 at install skips building it)"
-
-
 def info_lines() -> list[str]:
     native = _backend.native_module()
     build = native.build_info() if native is not None else None
@@ -44,7 +31,6 @@ def info_lines() -> list[str]:
         "backends:",
         "  native CPU:         "
         + (yes_no(True) + f" ({build['cpu_isa']}, {build['openmp_threads']} OpenMP threads)" if build else yes_no(False, "fastrl._C not built")),
-        "  native CUDA:        " + _native_cuda(build, cuda),
         "  Triton compiled:    " + yes_no(triton_ok and cuda, "no CUDA device" if triton_ok else "triton not installed"),
         "  Triton interpreter: " + yes_no(triton_ok and _backend.triton_interpreter(), "set TRITON_INTERPRET=1" if triton_ok else "triton not installed"),
         "  reference:          yes",

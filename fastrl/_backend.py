@@ -3,8 +3,7 @@
 Backends:
   ``triton``    the Triton kernels in ``fastrl.kernels``: compiled on CUDA tensors,
                 and on CPU tensors under ``TRITON_INTERPRET=1`` (how CI covers them).
-  ``native``    the C++ kernels of the ``fastrl._C`` extension (CPU tensors; CUDA
-                tensors where a CUDA C++ kernel is built and registered).
+  ``native``    the C++ kernels of the ``fastrl._C`` extension (CPU tensors only).
   ``reference`` the PyTorch references in ``fastrl.reference`` (the spec).
 
 Default per call, from the tensors' device: CUDA -> triton; CPU -> native, or the
@@ -66,12 +65,6 @@ def native_module() -> ModuleType | None:
         return None
 
 
-@functools.cache
-def native_cuda() -> bool:
-    mod = native_module()
-    return bool(mod is not None and mod.build_info()["cuda"])
-
-
 def triton_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -85,20 +78,15 @@ def triton_importable() -> bool:
     return True
 
 
-def _unavailable(name: str, device: torch.device, has_cuda_kernel: bool = True) -> str | None:
-    """Why backend ``name`` cannot run on ``device``, or None if it can.
-    ``has_cuda_kernel``: whether the op has a CUDA C++ kernel in fastrl._C."""
+def _unavailable(name: str, device: torch.device) -> str | None:
+    """Why backend ``name`` cannot run on ``device``, or None if it can."""
     if name == "reference":
         return None
     if name == "native":
         if native_module() is None:
             return "the native extension fastrl._C is not built (reinstall with a C++ compiler)"
-        if device.type == "cuda" and not has_cuda_kernel:
-            return "this op has no CUDA C++ kernel (use the triton backend on CUDA tensors)"
-        if device.type == "cuda" and not native_cuda():
-            return "fastrl._C was built without CUDA kernels"
-        if device.type not in ("cpu", "cuda"):
-            return f"the native backend has no kernels for {device.type} tensors"
+        if device.type != "cpu":
+            return f"the native backend runs CPU tensors only, these are {device.type} tensors (use the triton backend)"
         return None
     if not triton_importable():
         return "triton is not installed"
@@ -130,12 +118,11 @@ def _warn_reference_fallback(device_type: str) -> None:
 _MODULE = sys.modules[__name__]
 
 
-def select_backend(device: torch.device, *, has_cuda_kernel: bool = True) -> str:
-    """The backend that runs an op on tensors of ``device``; ``has_cuda_kernel``
-    says whether the op has a CUDA C++ kernel (else native is CPU-only)."""
+def select_backend(device: torch.device) -> str:
+    """The backend that runs an op on tensors of ``device``."""
     if torch.compiler.is_compiling():
-        return _MODULE._select_backend_as_constant(device, has_cuda_kernel)
-    return _select_backend(device, has_cuda_kernel)
+        return _MODULE._select_backend_as_constant(device)
+    return _select_backend(device)
 
 
 def __getattr__(name: str):
@@ -145,17 +132,16 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _select_backend(device: torch.device, has_cuda_kernel: bool) -> str:
+def _select_backend(device: torch.device) -> str:
     name = forced_backend()
     if name is not None:
-        why = _unavailable(name, device, has_cuda_kernel)
+        why = _unavailable(name, device)
         if why is not None:
             raise RuntimeError(f"fastrl backend {name!r} was requested but cannot run: {why}")
         return name
-    preferred = ("triton", "native") if device.type == "cuda" else ("native",)
-    for candidate in preferred:
-        if _unavailable(candidate, device, has_cuda_kernel) is None:
-            return candidate
+    candidate = "triton" if device.type == "cuda" else "native"
+    if _unavailable(candidate, device) is None:
+        return candidate
     _warn_reference_fallback(device.type)
     return "reference"
 

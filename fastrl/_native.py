@@ -1,4 +1,4 @@
-"""Launchers for the native C++ kernels in ``fastrl._C``.
+"""Launchers for the native C++ kernels in ``fastrl._C`` (CPU tensors only).
 
 The extension takes raw pointers, sizes, strides and dtype codes (the codes of
 ``csrc/common.h``); these functions allocate the outputs and pass them. They
@@ -30,17 +30,6 @@ N_STATS = 8
 
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
-
-
-def _entry(name: str, device: torch.device):
-    """``fastrl._C.<name>`` for CPU tensors, ``<name>_cuda`` for CUDA tensors;
-    the CUDA entry takes the current stream as one more argument."""
-    mod = native_module()
-    if device.type == "cuda":
-        cuda_fn = getattr(mod, f"{name}_cuda")
-        stream = torch.cuda.current_stream(device).cuda_stream
-        return lambda *args: cuda_fn(*args, stream)
-    return getattr(mod, name)
 
 
 def _row_param(value: float | int | torch.Tensor) -> tuple[int, float | int]:
@@ -77,7 +66,7 @@ def logprobs_forward(
     entropy = new() if with_entropy else None
     stats = torch.empty(n_rows, 2, dtype=acc, device=logits.device) if with_stats else None
     temps_ptr, temp_scalar = _row_param(temperature)
-    _entry("logprobs_forward", logits.device)(
+    native_module().logprobs_forward(
         logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, row_layout(logits),
         _ptr(labels), DTYPE_CODES[labels.dtype] if labels is not None else -1, ignore_index,
         temps_ptr, temp_scalar, _ptr(logprob), _ptr(entropy), _ptr(stats),
@@ -99,7 +88,7 @@ def logprobs_backward(
     """The contract of ``fastrl.kernels.logprobs.logprobs_backward``, on the C++ kernels."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
     temps_ptr, temp_scalar = _row_param(temperature)
-    _entry("logprobs_backward", logits.device)(
+    native_module().logprobs_backward(
         logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, row_layout(logits),
         _ptr(labels), DTYPE_CODES[labels.dtype] if labels is not None else -1, ignore_index,
         temps_ptr, temp_scalar, stats.data_ptr(), _ptr(entropy), _ptr(grad_logprob),

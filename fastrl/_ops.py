@@ -12,6 +12,7 @@ what an opaque call reads, writes and returns. So each launcher of
     so that ``inplace_backward`` can pass the logits themselves;
   * a CPU and a CUDA implementation: the launcher of the backend named by the
     ``backend`` argument (``"native"`` or ``"triton"``), chosen by the API layer;
+    the native kernels are CPU-only, so the CUDA implementation refuses it;
   * a fake implementation: the outputs' shapes and dtypes, for tracing.
 
 The autograd of each op family is an ``autograd.Function`` in its API module
@@ -80,11 +81,27 @@ def refuse_double_backward() -> None:
         )
 
 
+def _on_cuda(name: str, impl):
+    """The CUDA implementation of operator ``name``: ``impl``, except that it refuses
+    the native backend (every schema ends in ``str backend``), whose CPU kernels
+    would read device pointers."""
+
+    def cuda_impl(*args):
+        if args[-1] == "native":
+            raise ValueError(
+                f"backend of fastrl::{name} must be 'triton' for CUDA tensors; got 'native' "
+                "(the native kernels run CPU tensors only)"
+            )
+        return impl(*args)
+
+    return cuda_impl
+
+
 def _define(schema: str, impl, fake) -> torch._ops.OpOverload:
     name = schema.split("(", 1)[0]
     _LIB.define(schema)
-    for dispatch_key in ("CPU", "CUDA"):
-        _LIB.impl(name, impl, dispatch_key)
+    _LIB.impl(name, impl, "CPU")
+    _LIB.impl(name, _on_cuda(name, impl), "CUDA")
     torch.library.register_fake(f"fastrl::{name}", fake, lib=_LIB)
     return getattr(torch.ops.fastrl, name).default
 

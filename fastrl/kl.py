@@ -68,7 +68,7 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
     _validation.check_per_token(log_probs, "log_probs")
     _validation.check_per_token(ref_log_probs, "ref_log_probs", like=log_probs)
     code, straight_through = check_estimator(estimator)
-    backend = select_backend(log_probs.device, has_cuda_kernel=False)
+    backend = select_backend(log_probs.device)
     if backend == "reference" or log_probs.numel() == 0:
         return reference.kl_penalty(log_probs, ref_log_probs, estimator)
     acc = reference.compute_dtype(log_probs)
@@ -128,7 +128,7 @@ def full_kl(
     token_shape = logits.shape[:-1]
     acc = reference.compute_dtype(logits)
     temperature = _validation.check_temperature(temperature, token_shape, logits.device, acc)
-    backend = select_backend(logits.device, has_cuda_kernel=False)
+    backend = select_backend(logits.device)
     if backend == "reference" or logits.numel() == 0:
         return reference.full_kl(logits, ref_logits, temperature=temperature)
     temperature = _validation.flat_per_row(temperature, token_shape, acc)

@@ -182,7 +182,7 @@ def agg_loss(
     _validation.check_per_token(loss_mat, "loss_mat")
     _validation.check_mask(loss_mask, "loss_mask", loss_mat)
     agg = _check_agg(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, loss_mat.device)
-    backend = select_backend(loss_mat.device, has_cuda_kernel=False)
+    backend = select_backend(loss_mat.device)
     if backend == "reference":
         return reference.agg_loss(loss_mat, loss_mask, **agg)
     acc = reference.compute_dtype(loss_mat)
@@ -281,7 +281,7 @@ def policy_loss(
         raise ValueError("entropy_coef is nonzero but entropy is None; pass the per-token entropy")
     agg = _check_agg(loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor, log_probs.device)
 
-    backend = select_backend(log_probs.device, has_cuda_kernel=False)
+    backend = select_backend(log_probs.device)
     if backend == "reference":
         return reference.policy_loss(
             log_probs, old_log_probs, advantages, response_mask, clip_ratio_low=clip_low, clip_ratio_high=clip_high,
@@ -390,7 +390,7 @@ def rollout_correction(
         clip_min = _validation.check_scalar(
             clip_min, "clip_min", ok=lambda v: (v >= 0) & (v <= clip_max), accepted=f"in [0, clip_max={clip_max}]"
         )
-    backend = select_backend(old_log_probs.device, has_cuda_kernel=False)
+    backend = select_backend(old_log_probs.device)
     if backend == "reference" or old_log_probs.numel() == 0:
         return reference.rollout_correction(
             old_log_probs, rollout_log_probs, response_mask, level=level, mode=mode, clip_max=clip_max, clip_min=clip_min

@@ -167,7 +167,7 @@ def sample(
     params = _truncation(logits, temperature, top_k, top_p, min_p)
     rows = logits.shape[:-1]
     seed, offset = _seed_and_offset(seed, offset, rows, logits.device)
-    backend = select_backend(logits.device, has_cuda_kernel=False)
+    backend = select_backend(logits.device)
     if logits.numel() == 0:
         acc = reference.compute_dtype(logits)
         empty = lambda dt: torch.empty(rows, dtype=dt, device=logits.device)  # noqa: E731
@@ -236,7 +236,7 @@ def truncated_logprobs(
     _validation.check_labels(labels, logits, ignore_index=None)
     params = _truncation(logits, temperature, top_k, top_p, min_p)
     rows = logits.shape[:-1]
-    backend = select_backend(logits.device, has_cuda_kernel=False)
+    backend = select_backend(logits.device)
     if backend == "reference" or logits.numel() == 0:
         out = reference.truncated_logprobs(logits, labels, **_reference_args(logits, params))
     elif torch.is_grad_enabled() and logits.requires_grad:

@@ -274,7 +274,7 @@ def test_entropy_and_logprobs_of_extremely_peaked_rows(device, backend, temperat
     about t (1 + g/T), lives in it: log(n + t) loses it (2% off at g/T = 45).
     Against the closed form, to (2 g/T + 40) ulps of float32 relative (5e-6 at
     g/T = 45). Error bound: T is a power of 2, so every x - m is exact, and the
-    GPU kernels (Triton's exp2, as the CUDA path's ex2) take e^d as 2^(d log2 e)
+    GPU kernels (Triton's exp2) take e^d as 2^(d log2 e)
     with d log2 e rounded to float32, off by up to 2 ulps of itself (the scale's
     rounding and the product's): (2 g/T) ulps of e^d, one systematic error since
     the terms are equal, plus 3 for exp2; the tail is summed in float32 chains of

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fastrl
-from fastrl import _backend
+from fastrl import _backend, _ops
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def test_info_command_lists_backends_and_devices():
         [sys.executable, "-m", "fastrl", "info"], capture_output=True, text=True, check=True, cwd="/"
     ).stdout
     assert out.startswith(f"fastrl {fastrl.__version__}")
-    for line in ("native CPU:         yes", "native CUDA:", "Triton compiled:", "Triton interpreter:", "devices:", "cpu:"):
+    for line in ("native CPU:         yes", "Triton compiled:", "Triton interpreter:", "devices:", "cpu:"):
         assert line in out, out
     assert f"torch {torch.__version__}" in out
 
@@ -140,6 +140,24 @@ def test_forced_backend_that_cannot_run_says_why(monkeypatch):
     monkeypatch.setattr(_backend, "native_module", lambda: None)
     with fastrl.use_backend("native"), pytest.raises(RuntimeError, match="fastrl._C is not built"):
         fastrl.logprobs_from_logits(torch.randn(2, 3), torch.zeros(2, dtype=torch.long))
+
+
+def test_native_backend_refused_on_cuda_tensors(monkeypatch):
+    """The native kernels run CPU tensors only: forcing them on CUDA tensors says so,
+    and every operator's CUDA implementation refuses backend='native' with a
+    ValueError before a CPU kernel could read device pointers (it reads the
+    backend as the last argument: every schema ends in it)."""
+    monkeypatch.setattr(_backend, "native_module", lambda: object())  # as if built
+    with fastrl.use_backend("native"), pytest.raises(RuntimeError, match="runs CPU tensors only, these are cuda"):
+        _backend.select_backend(torch.device("cuda"))
+    ops = [op for op in vars(_ops).values() if isinstance(op, torch._ops.OpOverload)]
+    assert len(ops) >= 10, ops
+    for op in ops:
+        assert op._schema.arguments[-1].name == "backend", op._schema
+    cuda_impl = _ops._on_cuda("logprobs_forward", lambda *args: args)
+    with pytest.raises(ValueError, match="backend of fastrl::logprobs_forward must be 'triton' for CUDA tensors"):
+        cuda_impl(torch.empty(0), "native")
+    assert cuda_impl(1, "triton") == (1, "triton")
 
 
 def test_missing_extension_falls_back_to_reference_with_one_warning(monkeypatch):

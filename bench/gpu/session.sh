@@ -8,16 +8,17 @@
 # `setup` (quick when the machine is still warm) and a few stages; with the
 # peers carried (bench/gpu/peers.sh, run here first, then `carry: [".whl"]`):
 #
-#     call 1: setup test                   build with CUDA, then every GPU test
+#     call 1: setup test                   build, then every GPU test
 #     call 2: setup bench-logprobs pack
 #     call 3: setup bench-rest demo pack   (after unpacking call 2's results.tgz
 #                                           here, so that they travel with the tree)
 #
 # Stages:
 #   setup           installs the carried peers into /tmp/site and builds fastrl
-#                   in place (the CUDA kernels for sm_80 and sm_90)
-#   test            the GPU tests (pytest -m gpu: compiled Triton, the CUDA C++
-#                   kernels, CUDA graphs, torch.compile's reduce-overhead mode)
+#                   in place (fastrl._C, the CPU kernels; Triton compiles the
+#                   GPU kernels on first use)
+#   test            the GPU tests (pytest -m gpu: compiled Triton, CUDA graphs,
+#                   torch.compile's reduce-overhead mode)
 #   test-all        the whole suite (the CPU part also runs in CI)
 #   bench-logprobs  python -m fastrl.bench --op logprobs (its torch.compile
 #                   peers take most of the time); starts bench/results/<gpu>.json
@@ -27,7 +28,7 @@
 #   pack            $OUT/results.tgz: bench/results (JSON, plots) and the README
 #                   regenerated from them, to unpack over the checkout here
 #                   (tar -xzf results.tgz)
-# fastrl is rebuilt only when the machine has no CUDA build of it: after changing
+# fastrl is built only when the machine has no build of it: after changing
 # csrc/ on a warm machine, delete fastrl/_C*.so in the same command.
 # Each stage logs to $OUT/<stage>.log; the output ends with one line per stage.
 set -uo pipefail
@@ -56,7 +57,7 @@ setup() {
                 touch /tmp/site/.fastrl-peers || return 1
         fi
     fi
-    if ! $PY -c "from fastrl import _backend; assert _backend.native_cuda()" 2>/dev/null; then
+    if ! $PY -c "from fastrl import _backend; assert _backend.native_module()" 2>/dev/null; then
         $PY -m pip install -q --no-build-isolation --no-deps -e . || return 1
     fi
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv

@@ -147,19 +147,6 @@ def _check(inputs: dict) -> float:
     return max(err(lp, ref_lp), err(ent, ref_ent), grad_err)
 
 
-def _native_cuda_impl(wrap, mode: str) -> Impl:
-    from fastrl._backend import native_cuda
-
-    if not native_cuda():
-        return Impl("fastrl CUDA C++", None, "fastrl._C built without CUDA")
-
-    def run(x, y):
-        with fastrl.use_backend("native"):
-            return _fastrl(mode)(x, y)
-
-    return Impl("fastrl CUDA C++", wrap(run))
-
-
 def cases(device: torch.device, *, quick: bool = False, shapes=None) -> list[Case]:
     """The canonical shapes (or ``shapes``) in every mode, and with the canonical
     shapes the sweeps of V and N."""
@@ -172,8 +159,6 @@ def cases(device: torch.device, *, quick: bool = False, shapes=None) -> list[Cas
         for mode in MODES:
             wrap = _wrap(mode)
             impls = [Impl("fastrl", wrap(_fastrl(mode)))]
-            if device.type == "cuda":  # the CUDA C++ kernel, against the default Triton one
-                impls.append(_native_cuda_impl(wrap, mode))
             impls += _peers(mode, device, quick, wrap)
             out.append(
                 Case(

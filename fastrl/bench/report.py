@@ -75,22 +75,22 @@ def render_predicted(payload: dict, measured: list[dict]) -> str:
     models = payload["model"]
     lines = [
         f"**Predicted, not measured: {payload['device']}** by the static sm_90 model (`python -m fastrl.bench.sass`, "
-        f"triton {payload['triton']}, nvcc {payload.get('nvcc') or '-'}, commit `{commit}`, {payload['date'][:10]}). "
+        f"triton {payload['triton']}, commit `{commit}`, {payload['date'][:10]}). "
         f"Copy bandwidth assumed {models['H100']['copy_bw'] / 1e12:.1f} TB/s (H100) and "
         f"{models['H200']['copy_bw'] / 1e12:.1f} TB/s (H200), {models['H100']['sms']} SMs at "
         f"{models['H100']['clock_hz'] / 1e9:.3f} GHz; the model and its assumptions are stated in "
         "`fastrl/bench/sass.py`. Predicted % of copy bandwidth = the op's minimum bytes / predicted time.",
         "",
-        "| op | shape | dtype | impl | predicted H100 | % of copy BW | predicted H200 | % of copy BW | bound | measured |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| op | shape | dtype | predicted H100 | % of copy BW | predicted H200 | % of copy BW | bound | measured |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for op in payload["ops"]:
         h100, h200 = op["predicted"]["H100"], op["predicted"]["H200"]
         key = (op["op"], tuple(op["shape"]), op["dtype"])
-        seen = gpu.get(key) if op["impl"] == "triton" else None
+        seen = gpu.get(key)
         bounds = "/".join(dict.fromkeys(h100["bounds"]))
         lines.append(
-            f"| {op['op']} | {'x'.join(map(str, op['shape']))} | {op['dtype']} | {op['impl']} | {_time(h100['time_s'])} | "
+            f"| {op['op']} | {'x'.join(map(str, op['shape']))} | {op['dtype']} | {_time(h100['time_s'])} | "
             f"{h100['copy_pct']:.0f}% | {_time(h200['time_s'])} | {h200['copy_pct']:.0f}% | {bounds} | "
             f"{f'{seen[1]:.3f} ms ({seen[0]})' if seen else '-'} |"
         )
@@ -108,14 +108,14 @@ def launch_table(payload: dict) -> str:
     """The static model's per-launch table on H100 as markdown (one row per
     distinct kernel variant and case); every figure is a prediction."""
     lines = [
-        "| kernel | shape | dtype | impl | regs | spills | CTAs/SM (occupancy) | grid / SMs used | main-loop loads "
+        "| kernel | shape | dtype | regs | spills | CTAs/SM (occupancy) | grid / SMs used | main-loop loads "
         "(count x bits) | barriers / iter | 64-bit int ops / iter | SASS / element | passes | issue / memory | "
         "% of copy BW |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     done = set()
     for r in payload["launches"]:
-        key = (r["role"], tuple(r["shape"]), r["dtype"], r["impl"], r["variant"])
+        key = (r["role"], tuple(r["shape"]), r["dtype"], r["variant"])
         if key in done:
             continue
         done.add(key)
@@ -128,7 +128,7 @@ def launch_table(payload: dict) -> str:
             spe += f" ({worst:.0f})"
         ratio = p["issue_memory_ratio"]
         lines.append(
-            f"| {r['role']} | {'x'.join(map(str, r['shape']))} | {r['dtype']} | {r['impl']} | {r['registers']} | "
+            f"| {r['role']} | {'x'.join(map(str, r['shape']))} | {r['dtype']} | {r['registers']} | "
             f"{r['spill_bytes']} | {r['ctas_per_sm']} ({100 * r['occupancy']:.0f}%) | {r['grid']} / {r['active_sms']} | "
             f"{loads or '-'} | {ml.get('barriers', '-')} | {ml.get('int64', '-')} | {spe} | {r['passes']} | "
             f"{'-' if ratio is None else f'{ratio:.2f}'} | {p['copy_pct']:.0f}% |"

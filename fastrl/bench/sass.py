@@ -3,14 +3,12 @@ kernel, *predicted* from the compiled code, never measured.
 
     python -m fastrl.bench.sass                 model, table, bench/results/sm90-predicted.json
     python -m fastrl.bench.sass --arch 90       sm_90 only (default: sm_90 and sm_80)
-    python -m fastrl.bench.sass --no-cuda       skip csrc/*.cu (needs nvcc)
 
 What it compiles. Every Triton kernel variant the API launches, at the canonical
 shapes of DESIGN.md (``fastrl.bench.sass_cases``: the launchers called with meta
 tensors, which have shapes and strides but no storage), through the same JIT
 argument binder a real launch uses (``fastrl.bench.sass_capture``), so the
-cubins carry the ``tt.divisibility`` specialisation of a GPU launch; and the
-CUDA C++ kernels of csrc/logprobs.cu with nvcc as CMakeLists.txt builds them.
+cubins carry the ``tt.divisibility`` specialisation of a GPU launch.
 
 What it reads (``fastrl.bench.sass_parse``), per kernel: registers, spills (the
 local memory ptxas gives the kernel, which is what Triton reports as n_spills
@@ -81,8 +79,6 @@ import datetime
 import json
 import math
 import os
-import re
-import shutil
 import subprocess
 import sys
 import time
@@ -182,9 +178,6 @@ BUDGETS: dict[str, Budget] = {
     "policy finalize": Budget(why="one program over [B, 8] statistics: latency-bound by design"),
     "rollout finalize": Budget(why="one program over [B, 8] statistics: latency-bound by design"),
 }
-# The same roles in CUDA C++ (csrc/logprobs.cu).
-for _role in ("logprobs fwd", "logprobs+entropy fwd", "logprobs bwd", "logprobs+entropy bwd"):
-    BUDGETS[f"{_role} (CUDA C++)"] = BUDGETS[_role]
 
 # Ops (the benchmark's names): predicted share of the copy bandwidth, issue 13's
 # "done when": >= 90% forward for the row streams, >= 85% forward + backward.
@@ -208,8 +201,6 @@ _P2_ODD_V = ("issue 13 part 2: a row that does not start on a 16-byte boundary (
              "head before the boundary and the merge after the loop still cost the forward ~10%")  # fmt: skip
 _P2_POLICY = ("issue 13 part 2: GSPO's row mean of u in a first launch of per-chunk sums (a new role in "
               "fastrl.bench.sass_cases), so the sequence-level forward splits L across programs as the token level does")  # fmt: skip
-_P2_CUDA = ("issue 13 part 2: csrc/logprobs.cu unrolled x4 with hoisted loads, ex2.approx.ftz, a 32-bit index and "
-            "__launch_bounds__, or deleted")  # fmt: skip
 _ISSUE_14 = "issue 14: the sampler in three passes (histogram selection, candidates only, split rows at small batch)"
 _ISSUE_14_KEYS = (
     "issue 14: 32-bit keys for 16- and 32-bit logits (the truncated backward compares uint64 keys per element)"
@@ -232,9 +223,6 @@ KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
     ("", "truncated_logprobs bwd", "issue/memory"): _ISSUE_14_KEYS,
     # policy loss: GSPO's forward is one program per sequence
     ("policy_loss GSPO fwd+bwd [", "policy fwd", "grid"): _P2_POLICY,
-    # csrc/logprobs.cu
-    ("", "logprobs fwd (CUDA C++)", "issue/memory"): _P2_CUDA,
-    ("", "logprobs+entropy fwd (CUDA C++)", "issue/memory"): _P2_CUDA,
 }
 
 # ---------------------------------------------------------------------------
@@ -250,7 +238,6 @@ class Launch:
     shape: tuple
     dtype: str
     role: str
-    impl: str  # "triton" / "CUDA C++"
     kernel: sm.KernelAnalysis
     variant: str
     grid: int
@@ -322,7 +309,7 @@ def launch_row(launch: Launch) -> dict:
     h = predicted["H100"]
     return {
         "case": launch.case, "op": launch.op, "shape": list(launch.shape), "dtype": launch.dtype, "role": launch.role,
-        "impl": launch.impl, "kernel": k.name, "variant": launch.variant, "registers": k.regs,
+        "kernel": k.name, "variant": launch.variant, "registers": k.regs,
         "spill_bytes": k.local, "spill_instructions": k.spill_instrs, "stack_bytes": k.stack, "shared_bytes": k.shared,
         "warps": k.num_warps,
         "ctas_per_sm": h["ctas_per_sm"], "occupancy": h["occupancy"], "occupancy_limiter": h["occupancy_limiter"],
@@ -396,7 +383,7 @@ def capture_triton(progress: Callable[[str], None]) -> tuple[list, list]:
     return canonical, coverage
 
 
-def run_model(archs: tuple[int, ...] = (90, 80), workers: int | None = None, cuda: bool = True,
+def run_model(archs: tuple[int, ...] = (90, 80), workers: int | None = None,
               progress: Callable[[str], None] = print) -> dict:  # fmt: skip
     """Compiles, analyses and predicts everything; the results file's payload."""
     from . import sass_capture as cap
@@ -440,7 +427,7 @@ def run_model(archs: tuple[int, ...] = (90, 80), workers: int | None = None, cud
         reads = {id(v.bound[a]): _tensor_bytes(v.bound[a]) for a in k.loads if _tensor_bytes(v.bound.get(a))}
         writes = {id(v.bound[a]): _tensor_bytes(v.bound[a]) for a in k.stores if _tensor_bytes(v.bound.get(a))}
         dtype = str(case.dtype).replace("torch.", "")
-        row = launch_row(Launch(case.id, case.op, case.shape, dtype, role, "triton", k, v.describe(), grid, runs,
+        row = launch_row(Launch(case.id, case.op, case.shape, dtype, role, k, v.describe(), grid, runs,
                                 sum(reads.values()) + sum(writes.values())))  # fmt: skip
         row["_reads"], row["_writes"] = reads, writes
         rows.append(row)
@@ -449,25 +436,16 @@ def run_model(archs: tuple[int, ...] = (90, 80), workers: int | None = None, cud
 
     for (v, arch), result in zip(jobs, compiled):
         if isinstance(result, str):
-            variants_out.append({"kernel": v.name, "variant": v.describe(), "arch": f"sm_{arch}", "impl": "triton",
+            variants_out.append({"kernel": v.name, "variant": v.describe(), "arch": f"sm_{arch}",
                                  "error": result[-2000:]})  # fmt: skip
             continue
         usage = next(iter(sp.resource_usage(result["cubin"]).values()))
         variants_out.append({
             "kernel": v.name, "variant": v.describe(), "row_dtype": _row_dtype(v), "arch": f"sm_{arch}",
-            "impl": "triton", "registers": usage.get("REG", 0), "spill_bytes": usage.get("LOCAL", 0),
+            "registers": usage.get("REG", 0), "spill_bytes": usage.get("LOCAL", 0),
             "stack_bytes": usage.get("STACK", 0), "shared_bytes": result["shared"],
             "warps": result["num_warps"],
         })  # fmt: skip
-    cuda_rows, cuda_variants, cuda_error = [], [], None
-    if cuda:
-        try:
-            cuda_rows, cuda_variants = model_cuda(archs, progress)
-        except (FileNotFoundError, subprocess.CalledProcessError, RuntimeError) as exc:
-            cuda_error = f"{type(exc).__name__}: {exc}"
-            progress(f"CUDA C++ kernels not modelled: {cuda_error}")
-    rows += cuda_rows
-    variants_out += cuda_variants
     payload = {
         "kind": "predicted",
         "label": LABEL,
@@ -479,7 +457,6 @@ def run_model(archs: tuple[int, ...] = (90, 80), workers: int | None = None, cud
         "copy_bandwidth_gbps": sm.H100.copy_bw / 1e9,
         "model": {name: dataclasses.asdict(dev) for name, dev in sm.DEVICES.items()},
         "triton": _version("triton"),
-        "nvcc": _nvcc_version() if cuda and cuda_error is None else None,
         "commit": _commit(),
         "date": datetime.date.today().isoformat(),
         "ops": op_rows(rows),
@@ -488,7 +465,6 @@ def run_model(archs: tuple[int, ...] = (90, 80), workers: int | None = None, cud
         "compile_failures": failures,
         "triton_kernels": triton_kernel_names(),
         "launched": sorted({v.name for v, _ in jobs}),
-        "cuda_error": cuda_error,
     }
     progress(f"model done in {time.time() - t0:.0f} s")
     return payload
@@ -521,16 +497,16 @@ def bench_min_bytes(op: str, shape: list[int], dtype: str) -> int | None:
 
 
 def op_rows(rows: list[dict]) -> list[dict]:
-    """Per case (op, shape, dtype, implementation): the sum of its launches. Its
+    """Per case (op, shape, dtype): the sum of its launches. Its
     minimum bytes are the benchmark's for the ops it measures, else each input
     of the op read once and each output written once (a tensor one launch
     writes and a later one reads is not an input)."""
     out: dict[tuple, dict] = {}
     seen: dict[tuple, tuple[dict, dict]] = {}
     for r in rows:
-        key = (r["case"], r["impl"])
+        key = r["case"]
         op = out.setdefault(key, {"case": r["case"], "op": r["op"], "shape": r["shape"], "dtype": r["dtype"],
-                                  "impl": r["impl"], "kernels": [], "min_bytes": 0, "predicted": {}})  # fmt: skip
+                                  "kernels": [], "min_bytes": 0, "predicted": {}})  # fmt: skip
         op["kernels"].append(r["role"])
         inputs, outputs = seen.setdefault(key, ({}, {}))
         for t, b in r.get("_reads", {}).items():
@@ -555,85 +531,6 @@ def op_rows(rows: list[dict]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------
-# CUDA C++ (csrc/logprobs.cu)
-
-CUDA_SOURCE = ROOT / "csrc" / "logprobs.cu"
-
-
-def cuda_threads(vocab: int, vec: int) -> int:
-    """Threads per row as csrc/logprobs.cu's threads_for picks them (checked
-    against the source, so the copy cannot drift)."""
-    text = CUDA_SOURCE.read_text()
-    if "while (threads < 1024 && threads * 8 < packs) threads *= 2;" not in text:
-        raise RuntimeError("csrc/logprobs.cu's threads_for changed: update fastrl.bench.sass.cuda_threads")
-    packs = (vocab + vec - 1) // vec
-    threads = 32
-    while threads < 1024 and threads * 8 < packs:
-        threads *= 2
-    return threads
-
-
-def model_cuda(archs: tuple[int, ...], progress: Callable[[str], None]) -> tuple[list[dict], list[dict]]:
-    """Launch rows of the CUDA C++ log-prob kernels at the canonical shapes, and
-    the resources of every kernel of the file per arch."""
-    if shutil.which("nvcc") is None:
-        raise FileNotFoundError("nvcc not on PATH")
-    from . import sass_cases
-
-    variants, analyses = [], {}
-    for arch in archs:
-        cubin, _ = sm.nvcc_cubin(CUDA_SOURCE, arch, ROOT / "csrc")
-        found = sm.analyse_cuda(cubin, arch, {}, {})
-        progress(f"compiled csrc/logprobs.cu for sm_{arch}: {len(found)} kernels")
-        for name, k in sorted(found.items()):
-            variants.append({"kernel": name, "variant": "", "arch": f"sm_{arch}", "impl": "CUDA C++",
-                             "registers": k.regs, "spill_bytes": k.local, "stack_bytes": k.stack,
-                             "shared_bytes": k.shared, "warps": None})  # fmt: skip
-        if arch == 90:
-            analyses = found
-    rows = []
-    type_names = {"bfloat16": ("__nv_bfloat16", 2), "float32": ("float", 4)}
-    for n, v, dtype in sass_cases.LOGPROBS_SHAPES:
-        name, e = type_names[str(dtype).replace("torch.", "")]
-        vec = 16 // e
-        threads = cuda_threads(v, vec)
-        for entropy in (False, True):
-            for backward in (False, True):
-                base = "logprobs+entropy" if entropy else "logprobs"
-                op = f"{base} fwd+bwd" if backward else f"{base} fwd"
-                case = f"{op} [{n}x{v} {str(dtype).replace('torch.', '')}]"
-                fwd = analyses.get(f"void fastrl::(anonymous namespace)::forward_kernel<{name}, float, {vec}, "
-                                   f"{'true' if entropy else 'false'}>(fastrl::LogprobsArgs, float*, float*, float*)")  # fmt: skip
-                bwd = next((k for key, k in analyses.items() if key.startswith(
-                    f"void fastrl::(anonymous namespace)::backward_kernel<{name}, float, {vec}, {'true' if entropy else 'false'}>")),
-                    None)  # fmt: skip
-                if fwd is None or (backward and bwd is None):
-                    raise RuntimeError(f"csrc/logprobs.cu: no kernel for {case}")
-                outs = 4 * n * (1 + entropy + 2 * backward)  # logprob, entropy, stats
-                parts = [(f"{base} fwd (CUDA C++)", fwd, n * v * e + 8 * n + outs)]
-                if backward:
-                    parts.append(
-                        (f"{base} bwd (CUDA C++)", bwd, 2 * n * v * e + 8 * n + 8 * n + 4 * n * (1 + 2 * entropy))
-                    )
-                for role, k, min_bytes in parts:
-                    k = dataclasses.replace(k, num_warps=threads // 32)
-                    runs = []
-                    for loop in k.loops:
-                        # The pack loop (16-byte vectors) and the scalar tail (V % VEC elements).
-                        ept = loop.hot["ld_bits"] / 8 / e
-                        if "< n_packs" in loop.text and ept:
-                            trips = math.ceil(v / (threads * ept))
-                        elif "< a.vocab" in loop.text:
-                            ept, trips = 1.0, math.ceil((v % vec) / threads)
-                        else:
-                            raise RuntimeError(f"csrc/logprobs.cu: a loop the model does not know: {loop.text!r}")
-                        runs.append(sm.LoopRun(loop, trips, ept, True, 0.0, True))
-                    rows.append(launch_row(Launch(case, op, (n, v), str(dtype).replace("torch.", ""), role, "CUDA C++",
-                                                  k, f"threads={threads}", n, runs, min_bytes)))  # fmt: skip
-    return rows, variants
-
-
-# ---------------------------------------------------------------------------
 # Gates
 
 GATES = ("issue/memory", "128-bit loads", "grid", "passes", "SASS/element")
@@ -641,46 +538,22 @@ GATES = ("issue/memory", "128-bit loads", "grid", "passes", "SASS/element")
 REFERENCE_CASE = ("logprobs fwd [16384x151936 bfloat16]", "logprobs fwd")
 
 
-def _cuda_case_ids() -> list[tuple[str, tuple[str, ...]]]:
+def gate_items() -> list[tuple[str, str, str]]:
+    """(case id, role, gate) of every check the CI gate makes, from the cases
+    alone (no compilation), so that a test can be parametrised by them. Ops are
+    gated on their predicted share of the copy bandwidth (role "*")."""
     from . import sass_cases
 
-    out = []
-    for n, v, dtype in sass_cases.LOGPROBS_SHAPES:
-        for base in ("logprobs", "logprobs+entropy"):
-            for backward in (False, True):
-                op = f"{base} fwd+bwd" if backward else f"{base} fwd"
-                roles = (
-                    (f"{base} fwd (CUDA C++)", f"{base} bwd (CUDA C++)") if backward else (f"{base} fwd (CUDA C++)",)
-                )
-                out.append((f"{op} [{n}x{v} {str(dtype).replace('torch.', '')}]", roles))
-    return out
-
-
-def gate_items() -> list[tuple[str, str, str, str]]:
-    """(case id, role, gate, implementation) of every check the CI gate makes,
-    from the cases alone (no compilation), so that a test can be parametrised
-    by them. Ops are gated on their predicted share of the copy bandwidth (role
-    "*"); the CUDA C++ kernels on their own budgets, not as ops (which path runs
-    by default is issue 13 part 2's decision)."""
-    from . import sass_cases
-
-    def for_roles(case_id: str, roles, impl: str) -> list:
-        items = []
-        for role in dict.fromkeys(roles):
+    items = []
+    for case in sass_cases.cases():
+        for role in dict.fromkeys(case.roles):
             b = BUDGETS.get(role, Budget())
             on = {"issue/memory": b.max_issue_ratio is not None, "128-bit loads": b.vector_loads,
                   "grid": b.min_active_sms is not None, "passes": b.max_passes is not None,
                   "SASS/element": b.max_sass_vs_logprobs is not None}  # fmt: skip
-            items += [(case_id, role, gate, impl) for gate in GATES if on[gate]]
-        return items
-
-    items = []
-    for case in sass_cases.cases():
-        items += for_roles(case.id, case.roles, "triton")
+            items += [(case.id, role, gate) for gate in GATES if on[gate]]
         if case.op in OP_BUDGETS:
-            items.append((case.id, "*", "copy bandwidth", "triton"))
-    for case_id, roles in _cuda_case_ids():
-        items += for_roles(case_id, roles, "CUDA C++")
+            items.append((case.id, "*", "copy bandwidth"))
     return items
 
 
@@ -707,7 +580,7 @@ def triton_kernel_names() -> list[str]:
     return sorted(names)
 
 
-def known_failure(case_id: str, role: str, gate: str, impl: str = "triton") -> str | None:
+def known_failure(case_id: str, role: str, gate: str) -> str | None:
     """The reason a gate item fails today, if it is a known failure."""
     for (fragment, r, g), reason in KNOWN_FAILURES.items():
         if fragment in case_id and r == role and g == gate:
@@ -715,10 +588,10 @@ def known_failure(case_id: str, role: str, gate: str, impl: str = "triton") -> s
     return None
 
 
-def check(payload: dict, case_id: str, role: str, gate: str, impl: str = "triton") -> tuple[bool, str]:
+def check(payload: dict, case_id: str, role: str, gate: str) -> tuple[bool, str]:
     """(passes, what was found) of one gate item against the results."""
     if gate == "copy bandwidth":
-        op = next((o for o in payload["ops"] if o["case"] == case_id and o["impl"] == impl), None)
+        op = next((o for o in payload["ops"] if o["case"] == case_id), None)
         if op is None:
             return False, f"{case_id}: not modelled (see compile_failures)"
         need = OP_BUDGETS[op["op"]]
@@ -727,7 +600,7 @@ def check(payload: dict, case_id: str, role: str, gate: str, impl: str = "triton
             got >= 100 * need,
             f"{case_id}: predicted {got:.1f}% of copy bandwidth on H100, budget >= {100 * need:.0f}%",
         )
-    rows = [r for r in payload["launches"] if r["case"] == case_id and r["role"] == role and r["impl"] == impl]
+    rows = [r for r in payload["launches"] if r["case"] == case_id and r["role"] == role]
     if not rows:
         return False, f"{case_id} {role}: not modelled (see compile_failures)"
     r = rows[0]
@@ -745,7 +618,7 @@ def check(payload: dict, case_id: str, role: str, gate: str, impl: str = "triton
     if gate == "passes":
         return r["passes"] <= b.max_passes, f"{name}: {r['passes']} passes over the row, budget <= {b.max_passes}"
     if gate == "SASS/element":
-        ref = next(x for x in payload["launches"] if (x["case"], x["role"]) == REFERENCE_CASE and x["impl"] == "triton")
+        ref = next(x for x in payload["launches"] if (x["case"], x["role"]) == REFERENCE_CASE)
         limit = b.max_sass_vs_logprobs * ref["sass_per_element"]
         got = r["sass_per_element_max"]
         return got <= limit, (f"{name}: {got:.0f} SASS per element on its dearest pass, budget <= "
@@ -754,19 +627,16 @@ def check(payload: dict, case_id: str, role: str, gate: str, impl: str = "triton
 
 
 def spills(payload: dict) -> dict[str, list[str]]:
-    """Per kernel (Triton kernel name, or the CUDA C++ file): what spills, in
-    any compiled variant and arch: local memory (Triton's n_spills), or local
-    memory traffic on a loop's hot path."""
+    """Per kernel: what spills, in any compiled variant and arch: local memory
+    (Triton's n_spills), or local memory traffic on a loop's hot path."""
     out: dict[str, list[str]] = {}
     for v in payload["variants"]:
-        key = v["kernel"] if v.get("impl", "triton") == "triton" else "csrc/logprobs.cu"
-        out.setdefault(key, [])
+        found = out.setdefault(v["kernel"], [])
         if v.get("spill_bytes"):
-            out[key].append(f"{v['kernel']} {v['arch']} [{v['variant']}]: {v['spill_bytes']} bytes of local memory")
+            found.append(f"{v['kernel']} {v['arch']} [{v['variant']}]: {v['spill_bytes']} bytes of local memory")
     for r in payload["launches"]:
-        key = r["kernel"] if r["impl"] == "triton" else "csrc/logprobs.cu"
         if r["spill_instructions"]:
-            out.setdefault(key, []).append(f"{r['case']}: {r['spill_instructions']} LDL/STL per loop iteration")
+            out.setdefault(r["kernel"], []).append(f"{r['case']}: {r['spill_instructions']} LDL/STL per loop iteration")
     return out
 
 
@@ -794,15 +664,6 @@ def _version(module: str) -> str | None:
         return None
 
 
-def _nvcc_version() -> str | None:
-    try:
-        out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, check=True).stdout
-        m = re.search(r"release ([\d.]+)", out)
-        return m.group(1) if m else None
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def _commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
@@ -815,7 +676,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastrl.bench.sass", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="90,80", help="comma-separated SM versions to compile for (default 90,80)")
     parser.add_argument("--jobs", type=int, default=None, help="compile processes (default: up to 4)")
-    parser.add_argument("--no-cuda", action="store_true", help="skip the CUDA C++ kernels")
     parser.add_argument(
         "--json", type=Path, default=RESULTS, help=f"results file (default {RESULTS.relative_to(ROOT)})"
     )
@@ -825,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     if 90 not in archs:
         parser.error("the model is of sm_90: --arch must include 90")
     progress = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
-    payload = run_model(archs, args.jobs, not args.no_cuda, progress)
+    payload = run_model(archs, args.jobs, progress)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(dumps(payload))
     if not args.quiet:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import subprocess
 from pathlib import Path
 
 from . import sass_parse as sp
@@ -208,66 +207,6 @@ def _match_loops(sass_loops: list[sp.Loop], cfg: sp.CFG, ir_loops: list[sp.IRLoo
         if match is not None:
             used.add(match)
         out.append((sl, ir_loops[match] if match is not None else None))
-    return out
-
-
-# ---------------------------------------------------------------------------
-# CUDA C++ kernels (csrc/*.cu)
-
-
-def nvcc_cubin(source: Path, arch: int, include: Path) -> tuple[bytes, str]:
-    """(cubin, ptxas's resource report) of a .cu file, compiled as CMakeLists.txt does (-O3 -lineinfo)."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "k.cubin"
-        cmd = ["nvcc", f"-arch=sm_{arch}", "-cubin", "-O3", "-lineinfo", "-std=c++17", "--resource-usage",
-               f"-I{include}", str(source), "-o", str(out)]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        return out.read_bytes(), proc.stdout + proc.stderr
-
-
-def demangle(names: list[str]) -> dict[str, str]:
-    try:
-        out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True, check=True).stdout
-        return dict(zip(names, out.splitlines()))
-    except (OSError, subprocess.CalledProcessError):
-        return {n: n for n in names}
-
-
-def analyse_cuda(cubin: bytes, arch: int, num_warps: dict[str, int], elem_bytes: dict[str, int]
-                 ) -> dict[str, KernelAnalysis]:  # fmt: skip
-    """Every kernel of a CUDA cubin, keyed by demangled name. Loops carry no
-    TTGIR: a loop whose source line steps over packs is the main loop, its
-    elements per thread per iteration read off its loads (``elem_bytes`` of the
-    kernel's row type), its bound the row length."""
-    usage = sp.resource_usage(cubin)
-    functions = sp.split_functions(sp.disassemble(cubin))
-    names = demangle(list(functions))
-    out = {}
-    for mangled, instrs in functions.items():
-        pretty = names[mangled]
-        cfg = sp.CFG(instrs)
-        loops = []
-        for sloop in cfg.all_loops():
-            hot, longest = _loop_summary(cfg, sloop)
-            latch = cfg.blocks[max(sloop.latches)].instrs[-1]
-            text = sp.source_text(latch.source)
-            summary = sp.summarise(hot)
-            loops.append(LoopInfo(
-                source=latch.source, text=text, guards=[], lower=0, upper="V", upper_const=None, step=None,
-                hot=summary, longest_sass=longest, float_load_bits=[sp.access_bits(i) for i in hot if i.base == "LDG"],
-                load_args=["logits"], depth=0, mapped=False,
-            ))  # fmt: skip
-        straight = _straight_line(cfg)
-        u = usage.get(mangled, {})
-        out[pretty] = KernelAnalysis(
-            name=pretty, arch=arch, regs=u.get("REG", 0), shared=u.get("SHARED", 0), local=u.get("LOCAL", 0),
-            spill_instrs=sum(lp.hot["local"] for lp in loops), num_warps=num_warps.get(pretty, 32), stack=u.get("STACK", 0),
-            loops=loops, straight=sp.summarise(straight),
-            straight_bytes=sum(sp.access_bits(i) for i in straight if i.base in ("LDG", "STG")) // 8,
-            loads=[], stores=[],
-        )  # fmt: skip
     return out
 
 
