@@ -83,7 +83,7 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
     tile = REPS * LANES * VEC
     # The whole tiles unmasked (no mask or fill per element) from the first element
     # on a 16-byte boundary (``aligned_body``); then the partial tile, masked (its
-    # loads still 128 bits), and the head before that boundary, one element a lane.
+    # loads still 128 bits), and the head before that boundary.
     if ALIGNED:  # the launcher knows every row starts on a 16-byte boundary
         head, body_ptr, rest = 0, row_ptr, V
     else:
@@ -95,9 +95,9 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
     if whole < rest:
         x = tl.load(body_ptr + whole + offs, mask=whole + offs < rest, other=neg_inf)
         m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
-    if not ALIGNED and head > 0:
-        lane = tile_offsets(1, LANES, 1)
-        x = tl.load(row_ptr + lane, mask=lane < head, other=neg_inf)
+    if not ALIGNED and head > 0:  # under VEC elements: one a lane (a few, when the lanes are fewer)
+        first = tile_offsets((VEC + LANES - 1) // LANES, LANES, 1)
+        x = tl.load(row_ptr + first, mask=first < head, other=neg_inf)
         m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
     return merge_lanes(m, n, t, w, k)
 
