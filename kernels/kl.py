@@ -160,11 +160,14 @@ def _full_kl_fwd_kernel(
     x_ptr, x_inner, x_outer_stride, x_inner_stride, y_ptr, y_inner, y_outer_stride, y_inner_stride,
     temps_ptr, temp_scalar, kl_ptr, stats_ptr, V,
     PER_ROW_TEMP: tl.constexpr, WITH_STATS: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr,
-    VEC: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr,
+    VEC: tl.constexpr, ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     x_row = row_start(x_ptr, row, x_inner, x_outer_stride, x_inner_stride)
     y_row = row_start(y_ptr, row, y_inner, y_outer_stride, y_inner_stride)
+    if ALIGNED:  # both rows' tiles load 128 bits (logprobs.tile_config)
+        x_row = tl.multiple_of(x_row, 16)
+        y_row = tl.multiple_of(y_row, 16)
     inv_t = _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
     k = inv_t * 1.4426950408889634
     neg_inf = float("-inf")
@@ -175,17 +178,17 @@ def _full_kl_fwd_kernel(
     s = tl.zeros([LANES], ACC)
     s_ref = tl.zeros([LANES], ACC)
     t = tl.zeros([LANES], tl.float64)
-    offs = tile_offsets(REPS, LANES, VEC)
+    lane_offs, rep_offs = tile_offsets(REPS, LANES, VEC)
     tile = REPS * LANES * VEC
     whole = V - V % tile
     for start in range(0, whole, tile):
-        x = tl.load(x_row + start + offs)
-        y = tl.load(y_row + start + offs)
+        x = tl.load((x_row + start + lane_offs) + rep_offs)
+        y = tl.load((y_row + start + lane_offs) + rep_offs)
         m, m_ref, s, s_ref, t = _full_kl_tile(x, y, m, m_ref, s, s_ref, t, k, MAX_IN_STORAGE_TYPE)
     if whole < V:
-        in_row = whole + offs < V
-        x = tl.load(x_row + whole + offs, mask=in_row, other=neg_inf)
-        y = tl.load(y_row + whole + offs, mask=in_row, other=neg_inf)
+        offs = whole + lane_offs + rep_offs
+        x = tl.load(x_row + offs, mask=offs < V, other=neg_inf)
+        y = tl.load(y_row + offs, mask=offs < V, other=neg_inf)
         m, m_ref, s, s_ref, t = _full_kl_tile(x, y, m, m_ref, s, s_ref, t, k, MAX_IN_STORAGE_TYPE)
     # The merge: every lane's sums moved to the row maxima, as a tile moves them.
     row_max = tl.max(m, axis=0)
@@ -295,7 +298,7 @@ def full_kl_forward(
     temps, temp_scalar, per_row = _temperature_args(temperature)
     _full_kl_fwd_kernel[(n_rows,)](
         logits, *row_layout(logits), ref_logits, *row_layout(ref_logits), temps, temp_scalar, kl, stats, vocab,
-        PER_ROW_TEMP=per_row, WITH_STATS=with_stats, ACC=acc_tl, **tile_config(logits),
+        PER_ROW_TEMP=per_row, WITH_STATS=with_stats, ACC=acc_tl, **tile_config(logits, ref_logits),
     )  # fmt: skip
     return kl, stats
 

@@ -48,19 +48,31 @@ def _launch_config(vocab: int) -> tuple[int, int]:
     return block, num_warps
 
 
-def tile_config(logits: torch.Tensor) -> dict:
-    """The forward's tile (reduce.tile_offsets) for rows of ``logits``: VEC elements
-    in a 128-bit load, one lane per thread (fewer for a short row), REPS loads per
-    lane; num_warps; and where reduce.lane_max may take the max in the logits' own
-    type (compiled, not interpreted: a CPU tensor runs in Triton's interpreter)."""
-    vocab = logits.shape[-1]
+def tile_config(*rows: torch.Tensor) -> dict:
+    """The forward's tile (reduce.tile_offsets) over the rows of one or more
+    [.., V] tensors read together (same dtype), and its num_warps.
+
+    When every row of every tensor starts on a 16-byte boundary (ALIGNED), a lane
+    holds VEC contiguous elements (one 128-bit load), REPS times a tile. Otherwise
+    (V = 50257 bf16: the rows of a contiguous batch start at every even byte) a
+    lane holds one element, REPS = 16 times a tile, LANES apart: its loads are
+    scalar but coalesced across a warp, and its sums stay inside its thread.
+    Tiles count from each row's first element and the partition is a function of
+    the launch (V, dtype, whether the rows are aligned), never of one row's
+    address, so that a row's result does not depend on its place in the batch.
+    Short rows get fewer lanes. MAX_IN_STORAGE_TYPE: reduce.lane_max may take
+    the max in the logits' own type (compiled, not interpreted: a CPU tensor runs
+    in Triton's interpreter)."""
+    first = rows[0]
+    vocab = first.shape[-1]
     block, num_warps = _launch_config(vocab)
     num_warps = min(num_warps, _FORWARD_MAX_WARPS)
-    vec = 16 // logits.element_size()
+    aligned = all(rows_aligned(t) for t in rows)
+    vec = 16 // first.element_size() if aligned else 1
     lanes = max(1, min(32 * num_warps, block // vec))
     reps = max(1, min(_THREAD_ELEMS // vec, triton.next_power_of_2(vocab) // (lanes * vec)))
-    return {"REPS": reps, "LANES": lanes, "VEC": vec, "MAX_IN_STORAGE_TYPE": logits.device.type != "cpu",
-            "num_warps": num_warps}  # fmt: skip
+    return {"REPS": reps, "LANES": lanes, "VEC": vec, "ALIGNED": aligned,
+            "MAX_IN_STORAGE_TYPE": first.device.type != "cpu", "num_warps": num_warps}  # fmt: skip
 
 
 def _row_offsets_mod_16(t: torch.Tensor) -> tuple[int, int, int]:
@@ -228,7 +240,7 @@ def logprobs_forward(
         logits, *row_layout(logits), labels, temps, temp_scalar, ignore_index,
         logprob, entropy, stats, vocab,
         HAS_LABELS=labels is not None, PER_ROW_TEMP=per_row, WITH_ENTROPY=with_entropy,
-        WITH_STATS=with_stats, ACC=acc_tl, ALIGNED=rows_aligned(logits), **tile_config(logits),
+        WITH_STATS=with_stats, ACC=acc_tl, **tile_config(logits),
     )  # fmt: skip
     return logprob, entropy, stats
 

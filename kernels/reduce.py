@@ -67,7 +67,8 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
     The loop keeps LANES partial statistics, one per thread (``tile_layout``),
     and merges them once after it, so that an iteration has no reduction across
     threads (no barrier, no shuffle): a thread's REPS x VEC elements of a tile
-    are VEC contiguous ones (one 128-bit load) at REPS places LANES * VEC apart.
+    are VEC contiguous ones (one 128-bit load when ALIGNED; VEC = 1 otherwise,
+    logprobs.tile_config) at REPS places LANES * VEC apart.
     The exponent is taken in base 2, d2 = (x - ref) * k with k = inv_t log2(e)
     (the scale folded into one multiply; w is summed in base-2 units and
     scaled by ln 2 at the end). A lane's sums are float32 sums of at most
@@ -79,25 +80,22 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
     n = tl.zeros([LANES], ACC)  # terms at the lane's max: an exact integer count
     t = tl.zeros([LANES], ACC)
     w = tl.zeros([LANES], ACC)
-    offs = tile_offsets(REPS, LANES, VEC)
+    lane_offs, rep_offs = tile_offsets(REPS, LANES, VEC)
     tile = REPS * LANES * VEC
-    # The whole tiles unmasked (no mask or fill per element) from the first element
-    # on a 16-byte boundary (``aligned_body``); then the partial tile, masked (its
-    # loads still 128 bits), and the head before that boundary.
-    if ALIGNED:  # the launcher knows every row starts on a 16-byte boundary
-        head, body_ptr, rest = 0, row_ptr, V
-    else:
-        head, body_ptr, rest = aligned_body(row_ptr, V)
-    whole = rest - rest % tile
-    for start in range(0, whole, tile):
-        x = tl.load(body_ptr + start + offs)
+    # Tiles are counted from the row's first element, never from an address: which
+    # lane sums which elements, and in what order, is a function of the element's
+    # index and the launch alone, so a row's statistics do not depend on where it
+    # sits in the batch (the rows of a contiguous batch of odd V start at a
+    # different place in a 16-byte line at each position).
+    if ALIGNED:  # every row starts on a 16-byte boundary (the launcher checked)
+        row_ptr = tl.multiple_of(row_ptr, 16)
+    whole = V - V % tile
+    for start in range(0, whole, tile):  # the whole tiles, unmasked
+        x = tl.load((row_ptr + start + lane_offs) + rep_offs)
         m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
-    if whole < rest:
-        x = tl.load(body_ptr + whole + offs, mask=whole + offs < rest, other=neg_inf)
-        m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
-    if not ALIGNED and head > 0:  # under VEC elements: one a lane (a few, when the lanes are fewer)
-        first = tile_offsets((VEC + LANES - 1) // LANES, LANES, 1)
-        x = tl.load(row_ptr + first, mask=first < head, other=neg_inf)
+    if whole < V:  # the partial tile, masked
+        offs = whole + lane_offs + rep_offs
+        x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf)
         m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
     return merge_lanes(m, n, t, w, k)
 
@@ -176,7 +174,9 @@ def aligned_body(row_ptr, V):
     come before the first 16-byte boundary, where its ``rest`` = V - head elements
     start (``body_ptr``), so that whole tiles from there load 128 bits at a time
     whatever V and the row's alignment (a GPT-2 row of 50257 bf16 logits starts
-    at any even byte)."""
+    at any even byte). For loops whose every element's result is its own (the
+    log-prob backward): a reduction must count its tiles from the row's first
+    element instead (softmax_stats), or a row's result would depend on its address."""
     es: tl.constexpr = row_ptr.dtype.element_ty.primitive_bitwidth // 8
     head = ((16 - row_ptr.to(tl.int64) % 16) % 16 // es).to(tl.int32)
     head = tl.minimum(head, V)
@@ -185,15 +185,18 @@ def aligned_body(row_ptr, V):
 
 @triton.jit
 def tile_offsets(REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr):
-    """Offsets [REPS, LANES, VEC] of one tile of a row: lane l's elements are the
-    VEC contiguous ones at r * LANES * VEC + l * VEC, r < REPS. With LANES the
-    threads of the program, Triton's layout gives each thread one lane (the
-    VEC elements in one 128-bit load, the REPS in registers), so reductions over
-    axes 2 and 0 stay inside a thread."""
+    """Offsets of one tile of a row, in two parts whose sum is the tile [REPS,
+    LANES, VEC]: lane l's elements are the VEC contiguous ones at r * LANES * VEC
+    + l * VEC, r < REPS. With LANES the threads of the program, Triton's layout
+    gives each thread one lane (VEC elements in one load, the REPS in
+    registers), so reductions over axes 2 and 0 stay inside a thread. Returned
+    as (lane part [1, LANES, VEC], rep part [REPS, 1, 1]): a pointer built as
+    (row + lane part) + rep part takes each rep as a constant offset of its load,
+    with no 64-bit address arithmetic per load."""
     r = tl.arange(0, REPS)[:, None, None]
     lane = tl.arange(0, LANES)[None, :, None]
     v = tl.arange(0, VEC)[None, None, :]
-    return r * (LANES * VEC) + lane * VEC + v
+    return lane * VEC + v, r * (LANES * VEC)
 
 
 @triton.jit

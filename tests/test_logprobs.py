@@ -305,10 +305,10 @@ def test_entropy_and_logprobs_of_extremely_peaked_rows(device, backend, temperat
 @pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
 def test_rows_at_any_alignment(device, backend, dtype, vocab):
     """Rows that start anywhere in a 16-byte line (an odd V; a row offset by one
-    element): the Triton forward and backward load whole tiles from each row's
-    first 16-byte boundary and the few elements before it with the partial tile, or apart when
-    both do not fit one tile (V = 8193, 16387: whole 4096-element tiles and 1 or 3
-    more). Tolerance: DESIGN.md's output bound."""
+    element): the Triton forward reads them one element a lane, the backward
+    loads whole blocks from each row's first 16-byte boundary and the few
+    elements before it apart (V = 8193, 16387: whole 4096-element tiles and 1 or
+    3 more). Tolerance: DESIGN.md's output bound."""
     base = torch.randn(6, vocab + 1, dtype=torch.float64, device=device) * 3
     sliced = base.to(dtype)[:, 1:]  # every row one element past its allocation's alignment
     labels = torch.randint(vocab, (6,), device=device)
@@ -325,6 +325,31 @@ def test_rows_at_any_alignment(device, backend, dtype, vocab):
         assert_close_to_reference(lp, ref_lp, tol, what="logprob")
         assert_close_to_reference(ent, ref_ent, tol, what="entropy")
         assert_close_to_reference(leaf.grad, truth.grad, *_grad_bound(truth.grad, dtype), what="grad")
+
+
+@pytest.mark.parametrize("vocab,distinct", [(131, 15), (4099, 3)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_row_result_does_not_depend_on_its_address(device, backend, dtype, vocab, distinct):
+    """Batch invariance where it is hardest: with an odd V the rows of a
+    contiguous batch start at every place in a 16-byte line (8 for bf16, 2 for
+    float64). Eight copies of a few distinct rows, each copy at another place,
+    give bitwise the same log-prob, entropy and full KL: the forwards count
+    their tiles from a row's first element, never from an address. V = 131: the
+    partial tile only; 4099: a whole tile of 4096 and a partial one. A float32
+    output hides a different order of float32 sums in all but a few rows in a
+    hundred, a float64 one in few: hence float64, and 15 rows."""
+    logits = torch.randn(distinct, vocab, dtype=torch.float64, device=device).mul(3).to(dtype)
+    ref_logits = torch.randn(distinct, vocab, dtype=torch.float64, device=device).mul(3).to(dtype)
+    labels = torch.randint(vocab, (distinct,), device=device)
+    copies = 8  # copy c of row d is row c * distinct + d: with distinct odd, at 8 places in a line
+    with fastrl.use_backend(backend):
+        lp, ent = fastrl.logprobs_and_entropy(logits.repeat(copies, 1), labels.repeat(copies))
+        kl = fastrl.full_kl(logits.repeat(copies, 1), ref_logits.repeat(copies, 1))
+    for name, out in (("logprob", lp), ("entropy", ent), ("full_kl", kl)):
+        out = out.view(copies, distinct)
+        differ = (out != out[0]).any(dim=1).nonzero().flatten().tolist()
+        assert not differ, f"{name}: copies {differ} of the rows differ from the first"
 
 
 @pytest.mark.parametrize("layout", ["transposed", "sliced-vocab", "strided-rows"])
@@ -376,6 +401,8 @@ def test_sliced_logits_are_read_in_place(device, backend, layout):
     forward allocates nothing near the size of the logits (per-row outputs
     only), and with inplace_backward the gradient that reaches the slice lives
     in the logits' own storage. Values as the float64 reference."""
+    from fastrl.kernels.logprobs import rows_aligned
+
     full = make_logits((2, 7), 512, torch.bfloat16, std=2.0, device=device, masked=False)
     leaf = full.detach().clone().requires_grad_(True)
     full = leaf * 1  # a model's output
@@ -395,10 +422,22 @@ def test_sliced_logits_are_read_in_place(device, backend, layout):
             for name, call in calls.items():
                 peak, out = _largest_allocation(lambda: call(logits))
                 assert peak < budget, f"{name} allocated {peak} bytes on {layout} logits"
-                # The same rows in the same order: bitwise the results of a contiguous copy.
-                copy_out = call(logits.contiguous())
-                pairs = zip(out, copy_out) if isinstance(out, tuple) else [(out, copy_out)]
-                assert all(torch.equal(a, b) for a, b in pairs), f"{name} differs from a contiguous copy"
+                # The same rows in the same order: bitwise the results of a contiguous
+                # copy, unless the two launches tile the rows differently: a forward
+                # reduction reads rows that all start on a 16-byte boundary 128 bits a
+                # lane, others one element a lane (kernels.logprobs.tile_config), and
+                # the vocab slice's rows are aligned where its copy's (V = 507) are not.
+                # Then the two float32 sums differ in order only: each is within
+                # DESIGN.md's output bound of the float64 sum, so they are within twice it.
+                copy = logits.contiguous()
+                copy_out = call(copy)
+                pairs = list(zip(out, copy_out)) if isinstance(out, tuple) else [(out, copy_out)]
+                tiled_alike = rows_aligned(logits) == rows_aligned(copy) or name in ("sample", "truncated_logprobs")
+                for a, b in pairs:
+                    if tiled_alike:
+                        assert torch.equal(a, b), f"{name} differs from a contiguous copy"
+                    else:
+                        assert_close_to_reference(a, b, 2 * output_tolerance(logits.shape[-1]), what=name)
         captured = {}
         logits.register_hook(lambda g: captured.setdefault("grad", g))
         lp, ent = fastrl.logprobs_and_entropy(logits, labels, inplace_backward=True)
