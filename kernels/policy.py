@@ -10,8 +10,8 @@ contributes passes tl.where on its mask bit).
 The split. A row is cut into chunks of CHUNK_L = min(next_pow2(L), 1024)
 tokens, a function of L alone (never of B), and the forward kernels write each
 chunk's partial sums: stats [B, C * 8], C = ceil(L / CHUNK_L). At token level
-(and in the backward, at both levels) one program of 2 warps per (row, chunk),
-grid (B, C): 512 programs at the canonical [64, 8192]. A program walks its chunk
+(and in the backward, and at sequence level) one program of 2 warps per (row,
+chunk), grid (B, C): 512 programs at the canonical [64, 8192]. A program walks its chunk
 in blocks of BLOCK_L = 256 tokens (4 a thread: 128-bit loads), each lane adding
 its tokens' terms, then reduces once (no block reduction, no barrier, per
 block). The sums are fp32 (fp64 for fp64 inputs, and for the rollout
@@ -24,11 +24,12 @@ term passes at most d additions, d = CHUNK_L / BLOCK_L (its lane, <= 4) + 4
 16 u sum |x|, u = 2^-24 (tests/test_policy.py holds the kernels to it).
 
 Sequence level (GSPO's ratio, the rollout correction's sequence weight) needs
-the row's sum of u = logp - old before any token's value: one program per row
-(8 warps, whole-chunk blocks) makes a first pass for it, in float64 (exp()
-turns its absolute error into a relative error of every weight, and an fp32
-sum's grows with L), then writes its chunks as above. Splitting that pass too
-needs a first launch of per-chunk sums before the per-token one.
+the row's sum of u = logp - old before any token's value, so a first launch on
+the same (B, C) grid writes each chunk's float64 sum of u and count of valid
+tokens (diff_sums [B, C, 2]); every program of the second launch adds its row's
+C entries in chunk order (the same order in every program of the row, so they
+agree bitwise) before its own chunk. Float64: exp() turns the sum's absolute
+error into a relative error of every weight, and an fp32 sum's grows with L.
 
 Forward, per token of row b (fastrl.reference.policy_loss is the spec):
     u = logp - old
@@ -120,16 +121,37 @@ def _load(ptr, base, offs, in_row):
 
 
 @triton.jit
-def _row_diff_sum(a_ptr, b_ptr, mask_ptr, base, L, BLOCK_L: tl.constexpr):
-    """(sum, count) over the row's valid tokens of a - b, in float64 (each block's
-    sum in float64 too, added in order)."""
-    total = tl.zeros([], tl.float64)
-    count = tl.zeros([], tl.float64)
-    for start in range(0, L, BLOCK_L):
-        offs, in_row, valid = _chunk_tokens(mask_ptr, base, start, L, BLOCK_L)
+def _diff_sum_kernel(a_ptr, b_ptr, mask_ptr, diff_sums_ptr, L, n_chunks, CHUNK_L: tl.constexpr,
+                     BLOCK_L: tl.constexpr):  # fmt: skip
+    """Program (row, chunk): the chunk's sum over its valid tokens of a - b (the
+    difference in the inputs' type, as the reference takes it; the sum in float64,
+    each lane's tokens in order, one reduction at the end) and its count, to
+    diff_sums[row, chunk, 0:2]."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    base = row * L
+    total = tl.zeros([BLOCK_L], tl.float64)
+    count = tl.zeros([BLOCK_L], tl.float64)
+    for start in range(0, CHUNK_L, BLOCK_L):
+        offs, in_row, valid = _chunk_tokens(mask_ptr, base, chunk * CHUNK_L + start, L, BLOCK_L)
         diff = (_load(a_ptr, base, offs, in_row) - _load(b_ptr, base, offs, in_row)).to(tl.float64)
-        total += tl.sum(tl.where(valid, diff, 0.0), axis=0)
-        count += tl.sum(valid.to(tl.float64), axis=0)
+        total += tl.where(valid, diff, 0.0)
+        count += valid.to(tl.float64)
+    out = diff_sums_ptr + (row * n_chunks + chunk) * 2
+    tl.store(out, tl.sum(total, axis=0))
+    tl.store(out + 1, tl.sum(count, axis=0))
+
+
+@triton.jit
+def _row_diff_sum(diff_sums_ptr, row, n_chunks, C_BLOCK: tl.constexpr):
+    """(sum, count) of the row from its chunks' entries of _diff_sum_kernel: one
+    load of all C <= C_BLOCK entries, summed by tl.sum's fixed tree (float64), so
+    every program of the row gets the same bits."""
+    chunks = tl.arange(0, C_BLOCK)
+    entries = diff_sums_ptr + (row * n_chunks + chunks) * 2
+    in_row = chunks < n_chunks
+    total = tl.sum(tl.load(entries, mask=in_row, other=0.0), axis=0)
+    count = tl.sum(tl.load(entries + 1, mask=in_row, other=0.0), axis=0)
     return total, count
 
 
@@ -232,30 +254,24 @@ def _policy_chunk(
 
 @triton.jit
 def _policy_fwd_kernel(
-    logp_ptr, old_ptr, adv_ptr, mask_ptr, w_ptr, ref_ptr, values_ptr, stats_ptr, L, n_chunks,
+    logp_ptr, old_ptr, adv_ptr, mask_ptr, w_ptr, ref_ptr, values_ptr, diff_sums_ptr, stats_ptr, L, n_chunks,
     clip_low, clip_high, clip_c,
     ESTIMATOR: tl.constexpr, WITH_PG: tl.constexpr, HAS_W: tl.constexpr, HAS_VALUES: tl.constexpr,
     DUAL_CLIP: tl.constexpr, SEQUENCE: tl.constexpr, CHUNK_L: tl.constexpr, BLOCK_L: tl.constexpr,
-    ACC: tl.constexpr,
+    C_BLOCK: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """Token level: program (row, chunk) writes its chunk. Sequence level: program
-    (row, 0) takes the row's mean of u, then writes each of its chunks."""
+    """Program (row, chunk) writes its chunk; at sequence level, from the row's
+    mean of u (diff_sums: _diff_sum_kernel's launch before this one)."""
     row = tl.program_id(0).to(tl.int64)
+    mean_u = tl.zeros([], ACC)
     if WITH_PG and SEQUENCE:
-        sum_u, count = _row_diff_sum(logp_ptr, old_ptr, mask_ptr, row * L, L, BLOCK_L)
+        sum_u, count = _row_diff_sum(diff_sums_ptr, row, n_chunks, C_BLOCK)
         mean_u = tl.where(count > 0, sum_u / tl.maximum(count, 1.0), 0.0).to(ACC)
-        for chunk in range(0, n_chunks):
-            _policy_chunk(
-                logp_ptr, old_ptr, adv_ptr, mask_ptr, w_ptr, ref_ptr, values_ptr, stats_ptr, row, chunk, n_chunks, L,
-                mean_u, clip_low, clip_high, clip_c, ESTIMATOR, WITH_PG, HAS_W, HAS_VALUES, DUAL_CLIP, SEQUENCE,
-                CHUNK_L, BLOCK_L, ACC,
-            )  # fmt: skip
-    else:
-        _policy_chunk(
-            logp_ptr, old_ptr, adv_ptr, mask_ptr, w_ptr, ref_ptr, values_ptr, stats_ptr, row, tl.program_id(1),
-            n_chunks, L, tl.zeros([], ACC), clip_low, clip_high, clip_c, ESTIMATOR, WITH_PG, HAS_W, HAS_VALUES,
-            DUAL_CLIP, SEQUENCE, CHUNK_L, BLOCK_L, ACC,
-        )  # fmt: skip
+    _policy_chunk(
+        logp_ptr, old_ptr, adv_ptr, mask_ptr, w_ptr, ref_ptr, values_ptr, stats_ptr, row, tl.program_id(1),
+        n_chunks, L, mean_u, clip_low, clip_high, clip_c, ESTIMATOR, WITH_PG, HAS_W, HAS_VALUES,
+        DUAL_CLIP, SEQUENCE, CHUNK_L, BLOCK_L, ACC,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -372,25 +388,22 @@ def _correction_chunk(
 
 @triton.jit
 def _rollout_correction_kernel(
-    old_ptr, rollout_ptr, mask_ptr, weights_ptr, stats_ptr, L, n_chunks, clip_min, clip_max, low_threshold,
-    SEQUENCE: tl.constexpr, TRUNCATE: tl.constexpr, CHUNK_L: tl.constexpr, BLOCK_L: tl.constexpr, ACC: tl.constexpr,
+    old_ptr, rollout_ptr, mask_ptr, weights_ptr, diff_sums_ptr, stats_ptr, L, n_chunks, clip_min, clip_max,
+    low_threshold,
+    SEQUENCE: tl.constexpr, TRUNCATE: tl.constexpr, CHUNK_L: tl.constexpr, BLOCK_L: tl.constexpr,
+    C_BLOCK: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """Token level: program (row, chunk) does its chunk. Sequence level: program
-    (row, 0) takes the row's log-weight S, then does each of its chunks."""
+    """Program (row, chunk) does its chunk; at sequence level, from the row's
+    log-weight S (diff_sums: _diff_sum_kernel's launch before this one)."""
     row = tl.program_id(0).to(tl.int64)
+    sum_u = tl.zeros([], tl.float64)
+    count = tl.zeros([], tl.float64)
     if SEQUENCE:
-        sum_u, count = _row_diff_sum(old_ptr, rollout_ptr, mask_ptr, row * L, L, BLOCK_L)
-        for chunk in range(0, n_chunks):
-            _correction_chunk(
-                old_ptr, rollout_ptr, mask_ptr, weights_ptr, stats_ptr, row, chunk, n_chunks, L, sum_u.to(ACC), count,
-                clip_min, clip_max, low_threshold, SEQUENCE, TRUNCATE, CHUNK_L, BLOCK_L, ACC,
-            )  # fmt: skip
-    else:
-        _correction_chunk(
-            old_ptr, rollout_ptr, mask_ptr, weights_ptr, stats_ptr, row, tl.program_id(1), n_chunks, L,
-            tl.zeros([], ACC), tl.zeros([], tl.float64), clip_min, clip_max, low_threshold, SEQUENCE, TRUNCATE,
-            CHUNK_L, BLOCK_L, ACC,
-        )  # fmt: skip
+        sum_u, count = _row_diff_sum(diff_sums_ptr, row, n_chunks, C_BLOCK)
+    _correction_chunk(
+        old_ptr, rollout_ptr, mask_ptr, weights_ptr, stats_ptr, row, tl.program_id(1), n_chunks, L, sum_u.to(ACC),
+        count, clip_min, clip_max, low_threshold, SEQUENCE, TRUNCATE, CHUNK_L, BLOCK_L, ACC,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -600,14 +613,20 @@ def rollout_finalize(stats: torch.Tensor, *, sequence: bool) -> torch.Tensor:
     return metrics
 
 
-def _launch(n_rows: int, length: int, per_row: bool) -> tuple[dict, tuple[int, int]]:
-    """(the sizes' meta-parameters, grid) of a [B, L] kernel: programs (row, chunk)
-    of 2 warps, or one program per row (``per_row``: a sequence-level first pass)
-    that does its chunks a whole chunk at a time, with 8 warps."""
+def _launch(n_rows: int, length: int) -> tuple[dict, tuple[int, int]]:
+    """(the sizes' meta-parameters, grid) of a [B, L] kernel: programs (row, chunk) of 2 warps."""
     chunk = _chunk(length)
-    block = chunk if per_row else min(chunk, _BLOCK)
+    block = min(chunk, _BLOCK)
     meta = {"CHUNK_L": chunk, "BLOCK_L": block, "num_warps": max(1, block // _TOKENS_PER_WARP)}
-    return meta, (n_rows, 1 if per_row else _n_chunks(length))
+    return meta, (n_rows, _n_chunks(length))
+
+
+def _row_diff_sums(a, b, mask, sizes: dict, grid: tuple) -> torch.Tensor:
+    """[B, C, 2] float64: each chunk's sum of a - b over its valid tokens and their
+    count (_diff_sum_kernel), the first launch of a sequence-level forward."""
+    diff_sums = torch.empty(*grid, 2, dtype=torch.float64, device=a.device)
+    _diff_sum_kernel[grid](a, b, mask, diff_sums, a.shape[1], grid[1], **sizes)
+    return diff_sums
 
 
 def policy_forward(
@@ -619,13 +638,15 @@ def policy_forward(
     n_rows, length = log_probs.shape
     _, acc_tl = _acc_dtypes(log_probs)
     stats = torch.empty(stats_shape(n_rows, length), dtype=torch.float64, device=log_probs.device)
-    sizes, grid = _launch(n_rows, length, sequence and with_pg)
+    sizes, grid = _launch(n_rows, length)
     if stats.numel():
+        diff_sums = _row_diff_sums(log_probs, old_log_probs, mask, sizes, grid) if sequence and with_pg else None
         _policy_fwd_kernel[grid](
-            log_probs, old_log_probs, advantages, mask, weights, ref_log_probs, values, stats, length,
+            log_probs, old_log_probs, advantages, mask, weights, ref_log_probs, values, diff_sums, stats, length,
             stats.shape[1] // N_STATS, clip_low, clip_high, 0.0 if clip_c is None else clip_c,
             ESTIMATOR=estimator, WITH_PG=with_pg, HAS_W=weights is not None, HAS_VALUES=values is not None,
-            DUAL_CLIP=clip_c is not None, SEQUENCE=sequence, ACC=acc_tl, **sizes,
+            DUAL_CLIP=clip_c is not None, SEQUENCE=sequence, C_BLOCK=triton.next_power_of_2(grid[1]), ACC=acc_tl,
+            **sizes,
         )  # fmt: skip
     return stats
 
@@ -641,7 +662,7 @@ def policy_backward(
     the loss's incoming gradient ``grad_loss`` (0-d)."""
     n_rows, length = log_probs.shape
     _, acc_tl = _acc_dtypes(log_probs)
-    sizes, grid = _launch(n_rows, length, False)
+    sizes, grid = _launch(n_rows, length)
     if log_probs.numel():
         _policy_bwd_kernel[grid](
             log_probs, old_log_probs, advantages, mask, weights, ref_log_probs, stats, row_weights, grad_loss,
@@ -662,10 +683,12 @@ def rollout_correction_forward(
     _, acc_tl = _acc_dtypes(old_log_probs)
     weights = torch.empty(n_rows, length, dtype=torch.float32, device=old_log_probs.device)
     stats = torch.empty(stats_shape(n_rows, length), dtype=torch.float64, device=old_log_probs.device)
-    sizes, grid = _launch(n_rows, length, sequence)
+    sizes, grid = _launch(n_rows, length)
     if stats.numel():
+        diff_sums = _row_diff_sums(old_log_probs, rollout_log_probs, mask, sizes, grid) if sequence else None
         _rollout_correction_kernel[grid](
-            old_log_probs, rollout_log_probs, mask, weights, stats, length, stats.shape[1] // N_STATS, clip_min,
-            clip_max, low_threshold, SEQUENCE=sequence, TRUNCATE=truncate, ACC=acc_tl, **sizes,
+            old_log_probs, rollout_log_probs, mask, weights, diff_sums, stats, length, stats.shape[1] // N_STATS,
+            clip_min, clip_max, low_threshold, SEQUENCE=sequence, TRUNCATE=truncate,
+            C_BLOCK=triton.next_power_of_2(grid[1]), ACC=acc_tl, **sizes,
         )  # fmt: skip
     return weights, stats

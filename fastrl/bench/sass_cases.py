@@ -223,8 +223,8 @@ def _policy_cases() -> list[Case]:
     return [
         Case("policy_loss fwd+bwd", (b, length), F32, ("policy fwd", "policy finalize", "policy bwd"),
              _policy(b, length, False)),
-        Case("policy_loss GSPO fwd+bwd", (b, length), F32, ("policy fwd", "policy finalize", "policy bwd"),
-             _policy(b, length, True)),
+        Case("policy_loss GSPO fwd+bwd", (b, length), F32,
+             ("policy u sums", "policy fwd", "policy finalize", "policy bwd"), _policy(b, length, True)),
         Case("rollout_correction fwd", (b, length), F32, ("rollout_correction fwd", "rollout finalize"),
              _rollout(b, length)),
         Case("kl_penalty k3 fwd+bwd", (b * length,), F32, ("kl_penalty fwd", "kl_penalty bwd"),

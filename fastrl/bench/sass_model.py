@@ -80,6 +80,7 @@ class KernelAnalysis:
     loops: list[LoopInfo]
     straight: dict  # summary of the code outside loops (entry to exit)
     straight_bytes: int  # bytes one CTA moves outside its loops (less the edge tiles below)
+    straight_float_load_bits: list[int]  # as LoopInfo's, of the code outside loops
     loads: list[str]  # kernel arguments read
     stores: list[str]  # kernel arguments written
     stack: int = 0  # bytes of call stack (registers saved around a CALL, e.g. an fp64 division's slow path)
@@ -144,6 +145,16 @@ def analyse_triton(compiled: dict, arch: int, param_names: list[str]) -> KernelA
         if op.source is not None and op.kind == "load":
             load_types.setdefault(op.source, set()).add(op.elem)
 
+    def float_load_bits(instrs: list[sp.Instr]) -> list[int]:
+        """Widths of the loads of floating-point data (or of unknown type) among ``instrs``."""
+        bits = []
+        for ins in instrs:
+            if ins.base == "LDG":
+                types = load_types.get(ins.source, {"?"})
+                if types & FLOAT_TYPES or "?" in types:
+                    bits.append(sp.access_bits(ins))
+        return bits
+
     sass_loops = cfg.all_loops()
     notes = []
     pairs = _match_loops(sass_loops, cfg, ir.loops)
@@ -154,12 +165,7 @@ def analyse_triton(compiled: dict, arch: int, param_names: list[str]) -> KernelA
         hot, longest = _loop_summary(cfg, sloop)
         latch = cfg.blocks[max(sloop.latches)].instrs[-1]
         source = iloop.source if iloop is not None else latch.source
-        float_bits = []
-        for ins in hot:
-            if ins.base == "LDG":
-                types = load_types.get(ins.source, {"?"})
-                if types & FLOAT_TYPES or "?" in types:
-                    float_bits.append(sp.access_bits(ins))
+        float_bits = float_load_bits(hot)
         index = ir.loops.index(iloop) if iloop is not None else None
         load_args = sorted({op.arg for op in ir.memops if op.kind == "load" and op.loop == index and op.arg})
         loops.append(LoopInfo(
@@ -174,14 +180,26 @@ def analyse_triton(compiled: dict, arch: int, param_names: list[str]) -> KernelA
     tiled = [i for i, lp in enumerate(ir.loops) if lp.whole_tiles]
     tiled_args = {op.arg for op in ir.memops if op.loop in tiled and op.arg}
     edge = [op for op in ir.memops if op.loop is None and op.tensor and op.arg in tiled_args]
-    straight_bytes = sum(op.elements * ELEMENT_BYTES.get(op.elem, 4) for op in ir.memops
-                         if op.loop is None and op not in edge)  # fmt: skip
+    # A TTGIR loop of constant bounds with no SASS loop was unrolled by the
+    # backend: its loads and stores are straight-line code, each made trips times.
+    matched = {id(il) for _, il in pairs if il is not None}
+    unrolled = {}
+    for index, il in enumerate(ir.loops):
+        bounds = [const(il.lower), const(il.upper), const(il.step)]
+        if id(il) not in matched and None not in bounds and bounds[2] > 0:
+            unrolled[index] = max(0, -(-(bounds[1] - bounds[0]) // bounds[2]))
+    if unrolled:
+        notes.append(f"TTGIR loops unrolled in SASS (index: trips): {unrolled}")
+    straight_bytes = sum(op.elements * ELEMENT_BYTES.get(op.elem, 4) * (1 if op.loop is None else unrolled[op.loop])
+                         for op in ir.memops
+                         if (op.loop is None or op.loop in unrolled) and op not in edge)  # fmt: skip
     edge_bytes = {op.arg: ELEMENT_BYTES.get(op.elem, 4) for op in edge}
     return KernelAnalysis(
         name=compiled["name"], arch=arch, regs=usage.get("REG", 0),
         shared=max(compiled.get("shared", 0), usage.get("SHARED", 0)), local=usage.get("LOCAL", 0),
         spill_instrs=sum(lp.hot["local"] for lp in loops), num_warps=compiled["num_warps"], stack=usage.get("STACK", 0),
-        loops=loops, straight=sp.summarise(straight), straight_bytes=straight_bytes, edge_bytes_per_element=edge_bytes,
+        loops=loops, straight=sp.summarise(straight), straight_bytes=straight_bytes,
+        straight_float_load_bits=float_load_bits(straight), edge_bytes_per_element=edge_bytes,
         loads=sorted({op.arg for op in ir.memops if op.kind == "load" and op.arg}),
         stores=sorted({op.arg for op in ir.memops if op.kind == "store" and op.arg}), notes=notes,
     )  # fmt: skip
