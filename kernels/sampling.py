@@ -52,16 +52,17 @@ def _acc(logits: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
 
 @triton.jit
 def _order_key(x):
-    """Unsigned integer keys ordered as the logits (uint64; 32 significant bits
-    for fp32, 64 for fp64); -0.0 and +0.0 share a key. Bits are flipped by XOR
-    with all ones rather than ``~``: triton 3.6's interpreter builds ``~`` of an
-    unsigned tensor from a -1 that numpy 2 refuses to cast to it."""
+    """Unsigned integer keys ordered as the logits: uint32 for fp32 (and the 16-bit
+    types, widened to it), uint64 for fp64, so that every compare of a key is one
+    instruction of the element's width; -0.0 and +0.0 share a key. Bits are
+    flipped by XOR with all ones rather than ``~``: triton 3.6's interpreter builds
+    ``~`` of an unsigned tensor from a -1 that numpy 2 refuses to cast to it."""
     if x.dtype == tl.float64:
         b = (x + 0.0).to(tl.uint64, bitcast=True)
         return tl.where((b >> 63) == 1, b ^ 0xFFFFFFFFFFFFFFFF, b | 0x8000000000000000)
     else:
         b = (x + 0.0).to(tl.uint32, bitcast=True)
-        return tl.where((b >> 31) == 1, b ^ 0xFFFFFFFF, b | 0x80000000).to(tl.uint64)
+        return tl.where((b >> 31) == 1, b ^ 0xFFFFFFFF, b | 0x80000000)
 
 
 @triton.jit
@@ -70,8 +71,7 @@ def _key_to_value(key, ACC: tl.constexpr):
     if ACC == tl.float64:
         return tl.where((key >> 63) == 1, key & 0x7FFFFFFFFFFFFFFF, key ^ 0xFFFFFFFFFFFFFFFF).to(tl.float64, bitcast=True)
     else:
-        k = key.to(tl.uint32)
-        return tl.where((k >> 31) == 1, k & 0x7FFFFFFF, k ^ 0xFFFFFFFF).to(tl.float32, bitcast=True)
+        return tl.where((key >> 31) == 1, key & 0x7FFFFFFF, key ^ 0xFFFFFFFF).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -82,8 +82,9 @@ def _largest_key_reaching(row_ptr, V, m, inv_t, floor_key, target, WEIGHTED: tl.
     F is non-increasing, so a descent digit by digit (16 pivots per pass, most
     significant first) keeps the largest pivot that still reaches the target."""
     KEY_BITS: tl.constexpr = 64 if ACC == tl.float64 else 32
-    digits = tl.arange(0, 16).to(tl.uint64)
-    prefix = tl.zeros([], tl.uint64)
+    KEY: tl.constexpr = tl.uint64 if ACC == tl.float64 else tl.uint32  # _order_key's type
+    digits = tl.arange(0, 16).to(KEY)
+    prefix = tl.zeros([], KEY)
     for level in tl.static_range(KEY_BITS // 4):
         shift = KEY_BITS - 4 * (level + 1)  # a constexpr: level is one in static_range
         pivots = prefix + (digits << shift)
@@ -304,6 +305,9 @@ def _truncated_bwd_kernel(
     # kept set); NaN rows stay NaN.
     scale = tl.where(label_kept, g * inv_t, 0.0)
     scale = tl.where((m != m) | (log_s_kept != log_s_kept) | (~valid), float("nan"), scale)
+    # The label as a 32-bit index like the offsets (-1 when outside the row, where
+    # the scale is 0 anyway): one compare per element, not a 64-bit pair.
+    label_in_row = tl.where(in_range, label, -1).to(tl.int32)
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < V
@@ -311,7 +315,7 @@ def _truncated_bwd_kernel(
         d = (x - m) * inv_t
         kept = (_order_key(x) >= threshold) & (d >= log_min_p)
         q = tl.where(kept, tl.exp(d - log_s_kept), 0.0)
-        grad = scale * (tl.where(offs == label, 1.0, 0.0) - q)
+        grad = scale * (tl.where(offs == label_in_row, 1.0, 0.0) - q)
         grad = tl.where(scale == 0, 0.0, grad)
         tl.store(grad_row_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 

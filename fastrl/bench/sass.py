@@ -198,9 +198,6 @@ _P2_ENTROPY = ("issue 13 part 2: the entropy's sum (clamp, multiply, add per ele
                "forward at ~12.8 SASS per element, issue / memory 0.696 at V = 151936 and 0.701 at V = 128256, on the "
                "0.70 line (93-94% of copy bandwidth predicted): a cheaper w sum or bf16 unpacking")  # fmt: skip
 _ISSUE_14 = "issue 14: the sampler in three passes (histogram selection, candidates only, split rows at small batch)"
-_ISSUE_14_KEYS = (
-    "issue 14: 32-bit keys for 16- and 32-bit logits (the truncated backward compares uint64 keys per element)"
-)
 # (fragment of the case id, role, gate) -> the change that fixes it.
 KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
     # log-probs, entropy: the row streams
@@ -214,7 +211,6 @@ KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
     ("[64x", "sample", "grid"): _ISSUE_14,
     ("", "truncated_logprobs fwd", "128-bit loads"): _ISSUE_14,
     ("", "truncated_logprobs fwd", "passes"): _ISSUE_14,
-    ("", "truncated_logprobs bwd", "issue/memory"): _ISSUE_14_KEYS,
 }
 
 # ---------------------------------------------------------------------------
