@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 import subprocess
+import sys
 import time
 import types
 from pathlib import Path
@@ -151,3 +152,40 @@ def test_speed_gate_margin_follows_the_native_isa(monkeypatch, isa, device, expe
     monkeypatch.setattr(_backend, "native_module", lambda: native)
     args = argparse.Namespace(check_speed=1.0, check_speed_avx2=0.25)
     assert bench_main._speed_margin(args, torch.device(device)) == expected
+
+
+@pytest.mark.parametrize(
+    ("has", "filters", "called"),
+    [
+        # FlashInfer releases without top_k_sampling_from_logits: the fused logits
+        # entry point with the other filter off, else the one from probabilities.
+        (("top_k_top_p_sampling_from_logits", "top_p_sampling_from_probs"), {"top_k": 50},
+         ("top_k_top_p_sampling_from_logits", 50, 1.0)),
+        (("top_k_top_p_sampling_from_logits", "top_p_sampling_from_probs"), {"top_p": 0.9},
+         ("top_k_top_p_sampling_from_logits", 8, 0.9)),
+        (("top_k_sampling_from_probs",), {"top_k": 50}, ("top_k_sampling_from_probs", 50)),
+        (("top_k_sampling_from_logits", "top_k_sampling_from_probs"), {"top_k": 50},
+         ("top_k_sampling_from_logits", 50)),
+    ],
+)  # fmt: skip
+def test_the_flashinfer_peer_uses_the_entry_point_the_install_has(monkeypatch, has, filters, called):
+    from fastrl.bench import sampling
+
+    calls = []
+    module = types.ModuleType("flashinfer.sampling")
+    for name in has:
+        setattr(module, name, lambda *args, name=name: calls.append((name, *args[1:])))
+    monkeypatch.setitem(sys.modules, "flashinfer.sampling", module)
+    run, why = sampling._flashinfer(filters, torch.device("cuda"))
+    assert why is None
+    run(torch.zeros(2, 8))
+    assert calls == [called]
+
+
+def test_the_flashinfer_peer_says_why_it_is_absent(monkeypatch):
+    from fastrl.bench import sampling
+
+    monkeypatch.setitem(sys.modules, "flashinfer.sampling", types.ModuleType("flashinfer.sampling"))
+    run, why = sampling._flashinfer({"top_k": 50}, torch.device("cuda"))
+    assert run is None and "top_k_top_p_sampling_from_logits" in why
+    assert sampling._flashinfer({"top_k": 50}, torch.device("cpu")) == (None, "GPU only")

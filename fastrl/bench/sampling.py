@@ -51,22 +51,37 @@ def _torch_path(filters: dict):
     return run
 
 
+# FlashInfer's entry points for each filter, best first: from logits (as fastrl
+# takes them), then from probabilities (the softmax timed with it). Releases
+# differ in which they have: 0.2-0.6 have no top_k_sampling_from_logits.
+_FLASHINFER_ENTRY_POINTS = {
+    "top_k": ("top_k_sampling_from_logits", "top_k_top_p_sampling_from_logits", "top_k_sampling_from_probs"),
+    "top_p": ("top_p_sampling_from_logits", "top_k_top_p_sampling_from_logits", "top_p_sampling_from_probs"),
+}
+
+
 def _flashinfer(filters: dict, device: torch.device):
+    """(run, None) with the first of FlashInfer's entry points this install has for
+    the filter, or (None, why not)."""
     if device.type != "cuda":
         return None, "GPU only"
     try:
         sampling = importlib.import_module("flashinfer.sampling")
     except Exception as exc:  # noqa: BLE001 - any import failure means the peer is absent here
         return None, f"not installed (flashinfer: {type(exc).__name__})"
-    if "top_k" in filters:
-        fn = getattr(sampling, "top_k_sampling_from_logits", None)
-        if fn is None:
-            return None, "flashinfer has no top_k_sampling_from_logits"
-        return (lambda x: fn(x / TEMPERATURE, filters["top_k"])), None
-    fn = getattr(sampling, "top_p_sampling_from_probs", None)
-    if fn is None:
-        return None, "flashinfer has no top_p_sampling_from_probs"
-    return (lambda x: fn(torch.softmax(x.float() / TEMPERATURE, dim=-1), filters["top_p"])), None
+    kind = "top_k" if "top_k" in filters else "top_p"
+    names = _FLASHINFER_ENTRY_POINTS[kind]
+    name = next((n for n in names if hasattr(sampling, n)), None)
+    if name is None:
+        return None, f"flashinfer.sampling has none of {', '.join(names)}"
+    fn, value = getattr(sampling, name), filters[kind]
+    if name == "top_k_top_p_sampling_from_logits":  # the other filter off: top-p 1, top-k V
+        if kind == "top_k":
+            return (lambda x: fn(x / TEMPERATURE, value, 1.0)), None
+        return (lambda x: fn(x / TEMPERATURE, x.shape[-1], value)), None
+    if name.endswith("_from_logits"):
+        return (lambda x: fn(x / TEMPERATURE, value)), None
+    return (lambda x: fn(torch.softmax(x.float() / TEMPERATURE, dim=-1), value)), None
 
 
 def _make_inputs(batch: int, vocab: int, dtype: torch.dtype):
