@@ -110,11 +110,12 @@ def accumulate_tile(x, m, n, t, w, k, WITH_W: tl.constexpr, MAX_IN_STORAGE_TYPE:
     m_new = tl.maximum(m, tile_max)
     # The reference point: m', or 0 while the lane is all -inf so far (no -inf - -inf).
     ref = tl.where(m_new == neg_inf, 0.0, m_new).to(ACC)
-    # The old terms' shift in base-2 units and their scale: 0 and 0 while m is -inf
-    # (nothing to rescale), 0 and 1 when the max did not rise, -inf and 0 when it
-    # rose beyond the float range.
-    c2 = tl.where(m == neg_inf, 0.0, (m - ref) * k).to(ACC)
-    a = tl.where(m == neg_inf, 0.0, tl.exp2(c2)).to(ACC)
+    # The old terms' shift in base-2 units and their scale: 0 and 1 when the max
+    # did not rise, -inf and 0 while m is -inf (nothing to rescale: n = t = w = 0)
+    # or when it rose beyond the float range; w's update below takes a = 0 to 0,
+    # never to c2 * 0 = NaN.
+    c2 = ((m - ref) * k).to(ACC)
+    a = tl.exp2(c2).to(ACC)
     at_max = x == ref.to(x.dtype)[None, :, None]
     ref3 = ref[None, :, None]
     x = x.to(ACC)

@@ -68,7 +68,7 @@ writes is labelled *predicted*.
 
 The CI gate (tests/test_triton_compile.py) holds every kernel to ``BUDGETS``;
 ``KNOWN_FAILURES`` lists what today's kernels miss, each with the change that
-fixes it (issue 13 part 2, issue 14).
+fixes it (issue 14: the sampler).
 """
 
 from __future__ import annotations
@@ -194,14 +194,9 @@ OP_BUDGETS: dict[str, float] = {
 # What today's kernels miss: (case id or op prefix, role or "*", gate) -> the
 # change that fixes it. The test marks these xfail(strict=True): once the kernel
 # is fixed the test passes, fails as XPASS, and the entry is removed.
-_P2_ENTROPY = ("issue 13 part 2: the entropy's sum (clamp, multiply, add per element) leaves the bf16 lane-tile "
-               "forward at ~12.8 SASS per element, issue / memory 0.696 at V = 151936 and 0.701 at V = 128256, on the "
-               "0.70 line (93-94% of copy bandwidth predicted): a cheaper w sum or bf16 unpacking")  # fmt: skip
 _ISSUE_14 = "issue 14: the sampler in three passes (histogram selection, candidates only, split rows at small batch)"
 # (fragment of the case id, role, gate) -> the change that fixes it.
 KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
-    # log-probs, entropy: the row streams
-    ("[8192x128256 bfloat16]", "logprobs+entropy fwd", "issue/memory"): _P2_ENTROPY,
     # the sampler and the truncated log-probs' selection
     ("", "sample", "128-bit loads"): _ISSUE_14,
     ("", "sample", "passes"): _ISSUE_14,
