@@ -15,10 +15,13 @@ at or above a threshold logit, and the thresholds are found without sorting:
               with E ~ Exp(1) from Philox (kernels/random.py), which picks a token
               with its processed probability; ties go to the lowest index.
 
-Both searches are one routine (``_largest_key_reaching``): a 16-way descent on
-the key, 4 bits per pass, each pass testing 16 pivots against the row at once
-(8 passes for 32-bit keys, 16 for float64). Rows of the canonical sizes stay in
-L2 between passes.
+Top-k on 32-bit keys (fp32, bf16, fp16 logits) is a radix selection
+(``_kth_largest_key32``): three passes, each a histogram of the next digit of
+the keys that share the digits found so far (12, 12, 8 bits). Top-p, and top-k
+on float64 keys, use ``_largest_key_reaching``: a 16-way descent on the key, 4
+bits per pass, each pass testing 16 pivots against the row at once (8 passes for
+32-bit keys, 16 for float64). Both find the same key, so the kept set does not
+depend on which ran. Rows of the canonical sizes stay in L2 between passes.
 """
 
 from __future__ import annotations
@@ -109,6 +112,54 @@ def _largest_key_reaching(row_ptr, V, m, inv_t, floor_key, target, WEIGHTED: tl.
 
 
 @triton.jit
+def _digit_histogram(row_ptr, V, floor_key, prefix, PREFIX_SHIFT: tl.constexpr, DIGIT_SHIFT: tl.constexpr,
+                     BINS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Counts [BINS] of the digit (key >> DIGIT_SHIFT) % BINS over the row's 32-bit
+    keys >= floor_key whose bits above PREFIX_SHIFT equal ``prefix``. The keys left
+    out are masked out of the histogram (not sent to a bin of their own: on a GPU
+    the histogram adds with shared-memory atomics, and most of a later pass's keys
+    are left out, so one bin would serialise every warp's adds)."""
+    counts = tl.zeros([BINS], tl.int32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        key = _order_key(tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32))
+        live = (offs < V) & (key >= floor_key)
+        if PREFIX_SHIFT < 32:
+            live &= (key >> PREFIX_SHIFT) == prefix
+        digit = ((key >> DIGIT_SHIFT) & (BINS - 1)).to(tl.int32)
+        counts += tl.histogram(digit, BINS, mask=live)
+    return counts
+
+
+@triton.jit
+def _top_digit(counts, k, BINS: tl.constexpr):
+    """(d, k'): the largest digit d whose bin and the bins above hold >= k keys, and
+    k' = k less the keys above d (the rank of the answer within bin d)."""
+    bins = tl.arange(0, BINS)
+    at_or_above = tl.sum(counts, axis=0) - tl.cumsum(counts, 0) + counts
+    d = tl.max(tl.where(at_or_above >= k, bins, 0), axis=0)
+    above = tl.sum(tl.where(bins > d, counts, 0), axis=0)
+    return d.to(tl.uint32), k - above
+
+
+@triton.jit
+def _kth_largest_key32(row_ptr, V, floor_key, k, BLOCK: tl.constexpr):
+    """The k-th largest 32-bit key of the row among keys >= floor_key (0 < k <= their
+    count): the largest key u with #{key >= max(u, floor_key)} >= k, as
+    _largest_key_reaching counts it, by radix selection in three passes: a
+    histogram of the top 12 bits, then of the next 12 among the keys in the chosen
+    bin, then of the last 8 among those left; each pass fixes a digit of the answer."""
+    counts = _digit_histogram(row_ptr, V, floor_key, 0, 32, 20, 4096, BLOCK)
+    d1, k = _top_digit(counts, k, 4096)
+    counts = _digit_histogram(row_ptr, V, floor_key, d1, 20, 8, 4096, BLOCK)
+    d2, k = _top_digit(counts, k, 4096)
+    prefix = (d1 << 12) | d2
+    counts = _digit_histogram(row_ptr, V, floor_key, prefix, 8, 0, 256, BLOCK)
+    d3, _ = _top_digit(counts, k, 256)
+    return (prefix << 8) | d3
+
+
+@triton.jit
 def _row_param(ptr, scalar, row, PER_ROW: tl.constexpr, DTYPE: tl.constexpr):
     """This row's value of a parameter: ptr[row], or the scalar. A float scalar
     arrives as the int64 bits of its float64 value (``_scalar_arg``) and is
@@ -175,7 +226,10 @@ def _select(row_ptr, V, t, k, p, min_p, valid, BLOCK_V: tl.constexpr, SEARCH_BLO
     active = (~bad) & (~greedy)
     threshold = _order_key(tl.full([], neg_inf, ACC))  # keeps every non-NaN logit
     if active & (k > 0) & (k < V):
-        threshold = _largest_key_reaching(row_ptr, V, m_safe, inv_t, threshold, k, False, SEARCH_BLOCK, ACC)
+        if ACC == tl.float64:
+            threshold = _largest_key_reaching(row_ptr, V, m_safe, inv_t, threshold, k, False, SEARCH_BLOCK, ACC)
+        else:
+            threshold = _kth_largest_key32(row_ptr, V, threshold, k, BLOCK_V)
     if active & (p < 1):
         top_k_mass = tl.zeros([], ACC)
         for start in range(0, V, BLOCK_V):
