@@ -39,7 +39,8 @@ _MAX_BLOCK_V = 8192
 # logprobs fwd bf16 V = 50257 88% -> 94% of copy bandwidth, fwd+bwd 85% -> 93%;
 # logprobs+entropy fwd fp32 V = 32000 91% -> 94%).
 _SHORT_ROW = 65536
-# Elements each thread of the forward handles per iteration (REPS 128-bit loads).
+# Elements each thread of the forward handles per iteration (REPS x VEC: REPS
+# 128-bit loads on aligned rows, 16 one-element loads on others).
 _THREAD_ELEMS = 16
 # Warps per row of the forward: with no reduction across threads in its loop, a
 # CTA's warps need not be many; at 8 a CTA's merge and partial tile after the

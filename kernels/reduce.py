@@ -64,7 +64,7 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
     """(m, n, t, w) of the row as defined above (n, t, w in float64; s = n + t);
     w is 0 unless WITH_W.
 
-    The loop keeps LANES partial statistics, one per thread (``tile_layout``),
+    The loop keeps LANES partial statistics, one per thread (``tile_offsets``),
     and merges them once after it, so that an iteration has no reduction across
     threads (no barrier, no shuffle): a thread's REPS x VEC elements of a tile
     are VEC contiguous ones (one 128-bit load when ALIGNED; VEC = 1 otherwise,
