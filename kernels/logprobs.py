@@ -57,7 +57,7 @@ def _launch_config(vocab: int) -> tuple[int, int]:
     return block, num_warps
 
 
-def tile_config(*rows: torch.Tensor) -> dict:
+def tile_config(*rows: torch.Tensor, num_warps: int | None = None) -> dict:
     """The forward's tile (reduce.tile_offsets) over the rows of one or more
     [.., V] tensors read together (same dtype), and its num_warps.
 
@@ -69,13 +69,15 @@ def tile_config(*rows: torch.Tensor) -> dict:
     Tiles count from each row's first element and the partition is a function of
     the launch (V, dtype, whether the rows are aligned), never of one row's
     address, so that a row's result does not depend on its place in the batch.
-    Short rows get fewer lanes. MAX_IN_STORAGE_TYPE: reduce.lane_max may take
+    Short rows get fewer lanes. ``num_warps`` overrides the warps (and so the
+    lanes) of a kernel that does more than the forward. MAX_IN_STORAGE_TYPE: reduce.lane_max may take
     the max in the logits' own type (compiled, not interpreted: a CPU tensor runs
     in Triton's interpreter)."""
     first = rows[0]
     vocab = first.shape[-1]
-    block, num_warps = _launch_config(vocab)
-    num_warps = min(num_warps, _FORWARD_MAX_WARPS if vocab > _SHORT_ROW else _FORWARD_MAX_WARPS // 2)
+    block, warps = _launch_config(vocab)
+    if num_warps is None:
+        num_warps = min(warps, _FORWARD_MAX_WARPS if vocab > _SHORT_ROW else _FORWARD_MAX_WARPS // 2)
     aligned = all(rows_aligned(t) for t in rows)
     vec = 16 // first.element_size() if aligned else 1
     lanes = max(1, min(32 * num_warps, block // vec))

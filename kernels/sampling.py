@@ -2,7 +2,8 @@
 
 One program per row; the processed distribution is the spec's
 (fastrl/reference.py, truncated_log_distribution). Every filter keeps the tokens
-at or above a threshold logit, and the thresholds are found without sorting:
+at or above a threshold logit, and the thresholds are found without sorting the
+row:
 
     keys      unsigned order-preserving integers of the logits (key(a) < key(b)
               iff a < b), the same keys as csrc/sampling.cpp;
@@ -15,13 +16,16 @@ at or above a threshold logit, and the thresholds are found without sorting:
               with E ~ Exp(1) from Philox (kernels/random.py), which picks a token
               with its processed probability; ties go to the lowest index.
 
-Top-k on 32-bit keys (fp32, bf16, fp16 logits) is a radix selection
-(``_kth_largest_key32``): three passes, each a histogram of the next digit of
-the keys that share the digits found so far (12, 12, 8 bits). Top-p, and top-k
-on float64 keys, use ``_largest_key_reaching``: a 16-way descent on the key, 4
-bits per pass, each pass testing 16 pivots against the row at once (8 passes for
-32-bit keys, 16 for float64). Both find the same key, so the kept set does not
-depend on which ran. Rows of the canonical sizes stay in L2 between passes.
+A row is read three times (``_select``): its softmax statistics
+(reduce.softmax_stats), a histogram of its keys' top 12 bits with its first
+argmax, and the compaction into the row's candidate list of the tokens whose
+top digit can hold a kept token (``_candidate_floor``: from the k-th largest's
+digit up, or for top-p alone the digits above a mass bound). The thresholds (a
+radix selection for top-k, ``_kth_largest_key32``; a 16-way descent for top-p
+and for float64 keys, ``_largest_key_reaching``), the kept mass and the race
+then read the list of at most _CANDIDATES entries, so Philox runs for the
+candidates only. A row with more candidates than that (top-p over a flat row,
+min-p or temperature alone) runs the same steps with the row as its list.
 """
 
 from __future__ import annotations
@@ -35,18 +39,47 @@ import triton.language as tl
 from fastrl._rows import row_count, row_layout
 
 from .random import exponential_variate, philox4x32_10
-from .reduce import row_start
+from .logprobs import tile_config
+from .reduce import log_sum, row_start, softmax_stats, tile_offsets
 
 _MAX_BLOCK_V = 4096
 # The digit search tests 16 pivots per element, a [block, 16] tile: a smaller
 # block keeps it in registers.
 _MAX_SEARCH_BLOCK = 512
+# A program's warps. The forward holds far more than a log-prob forward (a
+# 4096-bin histogram, the digit search, the race): at 8 warps a thread needs
+# 175 registers and an SM runs one program (8 warps); at 16 it needs 128 and
+# runs 16 warps (sm_90 model, sample top-k 50, B = 1024: 1.17 -> 1.07 ms).
+_WARPS = 16
+# The top digit of a key: its 12 highest bits (_histogram_and_argmax).
+_BINS = tl.constexpr(4096)
+# Entries of a row's candidate list (_select): a top-k 50 row of an LLM holds a
+# few dozen to a few hundred tokens in the digits from its 50th largest up.
+_CANDIDATES = tl.constexpr(1024)
 
 
-def _launch_config(vocab: int) -> dict:
-    """Block sizes and warps for a row of ``vocab`` logits (V only, never the batch)."""
-    block = min(triton.next_power_of_2(vocab), _MAX_BLOCK_V)
-    return {"BLOCK_V": block, "SEARCH_BLOCK": min(block, _MAX_SEARCH_BLOCK), "num_warps": 8 if block >= 2048 else 4}
+def _row_block(vocab: int) -> int:
+    return min(triton.next_power_of_2(vocab), _MAX_BLOCK_V)
+
+
+def _launch_config(logits: torch.Tensor) -> dict:
+    """The forward kernels' meta-parameters for rows of ``logits`` (V, dtype and
+    alignment only, never the batch): the statistics pass's tile
+    (logprobs.tile_config, whose num_warps the launch takes), the block of the
+    other passes over the row, of the passes over the candidate list, and of
+    the digit search."""
+    block = _row_block(logits.shape[-1])
+    return tile_config(logits, num_warps=_WARPS) | {"BLOCK_V": block, "LIST_BLOCK": min(block, _CANDIDATES.value),
+                                  "SEARCH_BLOCK": min(block, _MAX_SEARCH_BLOCK)}  # fmt: skip
+
+
+def _candidate_lists(logits: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's candidate list (_select): logits as stored and int32 indices,
+    _CANDIDATES of each per row (6 KB a bfloat16 row), and its counter (zero)."""
+    shape = (n_rows, _CANDIDATES.value)
+    return (torch.empty(shape, dtype=logits.dtype, device=logits.device),
+            torch.empty(shape, dtype=torch.int32, device=logits.device),
+            torch.zeros(n_rows, dtype=torch.int32, device=logits.device))  # fmt: skip
 
 
 def _acc(logits: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
@@ -81,7 +114,8 @@ def _key_to_value(key, ACC: tl.constexpr):
 def _largest_key_reaching(row_ptr, V, m, inv_t, floor_key, target, WEIGHTED: tl.constexpr,
                           BLOCK: tl.constexpr, ACC: tl.constexpr):
     """The largest key u with F(u) >= target, where F(u) counts (or, WEIGHTED,
-    sums e_j = exp((x_j - m) / T) over) the tokens with key >= max(u, floor_key).
+    sums e_j = exp((x_j - m) / T) over, in _mass_units; the target a float64 mass)
+    the tokens with key >= max(u, floor_key).
     F is non-increasing, so a descent digit by digit (16 pivots per pass, most
     significant first) keeps the largest pivot that still reaches the target."""
     KEY_BITS: tl.constexpr = 64 if ACC == tl.float64 else 32
@@ -92,7 +126,7 @@ def _largest_key_reaching(row_ptr, V, m, inv_t, floor_key, target, WEIGHTED: tl.
         shift = KEY_BITS - 4 * (level + 1)  # a constexpr: level is one in static_range
         pivots = prefix + (digits << shift)
         if WEIGHTED:
-            reach = tl.zeros([16], ACC)
+            reach = tl.zeros([16], tl.float64 if ACC == tl.float64 else tl.int64)
         else:
             reach = tl.zeros([16], tl.int64)
         for start in range(0, V, BLOCK):
@@ -102,11 +136,14 @@ def _largest_key_reaching(row_ptr, V, m, inv_t, floor_key, target, WEIGHTED: tl.
             live = (offs < V) & (key >= floor_key)
             above = (key[:, None] >= pivots[None, :]) & live[:, None]
             if WEIGHTED:
-                e = tl.exp((x - m) * inv_t)
-                reach += tl.sum(tl.where(above, e[:, None], 0.0), axis=0)
+                e = _mass_units(tl.exp((x - m) * inv_t), ACC)
+                reach += tl.sum(tl.where(above, e[:, None], 0), axis=0)
             else:
                 reach += tl.sum(above.to(tl.int64), axis=0)
-        best = tl.max(tl.where(reach >= target, digits, 0), axis=0)
+        if WEIGHTED:
+            best = tl.max(tl.where(_mass_value(reach, ACC) >= target, digits, 0), axis=0)
+        else:
+            best = tl.max(tl.where(reach >= target, digits, 0), axis=0)
         prefix = prefix + (best << shift)
     return prefix
 
@@ -189,65 +226,186 @@ def _row_params(row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_
 
 
 @triton.jit
-def _select(row_ptr, V, t, k, p, min_p, valid, BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-            ACC: tl.constexpr):
-    """Everything about one row's processed distribution: (bad, greedy, m, first
-    argmax, number of maxima, 1/T, log s, threshold key, log min_p, log s_kept)
-    with s = sum_j e_j over the row, e_j = exp((x_j - m) / T), and s_kept over
-    the kept tokens (key >= threshold and (x - m) / T >= log min_p). A row is bad
-    (nothing to sample) with a NaN, a +inf (m = inf: softmax is NaN), only -inf
-    (m = -inf), or an invalid parameter."""
-    neg_inf = float("-inf")
-    m = tl.full([], neg_inf, ACC)
-    arg = tl.full([], 0, tl.int64)
-    n_max = tl.zeros([], tl.int64)
-    has_nan = tl.zeros([], tl.int1)
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
-        has_nan |= tl.max((x != x).to(tl.int32), axis=0) > 0
-        b_max = tl.max(x, axis=0)
-        b_arg = tl.min(tl.where(x == b_max, offs, V), axis=0).to(tl.int64)
-        b_cnt = tl.sum((x == b_max).to(tl.int64), axis=0)
-        n_max = tl.where(b_max > m, b_cnt, tl.where(b_max == m, n_max + b_cnt, n_max))
-        arg = tl.where(b_max > m, b_arg, arg)
-        m = tl.maximum(m, b_max)
-    bad = has_nan | (m == neg_inf) | (m == float("inf")) | (~valid)
-    greedy = t == 0
-    inv_t = tl.where(greedy | bad, 1.0, 1.0 / t).to(ACC)
-    m_safe = tl.where(bad, 0.0, m).to(ACC)
+def _histogram_and_argmax(row_ptr, V, m, BLOCK: tl.constexpr, ACC: tl.constexpr):
+    """One read of the row: the counts [_BINS] of its keys' top digit (key >> the
+    key width less 12: the sign, the exponent and, for 32-bit keys, 3 mantissa
+    bits) and its first argmax (the lowest index with x == m; V when none is).
+    Each lane keeps its own first index (its indices only grow), merged once."""
+    SHIFT: tl.constexpr = 52 if ACC == tl.float64 else 20
+    counts = tl.zeros([_BINS], tl.int32)
+    first = tl.full([BLOCK], V, tl.int32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(ACC)
+        counts += tl.histogram((_order_key(x) >> SHIFT).to(tl.int32), _BINS, mask=offs < V)
+        first = tl.minimum(first, tl.where(x == m, offs, V))
+    return counts, tl.min(first, axis=0)
 
-    s = tl.zeros([], ACC)
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
-        s += tl.sum(tl.exp((x - m_safe) * inv_t), axis=0)
+
+@triton.jit
+def _candidate_floor(counts, k, k_on, p, p_on, m, inv_t, s, ACC: tl.constexpr):
+    """The lowest top digit a kept token can have: every token whose digit is at
+    least this one is a candidate, and no other can be kept. With top-k, the
+    digit of the k-th largest key (top-p only narrows the top-k set). With top-p
+    alone, the largest digit b whose higher digits hold a mass of at least
+    p * s even at their lowest logits (count * exp((lowest logit - m) / T) per
+    digit, a lower bound): the tokens of digit <= b have at least that mass
+    strictly above them, so top-p drops them. The bound is taken with a margin of 2^-8, far above
+    its float32 rounding (4096 terms: < 2^-11 relative), so that a rounding
+    never drops a token the exact search keeps. 0 (every token) otherwise."""
+    SHIFT: tl.constexpr = 52 if ACC == tl.float64 else 20
+    KEY: tl.constexpr = tl.uint64 if ACC == tl.float64 else tl.uint32
+    bins = tl.arange(0, _BINS)
+    floor = tl.zeros([], tl.int32)
+    if k_on:
+        at_or_above = tl.cumsum(counts, 0, reverse=True)
+        floor = tl.max(tl.where(at_or_above >= k, bins, 0), axis=0)
+    elif p_on:
+        lowest = _key_to_value(bins.to(KEY) << SHIFT, ACC)
+        # reach[b]: the bound on the mass of digits >= b. Only a bad row (never
+        # p_on) counts a key whose digit's lowest key is no logit (NaN bits),
+        # but -inf shares digit 0 with such keys: NaN there makes reach[0] NaN,
+        # which reaches nothing, as 0 would.
+        reach = tl.cumsum(tl.where(counts > 0, tl.exp((lowest - m) * inv_t) * counts, 0.0), 0, reverse=True)
+        floor = tl.maximum(tl.max(tl.where(reach >= p * s * 1.00390625, bins, 0), axis=0) - 1, 0)
+    return floor
+
+
+@triton.jit
+def _compact(row_ptr, V, floor, list_ptr, cand_idx_ptr, counter_ptr, REPS: tl.constexpr, LANES: tl.constexpr,
+             VEC: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """Writes the row's tokens whose top digit is >= floor (at most _CANDIDATES)
+    to the candidate list: their logits (as stored) at list_ptr and their
+    indices at cand_idx_ptr.
+
+    One read of the row, in softmax_stats' tile (a thread's REPS x VEC elements,
+    reduce.tile_offsets): each thread counts its tile's candidates and places
+    them in registers, and a thread that has any takes a range of the list with
+    one atomic add on the row's counter (zero at launch); no value crosses
+    threads. The ranges' order is the atomics' (any): everything computed from
+    the list is independent of its order (counts, a max with ties to the lowest
+    index, and masses summed in fixed point, _mass_units)."""
+    SHIFT: tl.constexpr = 52 if ACC == tl.float64 else 20
+    lane_offs, rep_offs = tile_offsets(REPS, LANES, VEC)
+    for start in range(0, V, REPS * LANES * VEC):
+        offs = (start + lane_offs) + rep_offs
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
+        take = ((offs < V) & ((_order_key(x.to(ACC)) >> SHIFT).to(tl.int32) >= floor)).to(tl.int32)
+        per_rep = tl.sum(take, axis=2)  # [REPS, LANES]: all inside a thread
+        per_lane = tl.sum(per_rep, axis=0)
+        base = tl.atomic_add(counter_ptr + tl.zeros_like(per_lane), per_lane, mask=per_lane > 0)
+        at = (base[None, :, None] + (tl.cumsum(per_rep, 0) - per_rep)[:, :, None]) + (tl.cumsum(take, 2) - take)
+        tl.store(list_ptr + at, x, mask=take != 0)
+        tl.store(cand_idx_ptr + at, offs, mask=take != 0)
+    tl.debug_barrier()  # the list is written before any thread reads it
+
+
+@triton.jit
+def _mass_units(e, ACC: tl.constexpr):
+    """Probability mass e = exp(d) in [0, 1] as the kernels sum it: float64 as
+    is; float32 in fixed point, round-down(e * 2^42) in int64, so that a sum is
+    exact and the same in any order (the candidate list's order is not fixed,
+    _compact). The units drop e < 2^-42 and round each term down by < 2^-42: on a
+    sum >= 1 (every kept set holds its max, e = 1) at most V * 2^-42 <= 4e-8
+    relative at V = 2^18, under float32's own rounding of the sum."""
+    if ACC == tl.float64:
+        return e
+    else:
+        return (e * 4398046511104.0).to(tl.int64)
+
+
+@triton.jit
+def _mass_value(units, ACC: tl.constexpr):
+    """The float64 mass of a sum of _mass_units."""
+    if ACC == tl.float64:
+        return units
+    else:
+        return units.to(tl.float64) * 2.2737367544323206e-13
+
+
+@triton.jit
+def _list_entries(list_ptr, cand_idx_ptr, compacted, n, offs, ACC: tl.constexpr):
+    """(logits, vocabulary indices, live) of entries ``offs`` of the list: the
+    candidates when ``compacted``, else the row itself (entry j is token j)."""
+    live = offs < n
+    x = tl.load(list_ptr + offs, mask=live, other=float("-inf")).to(ACC)
+    # (offs < n when compacted: a scalar-and-tensor & of booleans fails in
+    # Triton's interpreter)
+    index = tl.where(compacted, tl.load(cand_idx_ptr + offs, mask=offs < tl.where(compacted, n, 0), other=0), offs)
+    return x, index, live
+
+
+@triton.jit
+def _select(row_ptr, V, t, k, p, min_p, valid, cand_vals_ptr, cand_idx_ptr, counter_ptr,
+            REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
+            MAX_IN_STORAGE_TYPE: tl.constexpr, BLOCK_V: tl.constexpr, LIST_BLOCK: tl.constexpr,
+            SEARCH_BLOCK: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """Everything about one row's processed distribution: (bad, greedy, m, first
+    argmax, number of maxima, 1/T, log s, threshold key, log min_p, log s_kept,
+    the list (pointer, index pointer, compacted, length) that holds every kept
+    token) with s = sum_j e_j over the row, e_j = exp((x_j - m) / T), and s_kept
+    over the kept tokens (key >= threshold and (x - m) / T >= log min_p). A row is
+    bad (nothing to sample) with a NaN (s is NaN: reduce.softmax_stats), a +inf
+    (m = inf: softmax is NaN), only -inf (m = -inf), or an invalid parameter.
+
+    Three reads of the row: its statistics (reduce.softmax_stats: m, s and the
+    number of maxima), the top-digit histogram with the first argmax, and the
+    compaction of the candidates (_candidate_floor) into this row's list of
+    _CANDIDATES entries. The thresholds, s_kept and the draw then read the list
+    only. A row with more candidates than that (top-p over a flat row, no
+    filter at all) uses the row itself as its list: the same code, each step a
+    read of the row."""
+    neg_inf = float("-inf")
+    greedy = t == 0
+    inv_t = tl.where(greedy | (~valid), 1.0, 1.0 / t).to(ACC)
+    m, n_max, tail, _no_w = softmax_stats(row_ptr, V, inv_t, False, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE, ACC)
+    s = n_max + tail  # float64
+    log_s = log_sum(n_max, tail).to(ACC)
+    bad = (s != s) | (m != m) | (m == neg_inf) | (m == float("inf")) | (~valid)
+    m_safe = tl.where(bad, 0.0, m).to(ACC)
+    counts, arg = _histogram_and_argmax(row_ptr, V, m, BLOCK_V, ACC)
 
     active = (~bad) & (~greedy)
+    k_on = active & (k > 0) & (k < V)
+    p_on = active & (p < 1)
+    floor = _candidate_floor(counts, k, k_on, p.to(ACC), p_on, m_safe, inv_t, s.to(ACC), ACC)
+    n_candidates = tl.sum(tl.where(tl.arange(0, _BINS) >= floor, counts, 0), axis=0)
+    compacted = active & (n_candidates <= _CANDIDATES) & (n_candidates < V)
+    if ACC == tl.float64:  # float64 sums stay float64, in row order (_mass_units)
+        compacted = False
+    if compacted:
+        _compact(row_ptr, V, floor, cand_vals_ptr, cand_idx_ptr, counter_ptr, REPS, LANES, VEC, ACC)
+    list_ptr = tl.where(compacted, cand_vals_ptr, row_ptr)
+    n_list = tl.where(compacted, n_candidates, V)
+
     threshold = _order_key(tl.full([], neg_inf, ACC))  # keeps every non-NaN logit
-    if active & (k > 0) & (k < V):
+    if k_on:  # k <= n_list: the list holds the digits from the k-th largest's up
         if ACC == tl.float64:
-            threshold = _largest_key_reaching(row_ptr, V, m_safe, inv_t, threshold, k, False, SEARCH_BLOCK, ACC)
+            threshold = _largest_key_reaching(list_ptr, n_list, m_safe, inv_t, threshold, k, False, SEARCH_BLOCK, ACC)
         else:
-            threshold = _kth_largest_key32(row_ptr, V, threshold, k, BLOCK_V)
-    if active & (p < 1):
-        top_k_mass = tl.zeros([], ACC)
-        for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
-            top_k_mass += tl.sum(tl.where(_order_key(x) >= threshold, tl.exp((x - m_safe) * inv_t), 0.0), axis=0)
-        target = p.to(ACC) * top_k_mass
-        threshold = _largest_key_reaching(row_ptr, V, m_safe, inv_t, threshold, target, True, SEARCH_BLOCK, ACC)
+            threshold = _kth_largest_key32(list_ptr, n_list, threshold, k, LIST_BLOCK)
+    if p_on:
+        top_k_mass = s  # top-k off: the row's mass (float64)
+        if k_on:
+            units = tl.zeros([], tl.float64 if ACC == tl.float64 else tl.int64)
+            for start in range(0, n_list, LIST_BLOCK):
+                x, _, live = _list_entries(list_ptr, cand_idx_ptr, compacted, n_list, start + tl.arange(0, LIST_BLOCK), ACC)
+                e = _mass_units(tl.exp((x - m_safe) * inv_t), ACC)
+                units += tl.sum(tl.where(live & (_order_key(x) >= threshold), e, 0), axis=0)
+            top_k_mass = _mass_value(units, ACC)
+        target = p.to(tl.float64) * top_k_mass
+        threshold = _largest_key_reaching(list_ptr, n_list, m_safe, inv_t, threshold, target, True, SEARCH_BLOCK, ACC)
 
     log_min_p = tl.where(min_p > 0, tl.log(min_p.to(ACC)), neg_inf).to(ACC)
-    s_kept = tl.zeros([], ACC)
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf).to(ACC)
+    kept_units = tl.zeros([], tl.float64 if ACC == tl.float64 else tl.int64)
+    for start in range(0, n_list, LIST_BLOCK):
+        x, _, live = _list_entries(list_ptr, cand_idx_ptr, compacted, n_list, start + tl.arange(0, LIST_BLOCK), ACC)
         d = (x - m_safe) * inv_t
-        kept = (_order_key(x) >= threshold) & (d >= log_min_p)
-        s_kept += tl.sum(tl.where(kept, tl.exp(d), 0.0), axis=0)
-    return bad, greedy, m_safe, arg, n_max, inv_t, tl.log(s), threshold, log_min_p, tl.log(s_kept)
+        kept = live & (_order_key(x) >= threshold) & (d >= log_min_p)
+        kept_units += tl.sum(tl.where(kept, _mass_units(tl.exp(d), ACC), 0), axis=0)
+    s_kept = _mass_value(kept_units, ACC).to(ACC)
+    return (bad, greedy, m_safe, arg.to(tl.int64), n_max.to(ACC), inv_t, log_s, threshold, log_min_p, tl.log(s_kept),
+            list_ptr, compacted, n_list)  # fmt: skip
 
 
 @triton.jit
@@ -255,21 +413,27 @@ def _sample_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
     seeds_ptr, seed, offset_ptr, offset,
-    tokens_ptr, logprobs_ptr, raw_ptr,
+    tokens_ptr, logprobs_ptr, raw_ptr, cand_vals_ptr, cand_idx_ptr, counter_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
-    PER_ROW_SEED: tl.constexpr, OFFSET_FROM_PTR: tl.constexpr, BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-    ACC: tl.constexpr,
+    PER_ROW_SEED: tl.constexpr, OFFSET_FROM_PTR: tl.constexpr,
+    REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
+    MAX_IN_STORAGE_TYPE: tl.constexpr, BLOCK_V: tl.constexpr, LIST_BLOCK: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
-    bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept = _select(
+    cand_vals_ptr += row * _CANDIDATES
+    cand_idx_ptr += row * _CANDIDATES
+    bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept, list_ptr, compacted, n_list = _select(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
-        ), BLOCK_V, SEARCH_BLOCK, ACC,
+        ), cand_vals_ptr, cand_idx_ptr, counter_ptr + row, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
+        BLOCK_V, LIST_BLOCK, SEARCH_BLOCK, ACC,
     )  # fmt: skip
 
-    # Philox key = the row's seed; counter = (vocab index, salt, offset).
+    # Philox key = the row's seed; counter = (vocab index, salt, offset): the
+    # list's entries draw the variates of their own tokens.
     row_seed = _row_param(seeds_ptr, seed, row, PER_ROW_SEED, tl.int64)
     k0 = (row_seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((row_seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
@@ -279,22 +443,25 @@ def _sample_kernel(
     c3 = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
     best = tl.full([], float("-inf"), ACC)
     winner = arg  # only if every kept draw lost (E = inf, ~2^-25 each)
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(ACC)
-        d = (x - m) * inv_t
-        kept = (_order_key(x) >= threshold) & (d >= log_min_p) & (offs < V)
-        zeros = tl.zeros([BLOCK_V], tl.uint32)
-        w0, w1, _, _ = philox4x32_10(offs.to(tl.uint32), zeros + salt, zeros + c2, zeros + c3, zeros + k0, zeros + k1)
-        race = tl.where(kept, d - tl.log(exponential_variate(w0, w1).to(ACC)), float("-inf"))
-        b_best = tl.max(race, axis=0)
-        b_arg = tl.min(tl.where(race == b_best, offs, V), axis=0).to(tl.int64)
-        winner = tl.where(b_best > best, b_arg, winner)
-        best = tl.maximum(best, b_best)
-    winner = tl.where(greedy, arg, winner)
+    if (~bad) & (~greedy):
+        for start in range(0, n_list, LIST_BLOCK):
+            x, index, live = _list_entries(list_ptr, cand_idx_ptr, compacted, n_list,
+                                           start + tl.arange(0, LIST_BLOCK), ACC)  # fmt: skip
+            d = (x - m) * inv_t
+            kept = live & (_order_key(x) >= threshold) & (d >= log_min_p)
+            zeros = tl.zeros([LIST_BLOCK], tl.uint32)
+            w0, w1, _, _ = philox4x32_10(index.to(tl.uint32), zeros + salt, zeros + c2, zeros + c3, zeros + k0,
+                                         zeros + k1)  # fmt: skip
+            race = tl.where(kept, d - tl.log(exponential_variate(w0, w1).to(ACC)), float("-inf"))
+            b_best = tl.max(race, axis=0)
+            b_arg = tl.min(tl.where(race == b_best, index, V), axis=0).to(tl.int64)
+            # ties to the lowest index whatever the list's order (_compact)
+            wins = (b_best > best) | ((b_best == best) & (b_best > float("-inf")) & (b_arg < winner))
+            winner = tl.where(wins, b_arg, winner)
+            best = tl.maximum(best, b_best)
     d_win = (tl.load(row_ptr + winner, mask=~bad, other=0.0).to(ACC) - m) * inv_t  # a bad row's winner may be anything
     logprob = tl.where(greedy, 0.0, d_win - log_s_kept)
-    raw = tl.where(greedy, -tl.log(n_max.to(ACC)), d_win - log_s)
+    raw = tl.where(greedy, -tl.log(n_max), d_win - log_s)
     tl.store(tokens_ptr + row, tl.where(bad, -1, winner))
     tl.store(logprobs_ptr + row, tl.where(bad, float("nan"), logprob))
     tl.store(raw_ptr + row, tl.where(bad, float("nan"), raw))
@@ -304,17 +471,22 @@ def _sample_kernel(
 def _truncated_fwd_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V, labels_ptr,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
-    out_ptr, stats_ptr,
+    out_ptr, stats_ptr, cand_vals_ptr, cand_idx_ptr, counter_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
-    WITH_STATS: tl.constexpr, BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr, ACC: tl.constexpr,
+    WITH_STATS: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
+    ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, BLOCK_V: tl.constexpr,
+    LIST_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
-    bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept = _select(
+    cand_vals_ptr += row * _CANDIDATES
+    cand_idx_ptr += row * _CANDIDATES
+    bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept, _, _, _ = _select(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
-        ), BLOCK_V, SEARCH_BLOCK, ACC,
+        ), cand_vals_ptr, cand_idx_ptr, counter_ptr + row, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
+        BLOCK_V, LIST_BLOCK, SEARCH_BLOCK, ACC,
     )  # fmt: skip
     label = tl.load(labels_ptr + row).to(tl.int64)
     in_range = (label >= 0) & (label < V)
@@ -411,8 +583,8 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
         logits, *row_layout(logits), vocab, *args,
         seed if per_row_seed else None, 0 if per_row_seed else seed,
         offset if offset_from_ptr else None, 0 if offset_from_ptr else offset,
-        tokens, logprobs, raw, **flags, PER_ROW_SEED=per_row_seed, OFFSET_FROM_PTR=offset_from_ptr,
-        ACC=acc_tl, **_launch_config(vocab),
+        tokens, logprobs, raw, *_candidate_lists(logits, n_rows), **flags, PER_ROW_SEED=per_row_seed,
+        OFFSET_FROM_PTR=offset_from_ptr, ACC=acc_tl, **_launch_config(logits),
     )  # fmt: skip
     return tokens, logprobs, raw
 
@@ -426,8 +598,8 @@ def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_
     stats = torch.empty(n_rows, 3, dtype=acc, device=logits.device) if with_stats else None
     args, flags = _params(temperature, top_k, top_p, min_p)
     _truncated_fwd_kernel[(n_rows,)](
-        logits, *row_layout(logits), vocab, labels, *args, out, stats, **flags,
-        WITH_STATS=with_stats, ACC=acc_tl, **_launch_config(vocab),
+        logits, *row_layout(logits), vocab, labels, *args, out, stats, *_candidate_lists(logits, n_rows), **flags,
+        WITH_STATS=with_stats, ACC=acc_tl, **_launch_config(logits),
     )  # fmt: skip
     return out, stats
 
@@ -438,8 +610,8 @@ def truncated_backward(logits, labels, stats, grad_logprob, grad_out, *, tempera
     n_rows, vocab = row_count(logits), logits.shape[-1]
     _, acc_tl = _acc(logits)
     args, flags = _params(temperature, top_k, top_p, min_p)
-    config = _launch_config(vocab)
+    block = _row_block(vocab)
     _truncated_bwd_kernel[(n_rows,)](
         logits, *row_layout(logits), vocab, labels, stats, grad_logprob, grad_out, *row_layout(grad_out),
-        *args, **flags, ACC=acc_tl, BLOCK_V=config["BLOCK_V"], num_warps=config["num_warps"],
+        *args, **flags, ACC=acc_tl, BLOCK_V=block, num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip

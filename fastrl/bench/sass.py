@@ -194,18 +194,15 @@ OP_BUDGETS: dict[str, float] = {
 # What today's kernels miss: (case id or op prefix, role or "*", gate) -> the
 # change that fixes it. The test marks these xfail(strict=True): once the kernel
 # is fixed the test passes, fails as XPASS, and the entry is removed.
-_ISSUE_14 = "issue 14: the sampler in three passes (histogram selection, candidates only, split rows at small batch)"
+_ISSUE_14 = "issue 14: a cheaper candidate compaction, and rows split over several programs at small batch"
 # (fragment of the case id, role, gate) -> the change that fixes it.
 KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
-    # the sampler and the truncated log-probs' selection (top-k by radix selection
-    # now: 128-bit loads on every pass; top-p still the 16-way descent)
-    ("sample top-p", "sample", "128-bit loads"): _ISSUE_14,
-    ("", "sample", "passes"): _ISSUE_14,
+    # the sampler and the truncated log-probs' selection: three passes now, the
+    # compaction's dearest (25 SASS per element); one program per row
     ("", "sample", "SASS/element"): _ISSUE_14,
     ("", "truncated_logprobs fwd", "SASS/element"): _ISSUE_14,
     ("[1x", "sample", "grid"): _ISSUE_14,
     ("[64x", "sample", "grid"): _ISSUE_14,
-    ("", "truncated_logprobs fwd", "passes"): _ISSUE_14,
 }
 
 # ---------------------------------------------------------------------------
@@ -242,15 +239,17 @@ def _loop_runs(k: sm.KernelAnalysis, bound: dict, untaken: tuple[str, ...], grid
     runs, seen_args = [], set()
     resident = min(grid, sm.H100.sms * max(sm.occupancy(k, sm.H100)["ctas_per_sm"], 1))
     for loop in k.loops:
+        executed = not any(frag in guard for guard in loop.guards for frag in untaken)
         upper = bound.get(loop.upper) if loop.upper else loop.upper_const
         if not isinstance(upper, int) or loop.step is None:
-            runs.append(sm.LoopRun(loop, 1, 1.0, False, 0.0, True))
+            # A bound computed in the kernel (the sampler's candidate list): one
+            # trip, not a pass over a row.
+            runs.append(sm.LoopRun(loop, 1, 1.0, False, 0.0, executed))
             continue
         span = upper - (loop.lower or 0)
         trips = max(0, span // loop.step if loop.whole_tiles else math.ceil(span / loop.step))
         rows = [bound[a] for a in loop.load_args if isinstance(bound.get(a), torch.Tensor)]
         row = any(t.dim() >= 1 and t.shape[-1] == upper for t in rows)
-        executed = not any(frag in guard for guard in loop.guards for frag in untaken)
         cached = 0.0
         if row and executed and set(loop.load_args) <= seen_args:
             row_bytes = sum(t.shape[-1] * t.element_size() for t in rows)
