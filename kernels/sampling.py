@@ -70,13 +70,20 @@ def _launch_config(logits: torch.Tensor) -> dict:
     the digit search."""
     block = _row_block(logits.shape[-1])
     return tile_config(logits, num_warps=_WARPS) | {"BLOCK_V": block, "LIST_BLOCK": min(block, _CANDIDATES.value),
-                                  "SEARCH_BLOCK": min(block, _MAX_SEARCH_BLOCK)}  # fmt: skip
+                                  "SEARCH_BLOCK": min(block, _MAX_SEARCH_BLOCK),
+                                                      "LIST_CAP": list_capacity(logits.shape[-1])}  # fmt: skip
+
+
+def list_capacity(vocab: int) -> int:
+    """Entries of a row's candidate list: _CANDIDATES, and at most V / 8 (the list
+    never outweighs the row: 6/16 of a bfloat16 row at most)."""
+    return max(1, min(_CANDIDATES.value, vocab // 8))
 
 
 def _candidate_lists(logits: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's candidate list (_select): logits as stored and int32 indices,
     _CANDIDATES of each per row (6 KB a bfloat16 row), and its counter (zero)."""
-    shape = (n_rows, _CANDIDATES.value)
+    shape = (n_rows, list_capacity(logits.shape[-1]))
     return (torch.empty(shape, dtype=logits.dtype, device=logits.device),
             torch.empty(shape, dtype=torch.int32, device=logits.device),
             torch.zeros(n_rows, dtype=torch.int32, device=logits.device))  # fmt: skip
@@ -339,7 +346,7 @@ def _list_entries(list_ptr, cand_idx_ptr, compacted, n, offs, ACC: tl.constexpr)
 def _select(row_ptr, V, t, k, p, min_p, valid, cand_vals_ptr, cand_idx_ptr, counter_ptr,
             REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
             MAX_IN_STORAGE_TYPE: tl.constexpr, BLOCK_V: tl.constexpr, LIST_BLOCK: tl.constexpr,
-            SEARCH_BLOCK: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+            SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """Everything about one row's processed distribution: (bad, greedy, m, first
     argmax, number of maxima, 1/T, log s, threshold key, log min_p, log s_kept,
     the list (pointer, index pointer, compacted, length) that holds every kept
@@ -370,7 +377,7 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_vals_ptr, cand_idx_ptr, coun
     p_on = active & (p < 1)
     floor = _candidate_floor(counts, k, k_on, p.to(ACC), p_on, m_safe, inv_t, s.to(ACC), ACC)
     n_candidates = tl.sum(tl.where(tl.arange(0, _BINS) >= floor, counts, 0), axis=0)
-    compacted = active & (n_candidates <= _CANDIDATES) & (n_candidates < V)
+    compacted = active & (n_candidates <= LIST_CAP) & (n_candidates < V)
     if ACC == tl.float64:  # float64 sums stay float64, in row order (_mass_units)
         compacted = False
     if compacted:
@@ -418,18 +425,18 @@ def _sample_kernel(
     PER_ROW_SEED: tl.constexpr, OFFSET_FROM_PTR: tl.constexpr,
     REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
     MAX_IN_STORAGE_TYPE: tl.constexpr, BLOCK_V: tl.constexpr, LIST_BLOCK: tl.constexpr,
-    SEARCH_BLOCK: tl.constexpr, ACC: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
-    cand_vals_ptr += row * _CANDIDATES
-    cand_idx_ptr += row * _CANDIDATES
+    cand_vals_ptr += row * LIST_CAP
+    cand_idx_ptr += row * LIST_CAP
     bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept, list_ptr, compacted, n_list = _select(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
         ), cand_vals_ptr, cand_idx_ptr, counter_ptr + row, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
-        BLOCK_V, LIST_BLOCK, SEARCH_BLOCK, ACC,
+        BLOCK_V, LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
     )  # fmt: skip
 
     # Philox key = the row's seed; counter = (vocab index, salt, offset): the
@@ -475,18 +482,18 @@ def _truncated_fwd_kernel(
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
     WITH_STATS: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
     ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, BLOCK_V: tl.constexpr,
-    LIST_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, ACC: tl.constexpr,
+    LIST_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
-    cand_vals_ptr += row * _CANDIDATES
-    cand_idx_ptr += row * _CANDIDATES
+    cand_vals_ptr += row * LIST_CAP
+    cand_idx_ptr += row * LIST_CAP
     bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept, _, _, _ = _select(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
         ), cand_vals_ptr, cand_idx_ptr, counter_ptr + row, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
-        BLOCK_V, LIST_BLOCK, SEARCH_BLOCK, ACC,
+        BLOCK_V, LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
     )  # fmt: skip
     label = tl.load(labels_ptr + row).to(tl.int64)
     in_range = (label >= 0) & (label < V)

