@@ -19,11 +19,11 @@ row:
 A row is read three times (``_select``): its softmax statistics
 (reduce.softmax_stats), a histogram of its keys' top 12 bits with its first
 argmax, and the compaction into the row's candidate list of the tokens whose
-top digit can hold a kept token (``_candidate_floor``: from the k-th largest's
-digit up, or for top-p alone the digits above a mass bound). The thresholds (a
+top digit can hold a kept token (from the k-th largest's digit up, or for
+top-p alone the digits above a mass bound, ``_top_p_floor``). The thresholds (a
 radix selection for top-k, ``_kth_largest_key32``; a 16-way descent for top-p
 and for float64 keys, ``_largest_key_reaching``), the kept mass and the race
-then read the list of at most _CANDIDATES entries, so Philox runs for the
+then read the list of at most list_capacity(V) entries, so Philox runs for the
 candidates only. A row with more candidates than that (top-p over a flat row,
 min-p or temperature alone) runs the same steps with the row as its list.
 """
@@ -55,7 +55,7 @@ _WARPS = 16
 _BINS = tl.constexpr(4096)
 # Entries of a row's candidate list (_select): a top-k 50 row of an LLM holds a
 # few dozen to a few hundred tokens in the digits from its 50th largest up.
-_CANDIDATES = tl.constexpr(1024)
+_CANDIDATES = 1024
 
 
 def _row_block(vocab: int) -> int:
@@ -69,20 +69,21 @@ def _launch_config(logits: torch.Tensor) -> dict:
     other passes over the row, of the passes over the candidate list, and of
     the digit search."""
     block = _row_block(logits.shape[-1])
-    return tile_config(logits, num_warps=_WARPS) | {"BLOCK_V": block, "LIST_BLOCK": min(block, _CANDIDATES.value),
-                                  "SEARCH_BLOCK": min(block, _MAX_SEARCH_BLOCK),
-                                                      "LIST_CAP": list_capacity(logits.shape[-1])}  # fmt: skip
+    return tile_config(logits, num_warps=_WARPS) | {
+        "BLOCK_V": block, "LIST_BLOCK": min(block, _CANDIDATES), "SEARCH_BLOCK": min(block, _MAX_SEARCH_BLOCK),
+        "LIST_CAP": list_capacity(logits.shape[-1]),
+    }  # fmt: skip
 
 
 def list_capacity(vocab: int) -> int:
     """Entries of a row's candidate list: _CANDIDATES, and at most V / 8 (the list
     never outweighs the row: 6/16 of a bfloat16 row at most)."""
-    return max(1, min(_CANDIDATES.value, vocab // 8))
+    return max(1, min(_CANDIDATES, vocab // 8))
 
 
 def _candidate_lists(logits: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's candidate list (_select): logits as stored and int32 indices,
-    _CANDIDATES of each per row (6 KB a bfloat16 row), and its counter (zero)."""
+    """Each row's candidate list (_select): list_capacity logits as stored and as
+    many int32 indices (6 KB a bfloat16 row at most), and its counter (zero)."""
     shape = (n_rows, list_capacity(logits.shape[-1]))
     return (torch.empty(shape, dtype=logits.dtype, device=logits.device),
             torch.empty(shape, dtype=torch.int32, device=logits.device),
@@ -115,6 +116,14 @@ def _key_to_value(key, ACC: tl.constexpr):
         return tl.where((key >> 63) == 1, key & 0x7FFFFFFFFFFFFFFF, key ^ 0xFFFFFFFFFFFFFFFF).to(tl.float64, bitcast=True)
     else:
         return tl.where((key >> 31) == 1, key & 0x7FFFFFFF, key ^ 0xFFFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _top_digit_of(key):
+    """The top digit of _order_key's keys: their 12 highest bits (the sign, the
+    exponent and, for 32-bit keys, 3 mantissa bits), a bin of _BINS."""
+    SHIFT: tl.constexpr = key.dtype.primitive_bitwidth - 12
+    return (key >> SHIFT).to(tl.int32)
 
 
 @triton.jit
@@ -159,7 +168,7 @@ def _largest_key_reaching(row_ptr, V, m, inv_t, floor_key, target, WEIGHTED: tl.
 def _digit_histogram(row_ptr, V, floor_key, prefix, PREFIX_SHIFT: tl.constexpr, DIGIT_SHIFT: tl.constexpr,
                      BINS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Counts [BINS] of the digit (key >> DIGIT_SHIFT) % BINS over the row's 32-bit
-    keys >= floor_key whose bits above PREFIX_SHIFT equal ``prefix``. The keys left
+    keys >= floor_key whose bits above PREFIX_SHIFT (< 32) equal ``prefix``. The keys left
     out are masked out of the histogram (not sent to a bin of their own: on a GPU
     the histogram adds with shared-memory atomics, and most of a later pass's keys
     are left out, so one bin would serialise every warp's adds)."""
@@ -167,9 +176,7 @@ def _digit_histogram(row_ptr, V, floor_key, prefix, PREFIX_SHIFT: tl.constexpr, 
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         key = _order_key(tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32))
-        live = (offs < V) & (key >= floor_key)
-        if PREFIX_SHIFT < 32:
-            live &= (key >> PREFIX_SHIFT) == prefix
+        live = (offs < V) & (key >= floor_key) & ((key >> PREFIX_SHIFT) == prefix)
         digit = ((key >> DIGIT_SHIFT) & (BINS - 1)).to(tl.int32)
         counts += tl.histogram(digit, BINS, mask=live)
     return counts
@@ -187,14 +194,13 @@ def _top_digit(counts, k, BINS: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest_key32(row_ptr, V, floor_key, k, BLOCK: tl.constexpr):
-    """The k-th largest 32-bit key of the row among keys >= floor_key (0 < k <= their
-    count): the largest key u with #{key >= max(u, floor_key)} >= k, as
-    _largest_key_reaching counts it, by radix selection in three passes: a
-    histogram of the top 12 bits, then of the next 12 among the keys in the chosen
-    bin, then of the last 8 among those left; each pass fixes a digit of the answer."""
-    counts = _digit_histogram(row_ptr, V, floor_key, 0, 32, 20, 4096, BLOCK)
-    d1, k = _top_digit(counts, k, 4096)
+def _kth_largest_key32(row_ptr, V, floor_key, d1, k, BLOCK: tl.constexpr):
+    """The k-th largest 32-bit key of the row among keys >= floor_key: the largest
+    key u with #{key >= max(u, floor_key)} >= k, as _largest_key_reaching counts
+    it, by radix selection, given its top 12 bits d1 and its rank k among the
+    keys with those bits (_top_digit of the row's histogram, _select): a
+    histogram of the next 12 bits among the keys in d1, then of the last 8 among
+    those left; each pass fixes a digit of the answer."""
     counts = _digit_histogram(row_ptr, V, floor_key, d1, 20, 8, 4096, BLOCK)
     d2, k = _top_digit(counts, k, 4096)
     prefix = (d1 << 12) | d2
@@ -234,55 +240,46 @@ def _row_params(row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_
 
 @triton.jit
 def _histogram_and_argmax(row_ptr, V, m, BLOCK: tl.constexpr, ACC: tl.constexpr):
-    """One read of the row: the counts [_BINS] of its keys' top digit (key >> the
-    key width less 12: the sign, the exponent and, for 32-bit keys, 3 mantissa
-    bits) and its first argmax (the lowest index with x == m; V when none is).
-    Each lane keeps its own first index (its indices only grow), merged once."""
-    SHIFT: tl.constexpr = 52 if ACC == tl.float64 else 20
+    """One read of the row: the counts [_BINS] of its keys' top digit
+    (_top_digit_of) and its first argmax (the lowest index with x == m; V when
+    none is). Each lane keeps its own first index (its indices only grow),
+    merged once."""
     counts = tl.zeros([_BINS], tl.int32)
     first = tl.full([BLOCK], V, tl.int32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(ACC)
-        counts += tl.histogram((_order_key(x) >> SHIFT).to(tl.int32), _BINS, mask=offs < V)
+        counts += tl.histogram(_top_digit_of(_order_key(x)), _BINS, mask=offs < V)
         first = tl.minimum(first, tl.where(x == m, offs, V))
     return counts, tl.min(first, axis=0)
 
 
 @triton.jit
-def _candidate_floor(counts, k, k_on, p, p_on, m, inv_t, s, ACC: tl.constexpr):
-    """The lowest top digit a kept token can have: every token whose digit is at
-    least this one is a candidate, and no other can be kept. With top-k, the
-    digit of the k-th largest key (top-p only narrows the top-k set). With top-p
-    alone, the largest digit b whose higher digits hold a mass of at least
-    p * s even at their lowest logits (count * exp((lowest logit - m) / T) per
-    digit, a lower bound): the tokens of digit <= b have at least that mass
-    strictly above them, so top-p drops them. The bound is taken with a margin of 2^-8, far above
-    its float32 rounding (4096 terms: < 2^-11 relative), so that a rounding
-    never drops a token the exact search keeps. 0 (every token) otherwise."""
-    SHIFT: tl.constexpr = 52 if ACC == tl.float64 else 20
+def _top_p_floor(counts, p, m, inv_t, s, ACC: tl.constexpr):
+    """For top-p alone, the lowest top digit a kept token can have: the largest
+    digit b whose higher digits hold a mass of at least p * s even at their
+    lowest logits (count * exp((lowest logit - m) / T) per digit, a lower
+    bound); the tokens of digit <= b have at least that mass strictly above
+    them, so top-p drops them. The bound is taken with a margin of 2^-8, far
+    above its float32 rounding (4096 terms: < 2^-11 relative), so that a
+    rounding never drops a token the exact search keeps; 0 (every token) when no
+    digit has it."""
     KEY: tl.constexpr = tl.uint64 if ACC == tl.float64 else tl.uint32
     bins = tl.arange(0, _BINS)
-    floor = tl.zeros([], tl.int32)
-    if k_on:
-        at_or_above = tl.cumsum(counts, 0, reverse=True)
-        floor = tl.max(tl.where(at_or_above >= k, bins, 0), axis=0)
-    elif p_on:
-        lowest = _key_to_value(bins.to(KEY) << SHIFT, ACC)
-        # reach[b]: the bound on the mass of digits >= b. Only a bad row (never
-        # p_on) counts a key whose digit's lowest key is no logit (NaN bits),
-        # but -inf shares digit 0 with such keys: NaN there makes reach[0] NaN,
-        # which reaches nothing, as 0 would.
-        reach = tl.cumsum(tl.where(counts > 0, tl.exp((lowest - m) * inv_t) * counts, 0.0), 0, reverse=True)
-        floor = tl.maximum(tl.max(tl.where(reach >= p * s * 1.00390625, bins, 0), axis=0) - 1, 0)
-    return floor
+    lowest = _key_to_value(bins.to(KEY) << (KEY.primitive_bitwidth - 12), ACC)
+    # reach[b]: the bound on the mass of digits >= b. Only a bad row (never
+    # top-p) counts a key whose digit's lowest key is no logit (NaN bits), but
+    # -inf shares digit 0 with such keys: NaN there makes reach[0] NaN, which
+    # reaches nothing, as 0 would.
+    reach = tl.cumsum(tl.where(counts > 0, tl.exp((lowest - m) * inv_t) * counts, 0.0), 0, reverse=True)
+    return tl.maximum(tl.max(tl.where(reach >= p * s * 1.00390625, bins, 0), axis=0) - 1, 0)
 
 
 @triton.jit
 def _compact(row_ptr, V, floor, list_ptr, cand_idx_ptr, counter_ptr, REPS: tl.constexpr, LANES: tl.constexpr,
              VEC: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
-    """Writes the row's tokens whose top digit is >= floor (at most _CANDIDATES)
-    to the candidate list: their logits (as stored) at list_ptr and their
+    """Writes the row's tokens whose top digit is >= floor (at most the list's
+    capacity) to the candidate list: their logits (as stored) at list_ptr and their
     indices at cand_idx_ptr.
 
     One read of the row, in softmax_stats' tile (a thread's REPS x VEC elements,
@@ -292,12 +289,11 @@ def _compact(row_ptr, V, floor, list_ptr, cand_idx_ptr, counter_ptr, REPS: tl.co
     threads. The ranges' order is the atomics' (any): everything computed from
     the list is independent of its order (counts, a max with ties to the lowest
     index, and masses summed in fixed point, _mass_units)."""
-    SHIFT: tl.constexpr = 52 if ACC == tl.float64 else 20
     lane_offs, rep_offs = tile_offsets(REPS, LANES, VEC)
     for start in range(0, V, REPS * LANES * VEC):
         offs = (start + lane_offs) + rep_offs
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
-        take = ((offs < V) & ((_order_key(x.to(ACC)) >> SHIFT).to(tl.int32) >= floor)).to(tl.int32)
+        take = ((offs < V) & (_top_digit_of(_order_key(x.to(ACC))) >= floor)).to(tl.int32)
         per_rep = tl.sum(take, axis=2)  # [REPS, LANES]: all inside a thread
         per_lane = tl.sum(per_rep, axis=0)
         base = tl.atomic_add(counter_ptr + tl.zeros_like(per_lane), per_lane, mask=per_lane > 0)
@@ -357,8 +353,7 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_vals_ptr, cand_idx_ptr, coun
 
     Three reads of the row: its statistics (reduce.softmax_stats: m, s and the
     number of maxima), the top-digit histogram with the first argmax, and the
-    compaction of the candidates (_candidate_floor) into this row's list of
-    _CANDIDATES entries. The thresholds, s_kept and the draw then read the list
+    compaction of the candidates into this row's list of LIST_CAP entries. The thresholds, s_kept and the draw then read the list
     only. A row with more candidates than that (top-p over a flat row, no
     filter at all) uses the row itself as its list: the same code, each step a
     read of the row."""
@@ -375,7 +370,16 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_vals_ptr, cand_idx_ptr, coun
     active = (~bad) & (~greedy)
     k_on = active & (k > 0) & (k < V)
     p_on = active & (p < 1)
-    floor = _candidate_floor(counts, k, k_on, p.to(ACC), p_on, m_safe, inv_t, s.to(ACC), ACC)
+    # The candidates: the tokens whose top digit is >= floor, where no other can
+    # be kept: from the k-th largest key's digit up (top-p only narrows the
+    # top-k set), or top-p's mass bound, or every token.
+    floor = tl.zeros([], tl.int32)
+    k_rank = k  # the k-th largest's rank among the keys of its digit
+    if k_on:
+        top, k_rank = _top_digit(counts, k, _BINS)
+        floor = top.to(tl.int32)
+    elif p_on:
+        floor = _top_p_floor(counts, p.to(ACC), m_safe, inv_t, s.to(ACC), ACC)
     n_candidates = tl.sum(tl.where(tl.arange(0, _BINS) >= floor, counts, 0), axis=0)
     compacted = active & (n_candidates <= LIST_CAP) & (n_candidates < V)
     if ACC == tl.float64:  # float64 sums stay float64, in row order (_mass_units)
@@ -390,7 +394,7 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_vals_ptr, cand_idx_ptr, coun
         if ACC == tl.float64:
             threshold = _largest_key_reaching(list_ptr, n_list, m_safe, inv_t, threshold, k, False, SEARCH_BLOCK, ACC)
         else:
-            threshold = _kth_largest_key32(list_ptr, n_list, threshold, k, LIST_BLOCK)
+            threshold = _kth_largest_key32(list_ptr, n_list, threshold, floor.to(tl.uint32), k_rank, LIST_BLOCK)
     if p_on:
         top_k_mass = s  # top-k off: the row's mass (float64)
         if k_on:

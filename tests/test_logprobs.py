@@ -425,19 +425,21 @@ def test_sliced_logits_are_read_in_place(device, backend, layout):
                 peak, out = _largest_allocation(lambda: call(logits))
                 if name in ("sample", "truncated_logprobs") and backend == "triton":
                     # the sampler's per-row candidate lists (at most V / 8 entries)
-                    peak -= row_count(logits) * list_capacity(512) * (logits.element_size() + 4)
+                    peak -= row_count(logits) * list_capacity(logits.shape[-1]) * (logits.element_size() + 4)
                 assert peak < budget, f"{name} allocated {peak} bytes on {layout} logits"
                 # The same rows in the same order: bitwise the results of a contiguous
                 # copy, unless the two launches tile the rows differently: a forward
                 # reduction reads rows that all start on a 16-byte boundary 128 bits a
                 # lane, others one element a lane (kernels.logprobs.tile_config), and
-                # the vocab slice's rows are aligned where its copy's (V = 507) are not.
+                # the vocab slice's rows are aligned where its copy's (V = 507) are not
+                # (the sampler's statistics pass is that forward's, so its raw log-probs too).
                 # Then the two float32 sums differ in order only: each is within
-                # DESIGN.md's output bound of the float64 sum, so they are within twice it.
+                # DESIGN.md's output bound of the float64 sum, so they are within twice it
+                # (tokens, integers, are then compared exactly: the bound is below 1).
                 copy = logits.contiguous()
                 copy_out = call(copy)
                 pairs = list(zip(out, copy_out)) if isinstance(out, tuple) else [(out, copy_out)]
-                tiled_alike = rows_aligned(logits) == rows_aligned(copy) or name in ("sample", "truncated_logprobs")
+                tiled_alike = rows_aligned(logits) == rows_aligned(copy)
                 for a, b in pairs:
                     if tiled_alike:
                         assert torch.equal(a, b), f"{name} differs from a contiguous copy"

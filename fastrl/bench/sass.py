@@ -198,7 +198,7 @@ _ISSUE_14 = "issue 14: a cheaper candidate compaction, and rows split over sever
 # (fragment of the case id, role, gate) -> the change that fixes it.
 KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
     # the sampler and the truncated log-probs' selection: three passes now, the
-    # compaction's dearest (25 SASS per element); one program per row
+    # compaction's dearest (36 SASS per element); one program per row
     ("", "sample", "SASS/element"): _ISSUE_14,
     ("", "truncated_logprobs fwd", "SASS/element"): _ISSUE_14,
     ("[1x", "sample", "grid"): _ISSUE_14,
