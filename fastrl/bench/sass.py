@@ -36,7 +36,9 @@ How it predicts one launch (``fastrl.bench.sass_model.predict``), on an H100
   are priced as a copy) + L2 bytes / 7 TB/s. The bytes are a loop's SASS loads
   and stores times the threads and iterations, plus what the TTGIR loads and
   stores outside loops; a repeat pass over a row is an L2 hit for the share of
-  the resident CTAs' rows that fits in 3/4 of the 50 MB L2.
+  the resident CTAs' rows that fits in 3/4 of the 50 MB L2. The predicated
+  stores of a compaction (the sampler's candidate list: a case's ``compaction``)
+  write at most the list's capacity a row, not one entry per element.
 - Issue time T_issue = warp instructions / (4 schedulers x 132 SMs x 1.755 GHz),
   the warp instructions being each loop's hot-path SASS x warps x iterations x
   CTAs plus the straight-line code. 1.755 GHz is the clock an H100 sustains under
@@ -233,7 +235,8 @@ def _tensor_bytes(value) -> int:
     return 0
 
 
-def _loop_runs(k: sm.KernelAnalysis, bound: dict, untaken: tuple[str, ...], grid: int) -> list[sm.LoopRun]:
+def _loop_runs(k: sm.KernelAnalysis, bound: dict, untaken: tuple[str, ...], grid: int,
+               compaction: tuple[str, str] | None = None) -> list[sm.LoopRun]:  # fmt: skip
     import torch
 
     runs, seen_args = [], set()
@@ -256,7 +259,10 @@ def _loop_runs(k: sm.KernelAnalysis, bound: dict, untaken: tuple[str, ...], grid
             cached = min(1.0, 0.75 * sm.H100.l2_bytes / max(resident * row_bytes, 1))
         if row and executed:
             seen_args |= set(loop.load_args)
-        runs.append(sm.LoopRun(loop, trips, loop.step / k.threads, row, cached, executed, span))
+        store_share = 1.0
+        if compaction and span and any(compaction[0] in guard for guard in loop.guards):
+            store_share = min(1.0, bound[compaction[1]] / span)
+        runs.append(sm.LoopRun(loop, trips, loop.step / k.threads, row, cached, executed, span, store_share))
     return runs
 
 
@@ -308,6 +314,7 @@ def launch_row(launch: Launch) -> dict:
             "trips": r.trips, "executed": r.executed, "row": r.row, "l2_share": round(r.cached, 3),
             "sass": r.loop.hot["sass"], "elements_per_thread": r.elements_per_thread,
             "barriers": r.loop.hot["barriers"], "ldg": r.loop.hot["ldg"], "mapped": r.loop.mapped,
+            **({"store_share": round(r.store_share, 4)} if r.store_share < 1 else {}),
         } for r in launch.runs],
         "min_bytes": launch.min_bytes, "notes": k.notes,
         "predicted": {n: _rounded(p) for n, p in predicted.items()},
@@ -400,7 +407,7 @@ def run_model(archs: tuple[int, ...] = (90, 80), workers: int | None = None,
             analyses[v.key()] = sm.analyse_triton(result, 90, params)
         k = analyses[v.key()]
         grid = math.prod(launch.grid)
-        runs = _loop_runs(k, v.bound, case.untaken, grid)
+        runs = _loop_runs(k, v.bound, case.untaken, grid, case.compaction)
         reads = {id(v.bound[a]): _tensor_bytes(v.bound[a]) for a in k.loads if _tensor_bytes(v.bound.get(a))}
         writes = {id(v.bound[a]): _tensor_bytes(v.bound[a]) for a in k.stores if _tensor_bytes(v.bound.get(a))}
         dtype = str(case.dtype).replace("torch.", "")

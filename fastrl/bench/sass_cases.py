@@ -51,6 +51,10 @@ class Case:
     run: Callable[[], None]
     untaken: tuple[str, ...] = ()
     backend: str = "triton"
+    # (guard fragment, constexpr): the loops under that ``if`` compact a row, each
+    # of their (predicated) stores writing at most that many entries a row (the
+    # sampler's candidate list), not one per element as the model otherwise counts.
+    compaction: tuple[str, str] | None = None
 
     @property
     def id(self) -> str:
@@ -162,19 +166,24 @@ def _truncated(n: int, v: int, dtype: torch.dtype) -> Callable[[], None]:
 # list holds runs them over the whole row, which these cases do not model.
 TOP_K_SEARCH = "if k_on"
 TOP_P_SEARCH = "if p_on"
+# Its compaction pass (_compact, under ``if compacted``) writes at most LIST_CAP
+# candidates a row.
+COMPACTION = ("if compacted", "LIST_CAP")
 
 
 def _sampling_cases() -> list[Case]:
     out = []
     for batch in SAMPLING_BATCHES:
         out.append(Case("sample top-k 50", (batch, SAMPLING_VOCAB), BF16, ("sample",),
-                        _sample(batch, SAMPLING_VOCAB, {"top_k": 50}), untaken=(TOP_P_SEARCH,)))  # fmt: skip
+                        _sample(batch, SAMPLING_VOCAB, {"top_k": 50}), untaken=(TOP_P_SEARCH,),
+                        compaction=COMPACTION))  # fmt: skip
         out.append(Case("sample top-p 0.9", (batch, SAMPLING_VOCAB), BF16, ("sample",),
-                        _sample(batch, SAMPLING_VOCAB, {"top_p": 0.9}), untaken=(TOP_K_SEARCH,)))  # fmt: skip
+                        _sample(batch, SAMPLING_VOCAB, {"top_p": 0.9}), untaken=(TOP_K_SEARCH,),
+                        compaction=COMPACTION))  # fmt: skip
     n, v, dtype = TRUNCATED_SHAPE
     out.append(Case("truncated_logprobs top-k 50 fwd+bwd", (n, v), dtype,
                     ("truncated_logprobs fwd", "truncated_logprobs bwd"), _truncated(n, v, dtype),
-                    untaken=(TOP_P_SEARCH,)))  # fmt: skip
+                    untaken=(TOP_P_SEARCH,), compaction=COMPACTION))  # fmt: skip
     return out
 
 

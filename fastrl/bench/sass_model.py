@@ -243,6 +243,7 @@ class LoopRun:
     cached: float  # share of its reads served by L2 (a repeat pass over rows still there)
     executed: bool
     span: int = 0  # elements between its bounds (the row length for a row loop)
+    store_share: float = 1.0  # share of its stores' bytes written (a compaction's, sass_cases.Case.compaction)
 
 
 def occupancy(k: KernelAnalysis, dev: Device) -> dict:
@@ -319,7 +320,7 @@ def predict(k: KernelAnalysis, runs: list[LoopRun], grid: int, dev: Device, stra
         if not run.executed or run.trips <= 0:
             continue
         hot = run.loop.hot
-        cta_bytes = (hot["ld_bits"] + hot["st_bits"]) * threads / 8
+        cta_bytes = (hot["ld_bits"] + hot["st_bits"] * run.store_share) * threads / 8
         ld_bytes = hot["ld_bits"] * threads / 8
         b_l2 = ld_bytes * run.cached
         b_dram = cta_bytes - b_l2
