@@ -17,15 +17,18 @@ row:
               with its processed probability; ties go to the lowest index.
 
 A row is read three times (``_select``): its softmax statistics
-(reduce.softmax_stats), a histogram of its keys' top 12 bits with its first
-argmax, and the compaction into the row's candidate list of the tokens whose
-top digit can hold a kept token (from the k-th largest's digit up, or for
-top-p alone the digits above a mass bound, ``_top_p_floor``). The thresholds (a
-radix selection for top-k, ``_kth_largest_key32``; a 16-way descent for top-p
-and for float64 keys, ``_largest_key_reaching``), the kept mass and the race
-then read the list of at most list_capacity(V) entries, so Philox runs for the
-candidates only. A row with more candidates than that (top-p over a flat row,
-min-p or temperature alone) runs the same steps with the row as its list.
+(reduce.softmax_stats), a histogram of its keys' top 12 bits, and the
+compaction into the row's candidate list of the tokens whose top digit can
+hold a kept token (from the k-th largest's digit up, for top-p alone the
+digits above a mass bound, ``_top_p_floor``, for greedy rows the max's digit).
+The thresholds (a radix selection for top-k, ``_kth_largest_key32``; a 16-way
+descent for top-p and for float64 keys, ``_largest_key_reaching``), the kept
+mass, the first argmax and the race then read the list of at most
+list_capacity(V) entries, so Philox runs for the candidates only. A row with
+more candidates than that (top-p over a flat row) runs the same steps with the
+row as its list; rows with min-p or temperature alone (nothing to list) and
+float64 rows skip the histogram and the compaction and read the row twice
+more, for the kept mass and the race.
 """
 
 from __future__ import annotations
@@ -43,15 +46,20 @@ from .logprobs import tile_config
 from .reduce import log_sum, row_start, softmax_stats, tile_offsets
 
 _MAX_BLOCK_V = 4096
+# The top-digit histogram adds a block with shared-memory atomics between
+# barriers (3 a block): 16 elements a thread halve the barriers per element
+# (sm_90 model, truncated_logprobs fwd at 16384 x 151936: 6.2 -> 5.5 ms).
+_MAX_HIST_BLOCK = 8192
 # The digit search tests 16 pivots per element, a [block, 16] tile: a smaller
 # block keeps it in registers.
 _MAX_SEARCH_BLOCK = 512
 # A program's warps. The forward holds far more than a log-prob forward (a
-# 4096-bin histogram, the digit search, the race): at 8 warps a thread needs
-# 175 registers and an SM runs one program (8 warps); at 16 it needs 128 and
-# runs 16 warps (sm_90 model, sample top-k 50, B = 1024: 1.17 -> 1.07 ms).
+# 4096-bin histogram, the digit search, the race): 16 warps of at most 94
+# registers, one program per SM. (A cap of 64 registers, maxnreg, would fit two
+# without spills: predicted 7% faster at B >= 256, 15% slower at B = 1; left
+# for a GPU to decide.)
 _WARPS = 16
-# The top digit of a key: its 12 highest bits (_histogram_and_argmax).
+# The top digit of a key: its 12 highest bits (_top_digit_histogram).
 _BINS = tl.constexpr(4096)
 # Entries of a row's candidate list (_select): a top-k 50 row of an LLM holds a
 # few dozen to a few hundred tokens in the digits from its 50th largest up.
@@ -64,29 +72,33 @@ def _row_block(vocab: int) -> int:
 
 def _launch_config(logits: torch.Tensor) -> dict:
     """The forward kernels' meta-parameters for rows of ``logits`` (V, dtype and
-    alignment only, never the batch): the statistics pass's tile
-    (logprobs.tile_config, whose num_warps the launch takes), the block of the
-    other passes over the row, of the passes over the candidate list, and of
-    the digit search."""
-    block = _row_block(logits.shape[-1])
+    alignment only, never the batch): the statistics and compaction passes'
+    tile (logprobs.tile_config, whose num_warps the launch takes), the block of
+    the histogram pass, of the passes over the candidate list, and of the digit
+    search."""
+    vocab = logits.shape[-1]
+    block = _row_block(vocab)
     return tile_config(logits, num_warps=_WARPS) | {
-        "BLOCK_V": block, "LIST_BLOCK": min(block, _CANDIDATES), "SEARCH_BLOCK": min(block, _MAX_SEARCH_BLOCK),
-        "LIST_CAP": list_capacity(logits.shape[-1]),
+        "HIST_BLOCK": min(triton.next_power_of_2(vocab), _MAX_HIST_BLOCK), "LIST_BLOCK": min(block, _CANDIDATES),
+        "SEARCH_BLOCK": min(block, _MAX_SEARCH_BLOCK), "LIST_CAP": list_capacity(vocab),
     }  # fmt: skip
 
 
 def list_capacity(vocab: int) -> int:
     """Entries of a row's candidate list: _CANDIDATES, and at most V / 8 (the list
-    never outweighs the row: 6/16 of a bfloat16 row at most)."""
+    never outweighs the row: 8/16 of a bfloat16 row at most)."""
     return max(1, min(_CANDIDATES, vocab // 8))
 
 
-def _candidate_lists(logits: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's candidate list (_select): list_capacity logits as stored and as
-    many int32 indices (6 KB a bfloat16 row at most), and its counter (zero)."""
-    shape = (n_rows, list_capacity(logits.shape[-1]))
-    return (torch.empty(shape, dtype=logits.dtype, device=logits.device),
-            torch.empty(shape, dtype=torch.int32, device=logits.device),
+def candidate_list_bytes(logits: torch.Tensor) -> int:
+    """The forward kernels' workspace for ``logits``' rows (_candidate_lists)."""
+    return row_count(logits) * (list_capacity(logits.shape[-1]) * 8 + 4)
+
+
+def _candidate_lists(logits: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's candidate list (_select, _compact): list_capacity int64 entries
+    (8 KB a row at most), and its counter (zero)."""
+    return (torch.empty(n_rows, list_capacity(logits.shape[-1]), dtype=torch.int64, device=logits.device),
             torch.zeros(n_rows, dtype=torch.int32, device=logits.device))  # fmt: skip
 
 
@@ -127,11 +139,11 @@ def _top_digit_of(key):
 
 
 @triton.jit
-def _largest_key_reaching(row_ptr, V, m, inv_t, floor_key, target, WEIGHTED: tl.constexpr,
-                          BLOCK: tl.constexpr, ACC: tl.constexpr):
+def _largest_key_reaching(row_ptr, cand_ptr, compacted, n, m, inv_t, floor_key, target, WEIGHTED: tl.constexpr,
+                          BLOCK: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """The largest key u with F(u) >= target, where F(u) counts (or, WEIGHTED,
     sums e_j = exp((x_j - m) / T) over, in _mass_units; the target a float64 mass)
-    the tokens with key >= max(u, floor_key).
+    the list's tokens (_list_entries) with key >= max(u, floor_key).
     F is non-increasing, so a descent digit by digit (16 pivots per pass, most
     significant first) keeps the largest pivot that still reaches the target."""
     KEY_BITS: tl.constexpr = 64 if ACC == tl.float64 else 32
@@ -145,11 +157,10 @@ def _largest_key_reaching(row_ptr, V, m, inv_t, floor_key, target, WEIGHTED: tl.
             reach = tl.zeros([16], tl.float64 if ACC == tl.float64 else tl.int64)
         else:
             reach = tl.zeros([16], tl.int64)
-        for start in range(0, V, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(ACC)
+        for start in range(0, n, BLOCK):
+            x, _, live = _list_entries(row_ptr, cand_ptr, compacted, n, start + tl.arange(0, BLOCK), ACC)
             key = _order_key(x)
-            live = (offs < V) & (key >= floor_key)
+            live = live & (key >= floor_key)
             above = (key[:, None] >= pivots[None, :]) & live[:, None]
             if WEIGHTED:
                 e = _mass_units(tl.exp((x - m) * inv_t), ACC)
@@ -165,18 +176,18 @@ def _largest_key_reaching(row_ptr, V, m, inv_t, floor_key, target, WEIGHTED: tl.
 
 
 @triton.jit
-def _digit_histogram(row_ptr, V, floor_key, prefix, PREFIX_SHIFT: tl.constexpr, DIGIT_SHIFT: tl.constexpr,
-                     BINS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """Counts [BINS] of the digit (key >> DIGIT_SHIFT) % BINS over the row's 32-bit
-    keys >= floor_key whose bits above PREFIX_SHIFT (< 32) equal ``prefix``. The keys left
+def _digit_histogram(row_ptr, cand_ptr, compacted, n, floor_key, prefix, PREFIX_SHIFT: tl.constexpr,
+                     DIGIT_SHIFT: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Counts [BINS] of the digit (key >> DIGIT_SHIFT) % BINS over the list's
+    (_list_entries) 32-bit keys >= floor_key whose bits above PREFIX_SHIFT (< 32) equal ``prefix``. The keys left
     out are masked out of the histogram (not sent to a bin of their own: on a GPU
     the histogram adds with shared-memory atomics, and most of a later pass's keys
     are left out, so one bin would serialise every warp's adds)."""
     counts = tl.zeros([BINS], tl.int32)
-    for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        key = _order_key(tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32))
-        live = (offs < V) & (key >= floor_key) & ((key >> PREFIX_SHIFT) == prefix)
+    for start in range(0, n, BLOCK):
+        x, _, live = _list_entries(row_ptr, cand_ptr, compacted, n, start + tl.arange(0, BLOCK), tl.float32)
+        key = _order_key(x)
+        live = live & (key >= floor_key) & ((key >> PREFIX_SHIFT) == prefix)
         digit = ((key >> DIGIT_SHIFT) & (BINS - 1)).to(tl.int32)
         counts += tl.histogram(digit, BINS, mask=live)
     return counts
@@ -194,17 +205,17 @@ def _top_digit(counts, k, BINS: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest_key32(row_ptr, V, floor_key, d1, k, BLOCK: tl.constexpr):
-    """The k-th largest 32-bit key of the row among keys >= floor_key: the largest
+def _kth_largest_key32(row_ptr, cand_ptr, compacted, n, floor_key, d1, k, BLOCK: tl.constexpr):
+    """The k-th largest 32-bit key of the list (_list_entries) among keys >= floor_key: the largest
     key u with #{key >= max(u, floor_key)} >= k, as _largest_key_reaching counts
     it, by radix selection, given its top 12 bits d1 and its rank k among the
     keys with those bits (_top_digit of the row's histogram, _select): a
     histogram of the next 12 bits among the keys in d1, then of the last 8 among
     those left; each pass fixes a digit of the answer."""
-    counts = _digit_histogram(row_ptr, V, floor_key, d1, 20, 8, 4096, BLOCK)
+    counts = _digit_histogram(row_ptr, cand_ptr, compacted, n, floor_key, d1, 20, 8, 4096, BLOCK)
     d2, k = _top_digit(counts, k, 4096)
     prefix = (d1 << 12) | d2
-    counts = _digit_histogram(row_ptr, V, floor_key, prefix, 8, 0, 256, BLOCK)
+    counts = _digit_histogram(row_ptr, cand_ptr, compacted, n, floor_key, prefix, 8, 0, 256, BLOCK)
     d3, _ = _top_digit(counts, k, 256)
     return (prefix << 8) | d3
 
@@ -239,19 +250,15 @@ def _row_params(row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_
 
 
 @triton.jit
-def _histogram_and_argmax(row_ptr, V, m, BLOCK: tl.constexpr, ACC: tl.constexpr):
-    """One read of the row: the counts [_BINS] of its keys' top digit
-    (_top_digit_of) and its first argmax (the lowest index with x == m; V when
-    none is). Each lane keeps its own first index (its indices only grow),
-    merged once."""
+def _top_digit_histogram(row_ptr, V, BLOCK: tl.constexpr):
+    """One read of the row: the counts [_BINS] of its 32-bit keys' top digit
+    (_top_digit_of)."""
     counts = tl.zeros([_BINS], tl.int32)
-    first = tl.full([BLOCK], V, tl.int32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(ACC)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
         counts += tl.histogram(_top_digit_of(_order_key(x)), _BINS, mask=offs < V)
-        first = tl.minimum(first, tl.where(x == m, offs, V))
-    return counts, tl.min(first, axis=0)
+    return counts
 
 
 @triton.jit
@@ -276,30 +283,52 @@ def _top_p_floor(counts, p, m, inv_t, s, ACC: tl.constexpr):
 
 
 @triton.jit
-def _compact(row_ptr, V, floor, list_ptr, cand_idx_ptr, counter_ptr, REPS: tl.constexpr, LANES: tl.constexpr,
-             VEC: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+def _compact(row_ptr, V, floor, cand_ptr, counter_ptr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
+             ACC: tl.constexpr):  # fmt: skip
     """Writes the row's tokens whose top digit is >= floor (at most the list's
-    capacity) to the candidate list: their logits (as stored) at list_ptr and their
-    indices at cand_idx_ptr.
+    capacity) to the candidate list at cand_ptr, one int64 per token: the bits of
+    its logit as a float32 (exact for the 16- and 32-bit types) above its index
+    (_list_entries reads them).
 
     One read of the row, in softmax_stats' tile (a thread's REPS x VEC elements,
-    reduce.tile_offsets): each thread counts its tile's candidates and places
-    them in registers, and a thread that has any takes a range of the list with
-    one atomic add on the row's counter (zero at launch); no value crosses
-    threads. The ranges' order is the atomics' (any): everything computed from
-    the list is independent of its order (counts, a max with ties to the lowest
-    index, and masses summed in fixed point, _mass_units)."""
+    reduce.tile_offsets): each thread counts its tile's candidates, takes a range
+    of the list with one atomic add on the row's counter (zero at launch), and
+    stores its candidates there one element at a time: element (r, v) of every
+    thread's tile as a [LANES] tensor (one per thread, taken out of the tile by
+    a reduction over the thread's own axes), so no value crosses threads and no
+    store needs the tile in another layout (a store of the [REPS, LANES, VEC]
+    tile at data-dependent addresses makes Triton move it through shared memory
+    first), and each candidate costs one 64-bit store. The ranges' order is the
+    atomics' (any): everything computed from the list is independent of its
+    order (counts, a max with ties to the lowest index, and masses summed in
+    fixed point, _mass_units)."""
     lane_offs, rep_offs = tile_offsets(REPS, LANES, VEC)
+    rep_of = tl.arange(0, REPS)[:, None, None]
+    vec_of = tl.arange(0, VEC)[None, None, :]
+    lane = tl.arange(0, LANES)
+    # Digit >= floor as one float compare, x >= the digit's lowest logit (keys
+    # order as the logits, -0.0 and +0.0 alike). floor >= 8 here: -inf is in
+    # digit 7 and only NaN bits below it, so a lower floor holds every token of
+    # a row without NaN, which is never compacted (_select).
+    lowest = _key_to_value(floor.to(tl.uint32) << 20, tl.float32)
     for start in range(0, V, REPS * LANES * VEC):
         offs = (start + lane_offs) + rep_offs
-        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
-        take = ((offs < V) & (_top_digit_of(_order_key(x.to(ACC))) >= floor)).to(tl.int32)
-        per_rep = tl.sum(take, axis=2)  # [REPS, LANES]: all inside a thread
-        per_lane = tl.sum(per_rep, axis=0)
-        base = tl.atomic_add(counter_ptr + tl.zeros_like(per_lane), per_lane, mask=per_lane > 0)
-        at = (base[None, :, None] + (tl.cumsum(per_rep, 0) - per_rep)[:, :, None]) + (tl.cumsum(take, 2) - take)
-        tl.store(list_ptr + at, x, mask=take != 0)
-        tl.store(cand_idx_ptr + at, offs, mask=take != 0)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        take = (x >= lowest).to(tl.int32)  # masked lanes: -inf < lowest
+        count = tl.sum(tl.sum(take, axis=2), axis=0)  # [LANES]: inside each thread
+        # relaxed: the list is read only after the barrier below
+        at = tl.atomic_add(counter_ptr + tl.zeros_like(count), count, mask=count > 0, sem="relaxed")
+        bits = x.to(tl.int32, bitcast=True)
+        for r in tl.static_range(REPS):
+            for v in tl.static_range(VEC):
+                # element (r, v) of each thread's tile: a sum of one term (of
+                # bits, which a float sum would not keep for -0.0)
+                here = (rep_of == r) & (vec_of == v)
+                bits_here = tl.sum(tl.sum(tl.where(here, bits, 0), axis=2), axis=0)
+                index = (start + r * (LANES * VEC) + lane * VEC + v).to(tl.uint32)  # >= 0: zero-extended
+                take_here = bits_here.to(tl.float32, bitcast=True) >= lowest
+                tl.store(cand_ptr + at, (bits_here.to(tl.int64) << 32) | index.to(tl.int64), mask=take_here)
+                at += take_here.to(tl.int32)
     tl.debug_barrier()  # the list is written before any thread reads it
 
 
@@ -327,36 +356,43 @@ def _mass_value(units, ACC: tl.constexpr):
 
 
 @triton.jit
-def _list_entries(list_ptr, cand_idx_ptr, compacted, n, offs, ACC: tl.constexpr):
-    """(logits, vocabulary indices, live) of entries ``offs`` of the list: the
-    candidates when ``compacted``, else the row itself (entry j is token j)."""
+def _list_entries(row_ptr, cand_ptr, compacted, n, offs, ACC: tl.constexpr):
+    """(logits in ACC, vocabulary indices, live) of entries ``offs`` of the list:
+    the candidates at cand_ptr when ``compacted`` (_compact's int64 entries), else
+    the row itself (entry j is token j)."""
     live = offs < n
-    x = tl.load(list_ptr + offs, mask=live, other=float("-inf")).to(ACC)
-    # (offs < n when compacted: a scalar-and-tensor & of booleans fails in
-    # Triton's interpreter)
-    index = tl.where(compacted, tl.load(cand_idx_ptr + offs, mask=offs < tl.where(compacted, n, 0), other=0), offs)
-    return x, index, live
+    if ACC == tl.float64:  # never compacted (_select)
+        return tl.load(row_ptr + offs, mask=live, other=float("-inf")).to(ACC), offs, live
+    else:
+        # (masks as compares with n or 0: a scalar-and-tensor & of booleans fails
+        # in Triton's interpreter)
+        entry = tl.load(cand_ptr + offs, mask=offs < tl.where(compacted, n, 0), other=0)
+        x = tl.load(row_ptr + offs, mask=offs < tl.where(compacted, 0, n), other=float("-inf")).to(ACC)
+        listed = (entry >> 32).to(tl.int32).to(tl.float32, bitcast=True).to(ACC)
+        x = tl.where(live, tl.where(compacted, listed, x), float("-inf"))
+        return x, tl.where(compacted, entry.to(tl.int32), offs), live
 
 
 @triton.jit
-def _select(row_ptr, V, t, k, p, min_p, valid, cand_vals_ptr, cand_idx_ptr, counter_ptr,
+def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr,
             REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
-            MAX_IN_STORAGE_TYPE: tl.constexpr, BLOCK_V: tl.constexpr, LIST_BLOCK: tl.constexpr,
+            MAX_IN_STORAGE_TYPE: tl.constexpr, HIST_BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr,
             SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """Everything about one row's processed distribution: (bad, greedy, m, first
     argmax, number of maxima, 1/T, log s, threshold key, log min_p, log s_kept,
-    the list (pointer, index pointer, compacted, length) that holds every kept
-    token) with s = sum_j e_j over the row, e_j = exp((x_j - m) / T), and s_kept
-    over the kept tokens (key >= threshold and (x - m) / T >= log min_p). A row is
-    bad (nothing to sample) with a NaN (s is NaN: reduce.softmax_stats), a +inf
-    (m = inf: softmax is NaN), only -inf (m = -inf), or an invalid parameter.
+    whether the row's kept tokens are on its candidate list (compacted; else
+    the list is the row, _list_entries), the list's length) with s = sum_j e_j
+    over the row, e_j = exp((x_j - m) / T), and s_kept over the kept tokens (key
+    >= threshold and (x - m) / T >= log min_p). A row is bad (nothing to sample)
+    with a NaN (s is NaN: reduce.softmax_stats), a +inf (m = inf: softmax is
+    NaN), only -inf (m = -inf), or an invalid parameter.
 
-    Three reads of the row: its statistics (reduce.softmax_stats: m, s and the
-    number of maxima), the top-digit histogram with the first argmax, and the
-    compaction of the candidates into this row's list of LIST_CAP entries. The thresholds, s_kept and the draw then read the list
-    only. A row with more candidates than that (top-p over a flat row, no
-    filter at all) uses the row itself as its list: the same code, each step a
-    read of the row."""
+    At most three reads of the row: its statistics (reduce.softmax_stats: m, s
+    and the number of maxima), the top-digit histogram, and the compaction of
+    the candidates into this row's list of LIST_CAP entries. The thresholds,
+    s_kept, the first argmax and the draw then read the list only. A row with
+    more candidates than that (top-p over a flat row) uses the row itself as
+    its list: the same code, each step a read of the row."""
     neg_inf = float("-inf")
     greedy = t == 0
     inv_t = tl.where(greedy | (~valid), 1.0, 1.0 / t).to(ACC)
@@ -365,58 +401,70 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_vals_ptr, cand_idx_ptr, coun
     log_s = log_sum(n_max, tail).to(ACC)
     bad = (s != s) | (m != m) | (m == neg_inf) | (m == float("inf")) | (~valid)
     m_safe = tl.where(bad, 0.0, m).to(ACC)
-    counts, arg = _histogram_and_argmax(row_ptr, V, m, BLOCK_V, ACC)
-
     active = (~bad) & (~greedy)
     k_on = active & (k > 0) & (k < V)
     p_on = active & (p < 1)
     # The candidates: the tokens whose top digit is >= floor, where no other can
     # be kept: from the k-th largest key's digit up (top-p only narrows the
-    # top-k set), or top-p's mass bound, or every token.
+    # top-k set), or top-p's mass bound, or the max's digit (greedy: the first
+    # argmax). Rows with min-p or temperature alone keep too many tokens to
+    # list: they skip the histogram and read the row. Float64 rows never
+    # compact: their sums stay float64, in row order (_mass_units).
     floor = tl.zeros([], tl.int32)
     k_rank = k  # the k-th largest's rank among the keys of its digit
-    if k_on:
-        top, k_rank = _top_digit(counts, k, _BINS)
-        floor = top.to(tl.int32)
-    elif p_on:
-        floor = _top_p_floor(counts, p.to(ACC), m_safe, inv_t, s.to(ACC), ACC)
-    n_candidates = tl.sum(tl.where(tl.arange(0, _BINS) >= floor, counts, 0), axis=0)
-    compacted = active & (n_candidates <= LIST_CAP) & (n_candidates < V)
-    if ACC == tl.float64:  # float64 sums stay float64, in row order (_mass_units)
-        compacted = False
-    if compacted:
-        _compact(row_ptr, V, floor, cand_vals_ptr, cand_idx_ptr, counter_ptr, REPS, LANES, VEC, ACC)
-    list_ptr = tl.where(compacted, cand_vals_ptr, row_ptr)
+    n_candidates = V + tl.zeros([], tl.int32)
+    compacted = False
+    if ACC != tl.float64:
+        if (~bad) & (k_on | p_on | greedy):
+            counts = _top_digit_histogram(row_ptr, V, HIST_BLOCK)
+            if k_on:
+                top, k_rank = _top_digit(counts, k, _BINS)
+                floor = top.to(tl.int32)
+            elif p_on:
+                floor = _top_p_floor(counts, p.to(ACC), m_safe, inv_t, s.to(ACC), ACC)
+            else:
+                floor = _top_digit_of(_order_key(m_safe))
+            n_candidates = tl.sum(tl.where(tl.arange(0, _BINS) >= floor, counts, 0), axis=0)
+        compacted = (~bad) & (n_candidates <= LIST_CAP) & (n_candidates < V)
+        if compacted:
+            _compact(row_ptr, V, floor, cand_ptr, counter_ptr, REPS, LANES, VEC, ACC)
     n_list = tl.where(compacted, n_candidates, V)
 
     threshold = _order_key(tl.full([], neg_inf, ACC))  # keeps every non-NaN logit
     if k_on:  # k <= n_list: the list holds the digits from the k-th largest's up
         if ACC == tl.float64:
-            threshold = _largest_key_reaching(list_ptr, n_list, m_safe, inv_t, threshold, k, False, SEARCH_BLOCK, ACC)
+            threshold = _largest_key_reaching(row_ptr, cand_ptr, compacted, n_list, m_safe, inv_t, threshold, k, False,
+                                              SEARCH_BLOCK, ACC)  # fmt: skip
         else:
-            threshold = _kth_largest_key32(list_ptr, n_list, threshold, floor.to(tl.uint32), k_rank, LIST_BLOCK)
+            threshold = _kth_largest_key32(row_ptr, cand_ptr, compacted, n_list, threshold, floor.to(tl.uint32), k_rank,
+                                           LIST_BLOCK)  # fmt: skip
     if p_on:
         top_k_mass = s  # top-k off: the row's mass (float64)
         if k_on:
             units = tl.zeros([], tl.float64 if ACC == tl.float64 else tl.int64)
             for start in range(0, n_list, LIST_BLOCK):
-                x, _, live = _list_entries(list_ptr, cand_idx_ptr, compacted, n_list, start + tl.arange(0, LIST_BLOCK), ACC)
+                x, _, live = _list_entries(row_ptr, cand_ptr, compacted, n_list, start + tl.arange(0, LIST_BLOCK), ACC)
                 e = _mass_units(tl.exp((x - m_safe) * inv_t), ACC)
                 units += tl.sum(tl.where(live & (_order_key(x) >= threshold), e, 0), axis=0)
             top_k_mass = _mass_value(units, ACC)
         target = p.to(tl.float64) * top_k_mass
-        threshold = _largest_key_reaching(list_ptr, n_list, m_safe, inv_t, threshold, target, True, SEARCH_BLOCK, ACC)
+        threshold = _largest_key_reaching(row_ptr, cand_ptr, compacted, n_list, m_safe, inv_t, threshold, target, True,
+                                          SEARCH_BLOCK, ACC)  # fmt: skip
 
     log_min_p = tl.where(min_p > 0, tl.log(min_p.to(ACC)), neg_inf).to(ACC)
     kept_units = tl.zeros([], tl.float64 if ACC == tl.float64 else tl.int64)
+    # and the first argmax (the lowest index with x == m), which the list holds
+    first = tl.full([LIST_BLOCK], V, tl.int32)
     for start in range(0, n_list, LIST_BLOCK):
-        x, _, live = _list_entries(list_ptr, cand_idx_ptr, compacted, n_list, start + tl.arange(0, LIST_BLOCK), ACC)
+        x, index, live = _list_entries(row_ptr, cand_ptr, compacted, n_list, start + tl.arange(0, LIST_BLOCK), ACC)
         d = (x - m_safe) * inv_t
         kept = live & (_order_key(x) >= threshold) & (d >= log_min_p)
         kept_units += tl.sum(tl.where(kept, _mass_units(tl.exp(d), ACC), 0), axis=0)
+        first = tl.minimum(first, tl.where(live & (x == m), index, V))
     s_kept = _mass_value(kept_units, ACC).to(ACC)
+    arg = tl.min(first, axis=0)
     return (bad, greedy, m_safe, arg.to(tl.int64), n_max.to(ACC), inv_t, log_s, threshold, log_min_p, tl.log(s_kept),
-            list_ptr, compacted, n_list)  # fmt: skip
+            compacted, n_list)  # fmt: skip
 
 
 @triton.jit
@@ -424,23 +472,22 @@ def _sample_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
     seeds_ptr, seed, offset_ptr, offset,
-    tokens_ptr, logprobs_ptr, raw_ptr, cand_vals_ptr, cand_idx_ptr, counter_ptr,
+    tokens_ptr, logprobs_ptr, raw_ptr, cand_ptr, counter_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
     PER_ROW_SEED: tl.constexpr, OFFSET_FROM_PTR: tl.constexpr,
     REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
-    MAX_IN_STORAGE_TYPE: tl.constexpr, BLOCK_V: tl.constexpr, LIST_BLOCK: tl.constexpr,
+    MAX_IN_STORAGE_TYPE: tl.constexpr, HIST_BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
-    cand_vals_ptr += row * LIST_CAP
-    cand_idx_ptr += row * LIST_CAP
-    bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept, list_ptr, compacted, n_list = _select(
+    cand_ptr += row * LIST_CAP
+    bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept, compacted, n_list = _select(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
-        ), cand_vals_ptr, cand_idx_ptr, counter_ptr + row, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
-        BLOCK_V, LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
+        ), cand_ptr, counter_ptr + row, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
+        HIST_BLOCK, LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
     )  # fmt: skip
 
     # Philox key = the row's seed; counter = (vocab index, salt, offset): the
@@ -456,7 +503,7 @@ def _sample_kernel(
     winner = arg  # only if every kept draw lost (E = inf, ~2^-25 each)
     if (~bad) & (~greedy):
         for start in range(0, n_list, LIST_BLOCK):
-            x, index, live = _list_entries(list_ptr, cand_idx_ptr, compacted, n_list,
+            x, index, live = _list_entries(row_ptr, cand_ptr, compacted, n_list,
                                            start + tl.arange(0, LIST_BLOCK), ACC)  # fmt: skip
             d = (x - m) * inv_t
             kept = live & (_order_key(x) >= threshold) & (d >= log_min_p)
@@ -482,22 +529,21 @@ def _sample_kernel(
 def _truncated_fwd_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V, labels_ptr,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
-    out_ptr, stats_ptr, cand_vals_ptr, cand_idx_ptr, counter_ptr,
+    out_ptr, stats_ptr, cand_ptr, counter_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
     WITH_STATS: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
-    ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, BLOCK_V: tl.constexpr,
+    ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, HIST_BLOCK: tl.constexpr,
     LIST_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
-    cand_vals_ptr += row * LIST_CAP
-    cand_idx_ptr += row * LIST_CAP
-    bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept, _, _, _ = _select(
+    cand_ptr += row * LIST_CAP
+    bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept, _, _ = _select(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
-        ), cand_vals_ptr, cand_idx_ptr, counter_ptr + row, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
-        BLOCK_V, LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
+        ), cand_ptr, counter_ptr + row, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
+        HIST_BLOCK, LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
     )  # fmt: skip
     label = tl.load(labels_ptr + row).to(tl.int64)
     in_range = (label >= 0) & (label < V)

@@ -196,13 +196,10 @@ OP_BUDGETS: dict[str, float] = {
 # What today's kernels miss: (case id or op prefix, role or "*", gate) -> the
 # change that fixes it. The test marks these xfail(strict=True): once the kernel
 # is fixed the test passes, fails as XPASS, and the entry is removed.
-_ISSUE_14 = "issue 14: a cheaper candidate compaction, and rows split over several programs at small batch"
+_ISSUE_14 = "issue 14: rows split over several programs at small batch"
 # (fragment of the case id, role, gate) -> the change that fixes it.
 KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
-    # the sampler and the truncated log-probs' selection: three passes now, the
-    # compaction's dearest (36 SASS per element); one program per row
-    ("", "sample", "SASS/element"): _ISSUE_14,
-    ("", "truncated_logprobs fwd", "SASS/element"): _ISSUE_14,
+    # the sampler: one program per row
     ("[1x", "sample", "grid"): _ISSUE_14,
     ("[64x", "sample", "grid"): _ISSUE_14,
 }
