@@ -342,9 +342,11 @@ Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm,
   sel.log_min_p = prm.min_p > 0 ? std::log(prm.min_p) : neg_inf<Acc>();
   if (prm.min_p > 0)
     cand.filter([&](int64_t j) { return (load_as<Acc>(x, cand.index[j]) - st.m) * sel.inv_t >= sel.log_min_p; });
-  Acc s_kept = 0;
+  // In double, as row_stats sums s: a float sum stops growing once the terms
+  // fall below half an ulp of it (1 + 20000 terms of 2^-25 stays 1, not 1.0006).
+  double s_kept = 0;
   for (int64_t j = 0; j < cand.n; ++j) s_kept += cand.weight[j];
-  sel.log_s_kept = std::log(s_kept);
+  sel.log_s_kept = static_cast<Acc>(std::log(s_kept));
   return sel;
 }
 

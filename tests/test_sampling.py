@@ -334,6 +334,29 @@ def test_expanded_and_strided_per_row_parameters(device, backend):
             assert alone.tokens[0] == out.tokens[i, j] and alone.logprobs[0] == out.logprobs[i, j], (i, j)
 
 
+@pytest.mark.parametrize("filters", [{}, {"top_k": 20000}, {"top_p": 0.9999}], ids=str)
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_kept_mass_of_a_long_tail(device, backend, filters):
+    """A max and 20000 tail tokens of mass 2^-25 each, all kept: s_kept = 1 + 20000
+    * 2^-25. A float32 running sum stays at 1 (each term is below half an ulp
+    of it), 6e-4 off in every log-prob; the kernels' sums (double on CPU, fixed
+    point of 2^-42 in Triton) are exact to far below the bound here. Bound: the
+    float32 (x - m) / T and exp of each term (a few ulps relative, 2e-6 at d =
+    -17), and the output's rounding: 1e-5. (The reference backend is torch's
+    float32 log_softmax, whose vectorised sum loses the terms that share a lane
+    with the max: 7e-5 here.)"""
+    vocab = 20001
+    x = torch.full((1, vocab), -25 * math.log(2), device=device)
+    x[0, 0] = 0.0
+    labels = torch.tensor([0], device=device)
+    with fastrl.use_backend(backend):
+        out = fastrl.sample(x, seed=3, **filters)
+        truncated = fastrl.truncated_logprobs(x, labels, **filters)
+    expected = reference.truncated_logprobs(x.double(), out.tokens, **filters)
+    assert_close_to_reference(out.logprobs, expected, 1e-5)
+    assert_close_to_reference(truncated, reference.truncated_logprobs(x.double(), labels, **filters), 1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("device,backend", BACKENDS)
 def test_truncated_logprobs_match_sample_and_reference(device, backend, dtype):
