@@ -86,7 +86,7 @@ def _launch_config(logits: torch.Tensor) -> dict:
 
 def list_capacity(vocab: int) -> int:
     """Entries of a row's candidate list: _CANDIDATES, and at most V / 8 (the list
-    never outweighs the row: 8/16 of a bfloat16 row at most)."""
+    never outweighs the row: 8 bytes an entry, half a bfloat16 row at most)."""
     return max(1, min(_CANDIDATES, vocab // 8))
 
 
