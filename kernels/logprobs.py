@@ -70,9 +70,9 @@ def tile_config(*rows: torch.Tensor, num_warps: int | None = None) -> dict:
     the launch (V, dtype, whether the rows are aligned), never of one row's
     address, so that a row's result does not depend on its place in the batch.
     Short rows get fewer lanes. ``num_warps`` overrides the warps (and so the
-    lanes) of a kernel that does more than the forward. MAX_IN_STORAGE_TYPE: reduce.lane_max may take
-    the max in the logits' own type (compiled, not interpreted: a CPU tensor runs
-    in Triton's interpreter)."""
+    lanes) of a kernel that does more than the forward. MAX_IN_STORAGE_TYPE:
+    reduce.lane_max may take the max in the logits' own type (compiled, not
+    interpreted: a CPU tensor runs in Triton's interpreter)."""
     first = rows[0]
     vocab = first.shape[-1]
     block, warps = _launch_config(vocab)

@@ -139,6 +139,15 @@ def _top_digit_of(key):
 
 
 @triton.jit
+def _digit_lowest(digit, ACC: tl.constexpr):
+    """The logit of the lowest key whose top digit (_top_digit_of) is ``digit``.
+    Digits 0 to 7 start at NaN bits (-inf is the top of digit 7); from 8 up it is
+    the lowest logit of the digit."""
+    KEY: tl.constexpr = tl.uint64 if ACC == tl.float64 else tl.uint32
+    return _key_to_value(digit.to(KEY) << (KEY.primitive_bitwidth - 12), ACC)
+
+
+@triton.jit
 def _largest_key_reaching(row_ptr, cand_ptr, compacted, n, m, inv_t, floor_key, target, WEIGHTED: tl.constexpr,
                           BLOCK: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """The largest key u with F(u) >= target, where F(u) counts (or, WEIGHTED,
@@ -271,20 +280,18 @@ def _top_p_floor(counts, p, m, inv_t, s, ACC: tl.constexpr):
     above its float32 rounding (4096 terms: < 2^-11 relative), so that a
     rounding never drops a token the exact search keeps; 0 (every token) when no
     digit has it."""
-    KEY: tl.constexpr = tl.uint64 if ACC == tl.float64 else tl.uint32
     bins = tl.arange(0, _BINS)
-    lowest = _key_to_value(bins.to(KEY) << (KEY.primitive_bitwidth - 12), ACC)
-    # reach[b]: the bound on the mass of digits >= b. Only a bad row (never
-    # top-p) counts a key whose digit's lowest key is no logit (NaN bits), but
-    # -inf shares digit 0 with such keys: NaN there makes reach[0] NaN, which
-    # reaches nothing, as 0 would.
+    lowest = _digit_lowest(bins, ACC)
+    # reach[b]: the bound on the mass of digits >= b. Digit 7 (-inf's) starts at
+    # NaN bits: a row with -inf makes reach[b] NaN for b <= 7, which reaches
+    # nothing, as 0 would (and a floor that low keeps every token anyway).
     reach = tl.cumsum(tl.where(counts > 0, tl.exp((lowest - m) * inv_t) * counts, 0.0), 0, reverse=True)
     return tl.maximum(tl.max(tl.where(reach >= p * s * 1.00390625, bins, 0), axis=0) - 1, 0)
 
 
 @triton.jit
-def _compact(row_ptr, V, floor, cand_ptr, counter_ptr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
-             ACC: tl.constexpr):  # fmt: skip
+def _compact(row_ptr, V, floor, cand_ptr, counter_ptr, REPS: tl.constexpr, LANES: tl.constexpr,
+             VEC: tl.constexpr):  # fmt: skip
     """Writes the row's tokens whose top digit is >= floor (at most the list's
     capacity) to the candidate list at cand_ptr, one int64 per token: the bits of
     its logit as a float32 (exact for the 16- and 32-bit types) above its index
@@ -307,10 +314,10 @@ def _compact(row_ptr, V, floor, cand_ptr, counter_ptr, REPS: tl.constexpr, LANES
     vec_of = tl.arange(0, VEC)[None, None, :]
     lane = tl.arange(0, LANES)
     # Digit >= floor as one float compare, x >= the digit's lowest logit (keys
-    # order as the logits, -0.0 and +0.0 alike). floor >= 8 here: -inf is in
-    # digit 7 and only NaN bits below it, so a lower floor holds every token of
-    # a row without NaN, which is never compacted (_select).
-    lowest = _key_to_value(floor.to(tl.uint32) << 20, tl.float32)
+    # order as the logits, -0.0 and +0.0 alike). floor >= 8 here: a lower floor
+    # holds every token of a row without NaN (-inf is in digit 7), and such a
+    # row is never compacted (_select).
+    lowest = _digit_lowest(floor, tl.float32)
     for start in range(0, V, REPS * LANES * VEC):
         offs = (start + lane_offs) + rep_offs
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
@@ -427,7 +434,7 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr,
             n_candidates = tl.sum(tl.where(tl.arange(0, _BINS) >= floor, counts, 0), axis=0)
         compacted = (~bad) & (n_candidates <= LIST_CAP) & (n_candidates < V)
         if compacted:
-            _compact(row_ptr, V, floor, cand_ptr, counter_ptr, REPS, LANES, VEC, ACC)
+            _compact(row_ptr, V, floor, cand_ptr, counter_ptr, REPS, LANES, VEC)
     n_list = tl.where(compacted, n_candidates, V)
 
     threshold = _order_key(tl.full([], neg_inf, ACC))  # keeps every non-NaN logit

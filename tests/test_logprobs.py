@@ -401,7 +401,6 @@ def test_sliced_logits_are_read_in_place(device, backend, layout):
     forward allocates nothing near the size of the logits (per-row outputs
     only), and with inplace_backward the gradient that reaches the slice lives
     in the logits' own storage. Values as the float64 reference."""
-    from fastrl._rows import row_count
     from fastrl.kernels.logprobs import rows_aligned
     from fastrl.kernels.sampling import candidate_list_bytes
 
