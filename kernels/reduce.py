@@ -60,9 +60,14 @@ def row_start(base_ptr, row, inner, outer_stride, inner_stride):
 @triton.jit
 def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr,
                   VEC: tl.constexpr, ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr,
-                  ACC: tl.constexpr):  # fmt: skip
+                  ACC: tl.constexpr, FOLD_TILES: tl.constexpr = False):  # fmt: skip
     """(m, n, t, w) of the row as defined above (n, t, w in float64; s = n + t);
     w is 0 unless WITH_W.
+
+    FOLD_TILES (not with WITH_W): each lane sums each tile from scratch
+    (tile_lane_stats) and folds it into its running statistics (fold_lanes), so
+    that a row split over several programs, a tile (or part of one) each, gets
+    the same bits by folding their results in tile order (kernels/sampling.py).
 
     The loop keeps LANES partial statistics, one per thread (``tile_offsets``),
     and merges them once after it, so that an iteration has no reduction across
@@ -74,8 +79,9 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
     scaled by ln 2 at the end). A lane's sums are float32 sums of at most
     REPS * VEC terms per tile, one float32 add per tile into its running sums,
     and float64 only in the merge."""
+    tl.static_assert(not (FOLD_TILES and WITH_W), "FOLD_TILES folds m, n and t only")
     neg_inf = float("-inf")
-    k = inv_t * 1.4426950408889634
+    k = exp2_scale(inv_t)
     m = tl.full([LANES], neg_inf, ACC)
     n = tl.zeros([LANES], ACC)  # terms at the lane's max: an exact integer count
     t = tl.zeros([LANES], ACC)
@@ -92,12 +98,54 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
     whole = V - V % tile
     for start in range(0, whole, tile):  # the whole tiles, unmasked
         x = tl.load((row_ptr + start + lane_offs) + rep_offs)
-        m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
+        if FOLD_TILES:
+            m, n, t = fold_lanes(m, n, t, *tile_lane_stats(x, k, MAX_IN_STORAGE_TYPE), k)
+        else:
+            m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
     if whole < V:  # the partial tile, masked
         offs = whole + lane_offs + rep_offs
         x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf)
-        m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
+        if FOLD_TILES:
+            m, n, t = fold_lanes(m, n, t, *tile_lane_stats(x, k, MAX_IN_STORAGE_TYPE), k)
+        else:
+            m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
     return merge_lanes(m, n, t, w, k)
+
+
+@triton.jit
+def exp2_scale(inv_t):
+    """k = inv_t log2(e): softmax_stats' exponentials are 2^((x - m) k)."""
+    return inv_t * 1.4426950408889634
+
+
+@triton.jit
+def tile_lane_stats(x, k, MAX_IN_STORAGE_TYPE: tl.constexpr):
+    """Each lane's (m, n, t) over its elements of one tile x [REPS, LANES, VEC]
+    alone (accumulate_tile from no elements); -inf where the tile is masked off."""
+    ACC: tl.constexpr = k.dtype
+    LANES: tl.constexpr = x.shape[1]
+    none = tl.full([LANES], float("-inf"), ACC)
+    zero = tl.zeros([LANES], ACC)
+    m, n, t, _ = accumulate_tile(x, none, zero, zero, zero, k, False, MAX_IN_STORAGE_TYPE)
+    return m, n, t
+
+
+@triton.jit
+def fold_lanes(m, n, t, m2, n2, t2, k):
+    """Each lane's (m, n, t) over two spans of its elements, from each span's own:
+    the span whose max is below the max of both joins the tail, its n + t scaled
+    by a = 2^((m_span - m') k), as accumulate_tile moves its old terms when a
+    tile raises the max (a = 0 for a span with nothing finite; NaN stays NaN).
+    Lane by lane: the same bits whichever programs summed the spans."""
+    neg_inf = float("-inf")
+    ACC = m.dtype
+    m_new = tl.maximum(m, m2)
+    ref = tl.where(m_new == neg_inf, 0.0, m_new).to(ACC)
+    a = tl.exp2(((m - ref) * k).to(ACC)).to(ACC)
+    a2 = tl.exp2(((m2 - ref) * k).to(ACC)).to(ACC)
+    t = tl.where(m_new > m, a * (n + t), t) + tl.where(m_new > m2, a2 * (n2 + t2), t2)
+    n = tl.where(m_new > m, 0.0, n) + tl.where(m_new > m2, 0.0, n2)
+    return m_new, n, t
 
 
 @triton.jit
@@ -194,10 +242,18 @@ def tile_offsets(REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr):
     as (lane part [1, LANES, VEC], rep part [REPS, 1, 1]): a pointer built as
     (row + lane part) + rep part takes each rep as a constant offset of its load,
     with no 64-bit address arithmetic per load."""
+    return slice_offsets(REPS, LANES, VEC, 0, LANES)
+
+
+@triton.jit
+def slice_offsets(REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, first_lane, TILE_LANES: tl.constexpr):
+    """tile_offsets of lanes first_lane .. first_lane + LANES - 1 of a tile of
+    TILE_LANES lanes: a program with fewer threads than the tile's lanes reads
+    their elements, each thread the same ones as that lane's thread would."""
     r = tl.arange(0, REPS)[:, None, None]
-    lane = tl.arange(0, LANES)[None, :, None]
+    lane = first_lane + tl.arange(0, LANES)[None, :, None]
     v = tl.arange(0, VEC)[None, None, :]
-    return lane * VEC + v, r * (LANES * VEC)
+    return lane * VEC + v, r * (TILE_LANES * VEC)
 
 
 @triton.jit
