@@ -145,12 +145,25 @@ def analyse_triton(compiled: dict, arch: int, param_names: list[str]) -> KernelA
         if op.source is not None and op.kind == "load":
             load_types.setdefault(op.source, set()).add(op.elem)
 
+    def types_of(source: tuple[str, int] | None) -> set[str]:
+        """The element types a SASS load's source line loads. ptxas may place a
+        load on the line of its first use, a line or two below the load's own
+        (``a = tl.load(p)`` over ``if a != 0:``): a line with no load takes
+        those of the nearest line above it, at most two lines up, that has one."""
+        if source is None:
+            return {"?"}
+        for up in range(3):
+            types = load_types.get((source[0], source[1] - up))
+            if types:
+                return types
+        return {"?"}
+
     def float_load_bits(instrs: list[sp.Instr]) -> list[int]:
         """Widths of the loads of floating-point data (or of unknown type) among ``instrs``."""
         bits = []
         for ins in instrs:
             if ins.base == "LDG":
-                types = load_types.get(ins.source, {"?"})
+                types = types_of(ins.source)
                 if types & FLOAT_TYPES or "?" in types:
                     bits.append(sp.access_bits(ins))
         return bits
