@@ -29,10 +29,21 @@ more candidates than that (top-p over a flat row) runs the same steps with the
 row as its list; rows with min-p or temperature alone (nothing to list) and
 float64 rows skip the histogram and the compaction and read the row twice
 more, for the kept mass and the race.
+
+A batch small against the GPU (_split_parts) splits those three reads over
+many programs a row (_split_selection): each reads a slice of one tile of the
+statistics pass and writes its lanes' statistics of that tile alone, and adds
+its top digits to the row's histogram; one program a row folds the tiles in
+order and finds the list's floor; the slices compact their candidates; the
+last launch works on the list as above. The one-program pass folds its tiles
+the same way (reduce.softmax_stats, FOLD_TILES), and every launch compiles
+without fused multiply-adds, so both paths give the same bits and a row's
+result does not depend on the batch it comes in.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import torch
@@ -43,7 +54,8 @@ from fastrl._rows import row_count, row_layout
 
 from .random import exponential_variate, philox4x32_10
 from .logprobs import tile_config
-from .reduce import log_sum, row_start, softmax_stats, tile_offsets
+from .reduce import (exp2_scale, fold_lanes, log_sum, merge_lanes, row_start, slice_offsets, softmax_stats,
+                     tile_lane_stats)
 
 _MAX_BLOCK_V = 4096
 # The top-digit histogram adds a block with shared-memory atomics between
@@ -64,6 +76,19 @@ _BINS = tl.constexpr(4096)
 # Entries of a row's candidate list (_select): a top-k 50 row of an LLM holds a
 # few dozen to a few hundred tokens in the digits from its 50th largest up.
 _CANDIDATES = 1024
+# A split row's programs (_split_selection): 4 warps read a quarter of a tile's
+# lanes, so that a row of 19 tiles (V = 151936 bfloat16) fills 76 SMs at B = 1.
+_SLICE_WARPS = 4
+# Rows are split while the batch is at most this share of the SMs (_split_parts).
+_SPLIT_SM_SHARE = 0.4
+# The sampler's forward launches compile without fused multiply-adds: a split
+# row's statistics must round as one program's (reduce.fold_lanes), and a
+# contraction depends on the code around it.
+_EXACT = {"enable_fp_fusion": False}
+# A split row's statistics fold 8 tiles a load (_split_rows_kernel).
+_FOLD_GROUP = tl.constexpr(8)
+# A split row's record (_split_rows_kernel): 7 int64, padded to 8.
+_SPLIT_RECORD = tl.constexpr(8)
 
 
 def _row_block(vocab: int) -> int:
@@ -290,15 +315,18 @@ def _top_p_floor(counts, p, m, inv_t, s, ACC: tl.constexpr):
 
 
 @triton.jit
-def _compact(row_ptr, V, floor, cand_ptr, counter_ptr, REPS: tl.constexpr, LANES: tl.constexpr,
-             VEC: tl.constexpr):  # fmt: skip
+def _compact(row_ptr, begin, end, V, first_lane, floor, cand_ptr, counter_ptr, REPS: tl.constexpr,
+             LANES: tl.constexpr, VEC: tl.constexpr, TILE_LANES: tl.constexpr):  # fmt: skip
     """Writes the row's tokens whose top digit is >= floor (at most the list's
     capacity) to the candidate list at cand_ptr, one int64 per token: the bits of
     its logit as a float32 (exact for the 16- and 32-bit types) above its index
-    (_list_entries reads them).
+    (_list_entries reads them). The tokens are those of the tiles from ``begin``
+    (a tile's first element) to ``end`` in lanes first_lane .. first_lane + LANES
+    - 1 of a tile of TILE_LANES lanes: the whole row (0, V, 0, LANES), or one
+    program's slice of a tile (_split_compact_kernel).
 
-    One read of the row, in softmax_stats' tile (a thread's REPS x VEC elements,
-    reduce.tile_offsets): each thread counts its tile's candidates, takes a range
+    One read, in softmax_stats' tile (a thread's REPS x VEC elements,
+    reduce.slice_offsets): each thread counts its tile's candidates, takes a range
     of the list with one atomic add on the row's counter (zero at launch), and
     stores its candidates there one element at a time: element (r, v) of every
     thread's tile as a [LANES] tensor (one per thread, taken out of the tile by
@@ -309,16 +337,16 @@ def _compact(row_ptr, V, floor, cand_ptr, counter_ptr, REPS: tl.constexpr, LANES
     atomics' (any): everything computed from the list is independent of its
     order (counts, a max with ties to the lowest index, and masses summed in
     fixed point, _mass_units)."""
-    lane_offs, rep_offs = tile_offsets(REPS, LANES, VEC)
+    lane_offs, rep_offs = slice_offsets(REPS, LANES, VEC, first_lane, TILE_LANES)
     rep_of = tl.arange(0, REPS)[:, None, None]
     vec_of = tl.arange(0, VEC)[None, None, :]
-    lane = tl.arange(0, LANES)
+    lane = first_lane + tl.arange(0, LANES)
     # Digit >= floor as one float compare, x >= the digit's lowest logit (keys
     # order as the logits, -0.0 and +0.0 alike). floor >= 8 here: a lower floor
     # holds every token of a row without NaN (-inf is in digit 7), and such a
     # row is never compacted (_select).
     lowest = _digit_lowest(floor, tl.float32)
-    for start in range(0, V, REPS * LANES * VEC):
+    for start in range(begin, end, REPS * TILE_LANES * VEC):
         offs = (start + lane_offs) + rep_offs
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
         take = (x >= lowest).to(tl.int32)  # masked lanes: -inf < lowest
@@ -332,7 +360,7 @@ def _compact(row_ptr, V, floor, cand_ptr, counter_ptr, REPS: tl.constexpr, LANES
                 # bits, which a float sum would not keep for -0.0)
                 here = (rep_of == r) & (vec_of == v)
                 bits_here = tl.sum(tl.sum(tl.where(here, bits, 0), axis=2), axis=0)
-                index = (start + r * (LANES * VEC) + lane * VEC + v).to(tl.uint32)  # >= 0: zero-extended
+                index = (start + r * (TILE_LANES * VEC) + lane * VEC + v).to(tl.uint32)  # >= 0: zero-extended
                 take_here = bits_here.to(tl.float32, bitcast=True) >= lowest
                 tl.store(cand_ptr + at, (bits_here.to(tl.int64) << 32) | index.to(tl.int64), mask=take_here)
                 at += take_here.to(tl.int32)
@@ -381,36 +409,37 @@ def _list_entries(row_ptr, cand_ptr, compacted, n, offs, ACC: tl.constexpr):
 
 
 @triton.jit
-def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr,
-            REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
-            MAX_IN_STORAGE_TYPE: tl.constexpr, HIST_BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr,
-            SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
-    """Everything about one row's processed distribution: (bad, greedy, m, first
-    argmax, number of maxima, 1/T, log s, threshold key, log min_p, log s_kept,
-    whether the row's kept tokens are on its candidate list (compacted; else
-    the list is the row, _list_entries), the list's length) with s = sum_j e_j
-    over the row, e_j = exp((x_j - m) / T), and s_kept over the kept tokens (key
-    >= threshold and (x - m) / T >= log min_p). A row is bad (nothing to sample)
-    with a NaN (s is NaN: reduce.softmax_stats), a +inf (m = inf: softmax is
-    NaN), only -inf (m = -inf), or an invalid parameter.
+def _inverse_temperature(t, valid, ACC: tl.constexpr):
+    """1/T, and 1 for greedy rows and rows with an invalid parameter (whose
+    statistics are the row's at T = 1)."""
+    return tl.where((t == 0) | (~valid), 1.0, 1.0 / t).to(ACC)
 
-    At most three reads of the row: its statistics (reduce.softmax_stats: m, s
-    and the number of maxima), the top-digit histogram, and the compaction of
-    the candidates into this row's list of LIST_CAP entries. The thresholds,
-    s_kept, the first argmax and the draw then read the list only. A row with
-    more candidates than that (top-p over a flat row) uses the row itself as
-    its list: the same code, each step a read of the row."""
+
+@triton.jit
+def _row_state(V, t, k, p, valid, m, n_max, tail, ACC: tl.constexpr):
+    """From the row's statistics (m, n_max, tail: reduce.softmax_stats): (bad,
+    greedy, m_safe, s, log s, k_on, p_on). A row is bad (nothing to sample) with
+    a NaN (s is NaN: reduce.softmax_stats), a +inf (m = inf: softmax is NaN),
+    only -inf (m = -inf), or an invalid parameter."""
     neg_inf = float("-inf")
     greedy = t == 0
-    inv_t = tl.where(greedy | (~valid), 1.0, 1.0 / t).to(ACC)
-    m, n_max, tail, _no_w = softmax_stats(row_ptr, V, inv_t, False, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE, ACC)
     s = n_max + tail  # float64
     log_s = log_sum(n_max, tail).to(ACC)
     bad = (s != s) | (m != m) | (m == neg_inf) | (m == float("inf")) | (~valid)
     m_safe = tl.where(bad, 0.0, m).to(ACC)
     active = (~bad) & (~greedy)
-    k_on = active & (k > 0) & (k < V)
-    p_on = active & (p < 1)
+    return bad, greedy, m_safe, s, log_s, active & (k > 0) & (k < V), active & (p < 1)
+
+
+@triton.jit
+def _list_floor(row_ptr, V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s, hist_ptr, SPLIT: tl.constexpr,
+                HIST_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """Which tokens go on the row's candidate list: (floor, k_rank,
+    n_candidates, compacted); the list holds the n_candidates tokens whose top
+    digit is >= floor when ``compacted``, else the list is the row, and k_rank
+    is the k-th largest key's rank among the keys of its digit. The top-digit
+    histogram is a read of the row, or with SPLIT the one a split row's
+    programs summed at hist_ptr (_split_tiles_kernel)."""
     # The candidates: the tokens whose top digit is >= floor, where no other can
     # be kept: from the k-th largest key's digit up (top-p only narrows the
     # top-k set), or top-p's mass bound, or the max's digit (greedy: the first
@@ -418,12 +447,15 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr,
     # list: they skip the histogram and read the row. Float64 rows never
     # compact: their sums stay float64, in row order (_mass_units).
     floor = tl.zeros([], tl.int32)
-    k_rank = k  # the k-th largest's rank among the keys of its digit
+    k_rank = k
     n_candidates = V + tl.zeros([], tl.int32)
     compacted = False
     if ACC != tl.float64:
         if (~bad) & (k_on | p_on | greedy):
-            counts = _top_digit_histogram(row_ptr, V, HIST_BLOCK)
+            if SPLIT:
+                counts = tl.load(hist_ptr + tl.arange(0, _BINS))
+            else:
+                counts = _top_digit_histogram(row_ptr, V, HIST_BLOCK)
             if k_on:
                 top, k_rank = _top_digit(counts, k, _BINS)
                 floor = top.to(tl.int32)
@@ -433,8 +465,49 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr,
                 floor = _top_digit_of(_order_key(m_safe))
             n_candidates = tl.sum(tl.where(tl.arange(0, _BINS) >= floor, counts, 0), axis=0)
         compacted = (~bad) & (n_candidates <= LIST_CAP) & (n_candidates < V)
+    return floor, k_rank, n_candidates, compacted
+
+
+@triton.jit
+def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
+            SPLIT: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
+            MAX_IN_STORAGE_TYPE: tl.constexpr, HIST_BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr,
+            SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """Everything about one row's processed distribution: (bad, greedy, m, first
+    argmax, number of maxima, 1/T, log s, threshold key, log min_p, log s_kept,
+    whether the row's kept tokens are on its candidate list (compacted; else
+    the list is the row, _list_entries), the list's length) with s = sum_j e_j
+    over the row, e_j = exp((x_j - m) / T), and s_kept over the kept tokens (key
+    >= threshold and (x - m) / T >= log min_p); bad as _row_state.
+
+    At most three reads of the row: its statistics (reduce.softmax_stats: m, s
+    and the number of maxima), the top-digit histogram, and the compaction of
+    the candidates into this row's list of LIST_CAP entries (_list_floor,
+    _compact). With SPLIT, other programs made those reads (_split_selection)
+    and left the row's statistics and list at split_ptr (_split_rows_kernel).
+    The thresholds, s_kept, the first argmax and the draw then read the list
+    only. A row with more candidates than that (top-p over a flat row) uses the
+    row itself as its list: the same code, each step a read of the row."""
+    neg_inf = float("-inf")
+    inv_t = _inverse_temperature(t, valid, ACC)
+    if SPLIT:
+        m = tl.load(split_ptr).to(tl.float64, bitcast=True).to(ACC)
+        n_max = tl.load(split_ptr + 1).to(tl.float64, bitcast=True)
+        tail = tl.load(split_ptr + 2).to(tl.float64, bitcast=True)
+    else:
+        m, n_max, tail, _no_w = softmax_stats(row_ptr, V, inv_t, False, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
+                                              ACC, True)  # fmt: skip
+    bad, greedy, m_safe, s, log_s, k_on, p_on = _row_state(V, t, k, p, valid, m, n_max, tail, ACC)
+    if SPLIT:
+        floor = tl.load(split_ptr + 3).to(tl.int32)
+        k_rank = tl.load(split_ptr + 4)
+        n_candidates = tl.load(split_ptr + 5).to(tl.int32)
+        compacted = tl.load(split_ptr + 6) != 0
+    else:
+        floor, k_rank, n_candidates, compacted = _list_floor(row_ptr, V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe,
+                                                             s, None, False, HIST_BLOCK, LIST_CAP, ACC)  # fmt: skip
         if compacted:
-            _compact(row_ptr, V, floor, cand_ptr, counter_ptr, REPS, LANES, VEC)
+            _compact(row_ptr, 0, V, V, 0, floor, cand_ptr, counter_ptr, REPS, LANES, VEC, LANES)
     n_list = tl.where(compacted, n_candidates, V)
 
     threshold = _order_key(tl.full([], neg_inf, ACC))  # keeps every non-NaN logit
@@ -475,13 +548,144 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr,
 
 
 @triton.jit
+def _split_tiles_kernel(
+    logits_ptr, inner, outer_stride, inner_stride, V,
+    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+    lane_stats_ptr, hist_ptr, n_groups,
+    PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
+    REPS: tl.constexpr, LANES: tl.constexpr, SLICE_LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
+    MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """The first launch of a split row (_split_selection), program (row, part):
+    lanes first_lane .. + SLICE_LANES of the row's tile ``part // SLICES`` of
+    softmax_stats' tiling. Writes each lane's (m, n, t) over that tile alone
+    (reduce.tile_lane_stats) to lane_stats (_split_rows_kernel), and adds the
+    slice's top-digit counts to the row's histogram (zero at launch) for rows
+    that may list candidates."""
+    SLICES: tl.constexpr = LANES // SLICE_LANES
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    tile = part // SLICES
+    first_lane = (part % SLICES) * SLICE_LANES
+    row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+    if ALIGNED:  # every row starts on a 16-byte boundary (the launcher checked)
+        row_ptr = tl.multiple_of(row_ptr, 16)
+    t, k, p, _, valid = _row_params(
+        row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+        PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
+    )  # fmt: skip
+    lane_offs, rep_offs = slice_offsets(REPS, SLICE_LANES, VEC, first_lane, LANES)
+    start = tile * (REPS * LANES * VEC)
+    offs = (start + lane_offs) + rep_offs
+    # one masked load (128 bits a lane where V is a multiple of 16, which Triton
+    # specialises on: the mask is then whole 16-byte runs)
+    x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
+    m, n, tail = tile_lane_stats(x, exp2_scale(_inverse_temperature(t, valid, ACC)), MAX_IN_STORAGE_TYPE)
+    out = (lane_stats_ptr + (row * n_groups + tile // _FOLD_GROUP) * (3 * LANES * _FOLD_GROUP)
+           + (first_lane + tl.arange(0, SLICE_LANES)) * _FOLD_GROUP + tile % _FOLD_GROUP)  # fmt: skip
+    tl.store(out, m)
+    tl.store(out + LANES * _FOLD_GROUP, n)
+    tl.store(out + 2 * LANES * _FOLD_GROUP, tail)
+    if ACC != tl.float64:
+        if (t == 0) | ((k > 0) & (k < V)) | (p < 1):  # a superset of the rows _list_floor lists
+            SIZE: tl.constexpr = REPS * SLICE_LANES * VEC
+            digits = tl.reshape(_top_digit_of(_order_key(x.to(tl.float32))), [SIZE])
+            counts = tl.histogram(digits, _BINS, mask=tl.reshape(offs < V, [SIZE]))
+            tl.atomic_add(hist_ptr + row * _BINS + tl.arange(0, _BINS), counts, mask=counts > 0, sem="relaxed")
+
+
+@triton.jit
+def _split_rows_kernel(
+    logits_ptr, inner, outer_stride, inner_stride, V,
+    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+    lane_stats_ptr, n_tiles, n_groups, hist_ptr, split_ptr,
+    PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
+    LANES: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """The second launch of a split row, one program a row: its statistics, the
+    tiles' lane statistics folded in tile order and merged as softmax_stats
+    folds and merges them (the same bits as one program's read of the row), and
+    which tokens go on its list (_list_floor, from the histogram), to the row's
+    record of _SPLIT_RECORD int64 at split_ptr: the float64 bits of m, n and t,
+    then floor, k_rank, n_candidates and compacted."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+    t, k, p, _, valid = _row_params(
+        row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+        PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
+    )  # fmt: skip
+    inv_t = _inverse_temperature(t, valid, ACC)
+    scale = exp2_scale(inv_t)
+    # A trip loads a group of _FOLD_GROUP tiles' statistics, each lane's the
+    # contiguous [_FOLD_GROUP] of lane_stats [rows, groups, 3, LANES,
+    # _FOLD_GROUP] (a 128-bit load or two, in the lane's thread), and folds
+    # them in tile order.
+    lanes = tl.arange(0, LANES)
+    in_group = tl.arange(0, _FOLD_GROUP)
+    m = tl.full([LANES], float("-inf"), ACC)
+    n = tl.zeros([LANES], ACC)
+    tail = tl.zeros([LANES], ACC)
+    for group in range(0, n_groups):  # n_groups = cdiv(n_tiles, _FOLD_GROUP)
+        at = (lane_stats_ptr + (row * n_groups + group) * (3 * LANES * _FOLD_GROUP) + lanes[:, None] * _FOLD_GROUP
+              + in_group[None, :])  # fmt: skip
+        live = group * _FOLD_GROUP + in_group[None, :] < n_tiles
+        group_m = tl.load(at, mask=live, other=float("-inf"))
+        group_n = tl.load(at + LANES * _FOLD_GROUP, mask=live, other=0.0)
+        group_tail = tl.load(at + 2 * LANES * _FOLD_GROUP, mask=live, other=0.0)
+        for j in tl.static_range(_FOLD_GROUP):
+            if group * _FOLD_GROUP + j < n_tiles:
+                m, n, tail = fold_lanes(m, n, tail, _group_column(group_m, j), _group_column(group_n, j),
+                                        _group_column(group_tail, j), scale)  # fmt: skip
+    m, n_max, tail, _no_w = merge_lanes(m, n, tail, tl.zeros([LANES], ACC), scale)
+    bad, greedy, m_safe, s, _, k_on, p_on = _row_state(V, t, k, p, valid, m, n_max, tail, ACC)
+    floor, k_rank, n_candidates, compacted = _list_floor(row_ptr, V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s,
+                                                         hist_ptr + row * _BINS, True, 0, LIST_CAP, ACC)  # fmt: skip
+    record = split_ptr + row * _SPLIT_RECORD
+    tl.store(record, m.to(tl.float64).to(tl.int64, bitcast=True))
+    tl.store(record + 1, n_max.to(tl.int64, bitcast=True))
+    tl.store(record + 2, tail.to(tl.int64, bitcast=True))
+    tl.store(record + 3, floor.to(tl.int64))
+    tl.store(record + 4, tl.where(k_on, k_rank, 0).to(tl.int64))
+    tl.store(record + 5, n_candidates.to(tl.int64))
+    tl.store(record + 6, compacted.to(tl.int64))
+
+
+@triton.jit
+def _group_column(x, j: tl.constexpr):
+    """Column j of x [LANES, _FOLD_GROUP], bit for bit (an integer sum of one
+    term: a float sum would turn -0.0 into +0.0), inside each lane's thread."""
+    INT: tl.constexpr = tl.int64 if x.dtype == tl.float64 else tl.int32
+    bits = tl.where(tl.arange(0, _FOLD_GROUP)[None, :] == j, x.to(INT, bitcast=True), 0)
+    return tl.sum(bits, axis=1).to(x.dtype, bitcast=True)
+
+
+@triton.jit
+def _split_compact_kernel(
+    logits_ptr, inner, outer_stride, inner_stride, V, split_ptr, cand_ptr, counter_ptr,
+    REPS: tl.constexpr, LANES: tl.constexpr, SLICE_LANES: tl.constexpr, VEC: tl.constexpr, LIST_CAP: tl.constexpr,
+):  # fmt: skip
+    """The third launch of a split row, program (row, part) as in
+    _split_tiles_kernel: its slice's candidates onto the row's list (_compact)."""
+    SLICES: tl.constexpr = LANES // SLICE_LANES
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    record = split_ptr + row * _SPLIT_RECORD  # (_split_rows_kernel)
+    compacted, floor = tl.load(record + 6), tl.load(record + 3).to(tl.int32)
+    if compacted != 0:
+        row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+        start = (part // SLICES) * (REPS * LANES * VEC)
+        _compact(row_ptr, start, start + 1, V, (part % SLICES) * SLICE_LANES, floor, cand_ptr + row * LIST_CAP,
+                 counter_ptr + row, REPS, SLICE_LANES, VEC, LANES)  # fmt: skip
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
     seeds_ptr, seed, offset_ptr, offset,
-    tokens_ptr, logprobs_ptr, raw_ptr, cand_ptr, counter_ptr,
+    tokens_ptr, logprobs_ptr, raw_ptr, cand_ptr, counter_ptr, split_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
-    PER_ROW_SEED: tl.constexpr, OFFSET_FROM_PTR: tl.constexpr,
+    PER_ROW_SEED: tl.constexpr, OFFSET_FROM_PTR: tl.constexpr, SPLIT: tl.constexpr,
     REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
     MAX_IN_STORAGE_TYPE: tl.constexpr, HIST_BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr,
@@ -489,11 +693,13 @@ def _sample_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
     cand_ptr += row * LIST_CAP
+    if SPLIT:  # the row's record (_split_rows_kernel)
+        split_ptr += row * _SPLIT_RECORD
     bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept, compacted, n_list = _select(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
-        ), cand_ptr, counter_ptr + row, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
+        ), cand_ptr, counter_ptr + row, split_ptr, SPLIT, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
         HIST_BLOCK, LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
     )  # fmt: skip
 
@@ -536,20 +742,22 @@ def _sample_kernel(
 def _truncated_fwd_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V, labels_ptr,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
-    out_ptr, stats_ptr, cand_ptr, counter_ptr,
+    out_ptr, stats_ptr, cand_ptr, counter_ptr, split_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
-    WITH_STATS: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
+    WITH_STATS: tl.constexpr, SPLIT: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
     ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, HIST_BLOCK: tl.constexpr,
     LIST_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
     cand_ptr += row * LIST_CAP
+    if SPLIT:  # the row's record (_split_rows_kernel)
+        split_ptr += row * _SPLIT_RECORD
     bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept, _, _ = _select(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
-        ), cand_ptr, counter_ptr + row, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
+        ), cand_ptr, counter_ptr + row, split_ptr, SPLIT, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
         HIST_BLOCK, LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
     )  # fmt: skip
     label = tl.load(labels_ptr + row).to(tl.int64)
@@ -629,6 +837,76 @@ def _params(temperature, top_k, top_p, min_p) -> tuple[list, dict]:
     return args, flags
 
 
+def _split_parts(logits: torch.Tensor, n_rows: int, config: dict) -> tuple[int, int]:
+    """(programs a row takes in _split_selection's launches over it, the lanes
+    of each), or (0, 0) for one program a row: a row is split when it spans
+    several tiles and the batch is small against the GPU: the split reads
+    nothing more, but three more launches, a fold and a histogram a program
+    cost a few microseconds (sm_90 model, V = 151936 bfloat16 top-k 50: split
+    23.8 / 27.2 / 36.9 / 42.0 us against one program a row 39.3 / 39.7 / 40.2 /
+    40.8 at B = 1 / 16 / 48 / 64). The slice of a tile a program reads changes
+    no result (each lane's statistics are its own)."""
+    lanes = config["LANES"]
+    tiles = triton.cdiv(logits.shape[-1], config["REPS"] * lanes * config["VEC"])
+    if tiles < 2 or n_rows > _SPLIT_SM_SHARE * _sm_count(logits.device):
+        return 0, 0
+    slice_lanes = min(lanes, 32 * _SLICE_WARPS)
+    return tiles * (lanes // slice_lanes), slice_lanes
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """The device's SMs; for the CPU (the interpreter) and the meta tensors of the
+    static model (fastrl.bench.sass), an H100's 132."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes):
+    """A row's three reads over ``parts`` programs each (_select, SPLIT), of
+    ``slice_lanes`` lanes (_split_parts): the
+    tiles' lane statistics and the histogram (_split_tiles_kernel), the row's
+    statistics and its list's floor (_split_rows_kernel, one program a row),
+    the compaction (_split_compact_kernel). Returns the final launch's
+    arguments: (candidate lists, counters, records)."""
+    vocab = logits.shape[-1]
+    lanes = config["LANES"]
+    tiles = triton.cdiv(vocab, config["REPS"] * lanes * config["VEC"])
+    lists, _ = _candidate_lists(logits, n_rows)
+    groups = triton.cdiv(tiles, _FOLD_GROUP.value)
+    lane_stats = torch.empty(n_rows, groups, 3, lanes, _FOLD_GROUP.value, dtype=_acc(logits)[0], device=logits.device)
+    records = torch.empty(n_rows, _SPLIT_RECORD, dtype=torch.int64, device=logits.device)
+    # one zeroed buffer: the histograms [rows, _BINS], then the list counters
+    zeroed = torch.zeros(n_rows * (_BINS.value + 1), dtype=torch.int32, device=logits.device)
+    hist, counters = zeroed[: n_rows * _BINS.value], zeroed[n_rows * _BINS.value :]
+    layout = row_layout(logits)
+    tile_meta = {k: config[k] for k in ("REPS", "LANES", "VEC")} | {"SLICE_LANES": slice_lanes}
+    warps = max(slice_lanes // 32, 1)
+    _split_tiles_kernel[(n_rows, parts)](
+        logits, *layout, vocab, *params, lane_stats, hist, groups, **flags, **tile_meta, ALIGNED=config["ALIGNED"],
+        MAX_IN_STORAGE_TYPE=config["MAX_IN_STORAGE_TYPE"], ACC=acc_tl, num_warps=warps, **_EXACT,
+    )  # fmt: skip
+    _split_rows_kernel[(n_rows,)](
+        logits, *layout, vocab, *params, lane_stats, tiles, groups, hist, records, **flags, LANES=lanes,
+        LIST_CAP=config["LIST_CAP"], ACC=acc_tl, num_warps=_WARPS, **_EXACT,
+    )  # fmt: skip
+    _split_compact_kernel[(n_rows, parts)](
+        logits, *layout, vocab, records, lists, counters, **tile_meta, LIST_CAP=config["LIST_CAP"],
+        num_warps=warps,
+    )  # fmt: skip
+    return lists, counters, records
+
+
+def _selection_args(logits, n_rows, params, flags, config, acc_tl) -> tuple[list, dict]:
+    """The candidate-list and split arguments of the final launch (_select)."""
+    parts, slice_lanes = _split_parts(logits, n_rows, config)
+    if parts:
+        split = _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes)
+        return list(split), {"SPLIT": True}
+    return [*_candidate_lists(logits, n_rows), None], {"SPLIT": False}
+
+
 def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
     """One draw per row of ``logits`` [N, V] or [outer, inner, V] (unit stride in V,
     any leading strides: ``fastrl._rows.row_layout``): (tokens int64
@@ -643,12 +921,14 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
     raw = torch.empty(n_rows, dtype=acc, device=logits.device)
     args, flags = _params(temperature, top_k, top_p, min_p)
     per_row_seed, offset_from_ptr = isinstance(seed, torch.Tensor), isinstance(offset, torch.Tensor)
+    config = _launch_config(logits)
+    selection, split = _selection_args(logits, n_rows, args, flags, config, acc_tl)
     _sample_kernel[(n_rows,)](
         logits, *row_layout(logits), vocab, *args,
         seed if per_row_seed else None, 0 if per_row_seed else seed,
         offset if offset_from_ptr else None, 0 if offset_from_ptr else offset,
-        tokens, logprobs, raw, *_candidate_lists(logits, n_rows), **flags, PER_ROW_SEED=per_row_seed,
-        OFFSET_FROM_PTR=offset_from_ptr, ACC=acc_tl, **_launch_config(logits),
+        tokens, logprobs, raw, *selection, **flags, **split, PER_ROW_SEED=per_row_seed,
+        OFFSET_FROM_PTR=offset_from_ptr, ACC=acc_tl, **config, **_EXACT,
     )  # fmt: skip
     return tokens, logprobs, raw
 
@@ -661,9 +941,11 @@ def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_
     out = torch.empty(n_rows, dtype=acc, device=logits.device)
     stats = torch.empty(n_rows, 3, dtype=acc, device=logits.device) if with_stats else None
     args, flags = _params(temperature, top_k, top_p, min_p)
+    config = _launch_config(logits)
+    selection, split = _selection_args(logits, n_rows, args, flags, config, acc_tl)
     _truncated_fwd_kernel[(n_rows,)](
-        logits, *row_layout(logits), vocab, labels, *args, out, stats, *_candidate_lists(logits, n_rows), **flags,
-        WITH_STATS=with_stats, ACC=acc_tl, **_launch_config(logits),
+        logits, *row_layout(logits), vocab, labels, *args, out, stats, *selection, **flags, **split,
+        WITH_STATS=with_stats, ACC=acc_tl, **config, **_EXACT,
     )  # fmt: skip
     return out, stats
 

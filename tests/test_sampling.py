@@ -268,13 +268,16 @@ def test_triton_launches_carry_float64_scalars(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launched.append(args)
 
-    for name in ("_sample_kernel", "_truncated_fwd_kernel"):
+    names = ("_sample_kernel", "_truncated_fwd_kernel", "_split_tiles_kernel", "_split_rows_kernel",
+             "_split_compact_kernel")  # fmt: skip
+    for name in names:
         monkeypatch.setattr(kernels, name, Recorder())
-    x = torch.randn(2, 10, dtype=torch.float64)
     params = dict(temperature=0.7, top_k=3, top_p=0.9, min_p=1e-300)
-    kernels.sample_forward(x, **params, seed=1, offset=0)
-    kernels.truncated_forward(x, torch.zeros(2, dtype=torch.long), **params, with_stats=False)
-    assert len(launched) == 2
+    for vocab in (10, 8200):  # one program a row; rows split (two tiles)
+        x = torch.randn(2, vocab, dtype=torch.float64)
+        kernels.sample_forward(x, **params, seed=1, offset=0)
+        kernels.truncated_forward(x, torch.zeros(2, dtype=torch.long), **params, with_stats=False)
+    assert len(launched) == 2 + 2 * 4
     assert not [a for args in launched for a in args if isinstance(a, float)]
 
 
@@ -355,6 +358,54 @@ def test_kept_mass_of_a_long_tail(device, backend, filters):
     expected = reference.truncated_logprobs(x.double(), out.tokens, **filters)
     assert_close_to_reference(out.logprobs, expected, 1e-5)
     assert_close_to_reference(truncated, reference.truncated_logprobs(x.double(), labels, **filters), 1e-5)
+
+
+TRITON_BACKENDS = [p for p in KERNEL_BACKENDS if p.values[1] == "triton"]
+
+
+# (dtype, V): rows of two tiles of the Triton forward (kernels/logprobs.py,
+# tile_config): 16-byte aligned (128-bit lanes) and not (one element a lane).
+SPLIT_SHAPES = [(torch.float32, 8704), (torch.bfloat16, 8693), (torch.float64, 8200)]
+
+
+@pytest.mark.parametrize("dtype,vocab", SPLIT_SHAPES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("device,backend", TRITON_BACKENDS)
+def test_split_rows_give_the_bits_of_one_program_a_row(device, backend, dtype, vocab, monkeypatch):
+    """A small batch splits each row over several programs (kernels/sampling.py,
+    _split_selection); the result is bitwise that of one program a row, the
+    path of a large batch, so a row's draw and log-probs do not depend on the
+    batch it comes in: tokens, both log-probs, truncated log-probs and the
+    backward's statistics, for a top-k list, greedy, a bad row, temperature
+    alone over tied maxima, top-k past the list's capacity (the row as its
+    list) with top-p, top-p alone, and top-k with top-p and min-p."""
+    from fastrl.kernels import sampling as kernels
+
+    g = torch.Generator().manual_seed(torch.randint(2**31, ()).item())
+    x = torch.randn(7, vocab, generator=g, dtype=torch.float64) * 3
+    x[1, 100:5000] = float("-inf")
+    x[2, 7] = float("nan")
+    x[3] = x[3].clamp(max=1.0)
+    x = x.to(dtype).to(device)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    params = dict(
+        temperature=torch.tensor([0.7, 0.0, 1.0, 1.3, 0.7, 1.0, 0.8], dtype=acc, device=device),
+        top_k=torch.tensor([50, 0, 20, 0, 5000, 0, 40], device=device),
+        top_p=torch.tensor([1.0, 0.9, 0.8, 1.0, 0.95, 0.9, 0.9], dtype=acc, device=device),
+        min_p=torch.tensor([0.0, 0.0, 0.01, 0.0, 0.0, 0.0, 0.02], dtype=acc, device=device),
+    )
+
+    def outputs(split):
+        monkeypatch.setattr(kernels, "_sm_count", lambda device: 10**6 if split else 0)
+        assert bool(kernels._split_parts(x, 7, kernels._launch_config(x))[0]) == split
+        tokens, logprobs, raw = kernels.sample_forward(x, **params, seed=11, offset=5)
+        truncated, stats = kernels.truncated_forward(x, tokens.clamp(min=0), **params, with_stats=True)
+        return tokens, logprobs, raw, truncated, stats
+
+    one, split = outputs(False), outputs(True)
+    for name, a, b in zip(("tokens", "logprobs", "raw", "truncated", "stats"), one, split):
+        bits = torch.int64 if a.element_size() == 8 else torch.int32
+        assert torch.equal(a.view(bits), b.view(bits)), (name, a, b)
+    assert one[0][2] == -1 and (one[0][[0, 1, 3, 4, 5, 6]] >= 0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -139,7 +139,7 @@ def _sample(batch: int, v: int, filters: dict) -> Callable[[], None]:
 
     def run() -> None:
         params = {"temperature": SAMPLING_TEMPERATURE, "top_k": 0, "top_p": 1.0, "min_p": 0.0, **filters}
-        with role("sample"):
+        with role("sample"):  # one role a launch: the case's roles name them
             sampling.sample_forward(meta(batch, v, dtype=BF16), **params, seed=0, offset=0)
 
     return run
@@ -171,13 +171,25 @@ TOP_P_SEARCH = "if p_on"
 COMPACTION = ("if compacted", "LIST_CAP")
 
 
+# A batch of fewer rows than the GPU has SMs splits each row over several
+# programs (kernels/sampling.py, _split_selection): the tiles' statistics and
+# histogram, the rows' statistics, the compaction, then the final launch's work
+# on the candidate list.
+SPLIT_ROLES = ("sample tiles", "sample rows", "sample compact", "sample list")
+
+
 def _sampling_cases() -> list[Case]:
+    from fastrl.kernels import sampling
+
     out = []
     for batch in SAMPLING_BATCHES:
-        out.append(Case("sample top-k 50", (batch, SAMPLING_VOCAB), BF16, ("sample",),
+        logits = meta(batch, SAMPLING_VOCAB, dtype=BF16)
+        split = sampling._split_parts(logits, batch, sampling._launch_config(logits))[0]
+        roles = SPLIT_ROLES if split else ("sample",)
+        out.append(Case("sample top-k 50", (batch, SAMPLING_VOCAB), BF16, roles,
                         _sample(batch, SAMPLING_VOCAB, {"top_k": 50}), untaken=(TOP_P_SEARCH,),
                         compaction=COMPACTION))  # fmt: skip
-        out.append(Case("sample top-p 0.9", (batch, SAMPLING_VOCAB), BF16, ("sample",),
+        out.append(Case("sample top-p 0.9", (batch, SAMPLING_VOCAB), BF16, roles,
                         _sample(batch, SAMPLING_VOCAB, {"top_p": 0.9}), untaken=(TOP_K_SEARCH,),
                         compaction=COMPACTION))  # fmt: skip
     n, v, dtype = TRUNCATED_SHAPE
@@ -298,6 +310,11 @@ def coverage() -> None:
             sampling.sample_forward(x, **params, seed=meta(n, dtype=I64), offset=meta(1, dtype=I64))
             _, trunc_stats = sampling.truncated_forward(x, labels, **params, with_stats=True)
             sampling.truncated_backward(x, labels, trunc_stats, meta(n), meta(n, v, dtype=dtype), **params)
+        # one row: split over many programs (kernels/sampling.py, _split_selection)
+        one, one_temp = meta(1, v, dtype=dtype), meta(1, dtype=F32)
+        split_params = {"temperature": one_temp, "top_k": meta(1, dtype=I64), "top_p": one_temp, "min_p": one_temp}
+        sampling.sample_forward(one, **split_params, seed=meta(1, dtype=I64), offset=meta(1, dtype=I64))
+        sampling.truncated_forward(one, meta(1, dtype=I64), **split_params, with_stats=True)
         for temperature in (1.0, temps):
             full, full_stats = kl.full_kl_forward(x, x, temperature, with_stats=True)
             kl.full_kl_backward(x, x, temperature, full_stats, full, meta(n), meta(n, v, dtype=dtype))
