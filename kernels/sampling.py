@@ -115,9 +115,19 @@ def list_capacity(vocab: int) -> int:
     return max(1, min(_CANDIDATES, vocab // 8))
 
 
-def candidate_list_bytes(logits: torch.Tensor) -> int:
-    """The forward kernels' workspace for ``logits``' rows (_candidate_lists)."""
-    return row_count(logits) * (list_capacity(logits.shape[-1]) * 8 + 4)
+def workspace_bytes(logits: torch.Tensor) -> int:
+    """Bytes of the temporaries the forward launches allocate for ``logits``' rows:
+    the candidate lists and their counters (_candidate_lists), and for split
+    rows (_split_selection) the tiles' lane statistics, the rows' records and
+    histograms."""
+    n_rows, vocab = row_count(logits), logits.shape[-1]
+    total = n_rows * (list_capacity(vocab) * 8 + 4)
+    config = _launch_config(logits)
+    if _split_parts(logits, n_rows, config)[0]:
+        groups = triton.cdiv(_tiles(vocab, config), _FOLD_GROUP.value)
+        lane_stats = groups * 3 * config["LANES"] * _FOLD_GROUP.value * _acc(logits)[0].itemsize
+        total += n_rows * (lane_stats + _SPLIT_RECORD.value * 8 + _BINS.value * 4)
+    return total
 
 
 def _candidate_lists(logits: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -847,11 +857,16 @@ def _split_parts(logits: torch.Tensor, n_rows: int, config: dict) -> tuple[int, 
     40.8 at B = 1 / 16 / 48 / 64). The slice of a tile a program reads changes
     no result (each lane's statistics are its own)."""
     lanes = config["LANES"]
-    tiles = triton.cdiv(logits.shape[-1], config["REPS"] * lanes * config["VEC"])
+    tiles = _tiles(logits.shape[-1], config)
     if tiles < 2 or n_rows > _SPLIT_SM_SHARE * _sm_count(logits.device):
         return 0, 0
     slice_lanes = min(lanes, 32 * _SLICE_WARPS)
     return tiles * (lanes // slice_lanes), slice_lanes
+
+
+def _tiles(vocab: int, config: dict) -> int:
+    """Tiles of the statistics pass (reduce.softmax_stats) in a row."""
+    return triton.cdiv(vocab, config["REPS"] * config["LANES"] * config["VEC"])
 
 
 @functools.cache
@@ -872,7 +887,7 @@ def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice
     arguments: (candidate lists, counters, records)."""
     vocab = logits.shape[-1]
     lanes = config["LANES"]
-    tiles = triton.cdiv(vocab, config["REPS"] * lanes * config["VEC"])
+    tiles = _tiles(vocab, config)
     lists, _ = _candidate_lists(logits, n_rows)
     groups = triton.cdiv(tiles, _FOLD_GROUP.value)
     lane_stats = torch.empty(n_rows, groups, 3, lanes, _FOLD_GROUP.value, dtype=_acc(logits)[0], device=logits.device)

@@ -402,7 +402,7 @@ def test_sliced_logits_are_read_in_place(device, backend, layout):
     only), and with inplace_backward the gradient that reaches the slice lives
     in the logits' own storage. Values as the float64 reference."""
     from fastrl.kernels.logprobs import rows_aligned
-    from fastrl.kernels.sampling import candidate_list_bytes
+    from fastrl.kernels.sampling import workspace_bytes
 
     full = make_logits((2, 7), 512, torch.bfloat16, std=2.0, device=device, masked=False)
     leaf = full.detach().clone().requires_grad_(True)
@@ -424,7 +424,7 @@ def test_sliced_logits_are_read_in_place(device, backend, layout):
                 peak, out = _largest_allocation(lambda: call(logits))
                 if name in ("sample", "truncated_logprobs") and backend == "triton":
                     # the sampler's per-row candidate lists (at most V / 8 entries)
-                    peak -= candidate_list_bytes(logits)
+                    peak -= workspace_bytes(logits)
                 assert peak < budget, f"{name} allocated {peak} bytes on {layout} logits"
                 # The same rows in the same order: bitwise the results of a contiguous
                 # copy, unless the two launches tile the rows differently: a forward
