@@ -116,25 +116,35 @@ def list_capacity(vocab: int) -> int:
 
 
 def workspace_bytes(logits: torch.Tensor) -> int:
-    """Bytes of the temporaries the forward launches allocate for ``logits``' rows:
-    the candidate lists and their counters (_candidate_lists), and for split
-    rows (_split_selection) the tiles' lane statistics, the rows' records and
-    histograms."""
-    n_rows, vocab = row_count(logits), logits.shape[-1]
-    total = n_rows * (list_capacity(vocab) * 8 + 4)
+    """Bytes of the temporaries the forward launches allocate for ``logits``' rows (_workspace)."""
+    n_rows = row_count(logits)
     config = _launch_config(logits)
-    if _split_parts(logits, n_rows, config)[0]:
+    split = bool(_split_parts(logits, n_rows, config)[0])
+    return sum(t.numel() * t.element_size() for t in _workspace(logits, n_rows, config, split, "meta").values())
+
+
+def _workspace(logits: torch.Tensor, n_rows: int, config: dict, split: bool, device) -> dict[str, torch.Tensor]:
+    """The forward launches' temporaries for ``logits``' rows, on ``device``: each
+    row's candidate list (_select, _compact: list_capacity int64 entries, 8 KB a
+    row at most) and its counter (zero); for split rows (_split_selection) also
+    each row's top-digit histogram (zero, in one zeroed buffer with the
+    counters), the tiles' lane statistics and the rows' records."""
+    vocab = logits.shape[-1]
+    bins = _BINS.value if split else 0
+    zeroed = torch.zeros(n_rows * (bins + 1), dtype=torch.int32, device=device)
+    workspace = {
+        "lists": torch.empty(n_rows, list_capacity(vocab), dtype=torch.int64, device=device),
+        "counters": zeroed[n_rows * bins :],
+    }
+    if split:
         groups = triton.cdiv(_tiles(vocab, config), _FOLD_GROUP.value)
-        lane_stats = groups * 3 * config["LANES"] * _FOLD_GROUP.value * _acc(logits)[0].itemsize
-        total += n_rows * (lane_stats + _SPLIT_RECORD.value * 8 + _BINS.value * 4)
-    return total
-
-
-def _candidate_lists(logits: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's candidate list (_select, _compact): list_capacity int64 entries
-    (8 KB a row at most), and its counter (zero)."""
-    return (torch.empty(n_rows, list_capacity(logits.shape[-1]), dtype=torch.int64, device=logits.device),
-            torch.zeros(n_rows, dtype=torch.int32, device=logits.device))  # fmt: skip
+        workspace |= {
+            "hist": zeroed[: n_rows * bins],
+            "lane_stats": torch.empty(n_rows, groups, 3, config["LANES"], _FOLD_GROUP.value, dtype=_acc(logits)[0],
+                                      device=device),  # fmt: skip
+            "records": torch.empty(n_rows, _SPLIT_RECORD.value, dtype=torch.int64, device=device),
+        }
+    return workspace
 
 
 def _acc(logits: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
@@ -605,6 +615,15 @@ def _split_tiles_kernel(
 
 
 @triton.jit
+def _group_column(x, j: tl.constexpr):
+    """Column j of x [LANES, _FOLD_GROUP], bit for bit (an integer sum of one
+    term: a float sum would turn -0.0 into +0.0), inside each lane's thread."""
+    INT: tl.constexpr = tl.int64 if x.dtype == tl.float64 else tl.int32
+    bits = tl.where(tl.arange(0, _FOLD_GROUP)[None, :] == j, x.to(INT, bitcast=True), 0)
+    return tl.sum(bits, axis=1).to(x.dtype, bitcast=True)
+
+
+@triton.jit
 def _split_rows_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
@@ -658,15 +677,6 @@ def _split_rows_kernel(
     tl.store(record + 4, tl.where(k_on, k_rank, 0).to(tl.int64))
     tl.store(record + 5, n_candidates.to(tl.int64))
     tl.store(record + 6, compacted.to(tl.int64))
-
-
-@triton.jit
-def _group_column(x, j: tl.constexpr):
-    """Column j of x [LANES, _FOLD_GROUP], bit for bit (an integer sum of one
-    term: a float sum would turn -0.0 into +0.0), inside each lane's thread."""
-    INT: tl.constexpr = tl.int64 if x.dtype == tl.float64 else tl.int32
-    bits = tl.where(tl.arange(0, _FOLD_GROUP)[None, :] == j, x.to(INT, bitcast=True), 0)
-    return tl.sum(bits, axis=1).to(x.dtype, bitcast=True)
 
 
 @triton.jit
@@ -878,48 +888,43 @@ def _sm_count(device: torch.device) -> int:
     return 132
 
 
-def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes):
+def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes, workspace):
     """A row's three reads over ``parts`` programs each (_select, SPLIT), of
-    ``slice_lanes`` lanes (_split_parts): the
-    tiles' lane statistics and the histogram (_split_tiles_kernel), the row's
-    statistics and its list's floor (_split_rows_kernel, one program a row),
-    the compaction (_split_compact_kernel). Returns the final launch's
-    arguments: (candidate lists, counters, records)."""
+    ``slice_lanes`` lanes (_split_parts): the tiles' lane statistics and the
+    histogram (_split_tiles_kernel), the row's statistics and its list's floor
+    (_split_rows_kernel, one program a row), the compaction
+    (_split_compact_kernel), into ``workspace`` (_workspace)."""
     vocab = logits.shape[-1]
-    lanes = config["LANES"]
     tiles = _tiles(vocab, config)
-    lists, _ = _candidate_lists(logits, n_rows)
-    groups = triton.cdiv(tiles, _FOLD_GROUP.value)
-    lane_stats = torch.empty(n_rows, groups, 3, lanes, _FOLD_GROUP.value, dtype=_acc(logits)[0], device=logits.device)
-    records = torch.empty(n_rows, _SPLIT_RECORD, dtype=torch.int64, device=logits.device)
-    # one zeroed buffer: the histograms [rows, _BINS], then the list counters
-    zeroed = torch.zeros(n_rows * (_BINS.value + 1), dtype=torch.int32, device=logits.device)
-    hist, counters = zeroed[: n_rows * _BINS.value], zeroed[n_rows * _BINS.value :]
+    groups = workspace["lane_stats"].shape[1]
     layout = row_layout(logits)
     tile_meta = {k: config[k] for k in ("REPS", "LANES", "VEC")} | {"SLICE_LANES": slice_lanes}
     warps = max(slice_lanes // 32, 1)
     _split_tiles_kernel[(n_rows, parts)](
-        logits, *layout, vocab, *params, lane_stats, hist, groups, **flags, **tile_meta, ALIGNED=config["ALIGNED"],
-        MAX_IN_STORAGE_TYPE=config["MAX_IN_STORAGE_TYPE"], ACC=acc_tl, num_warps=warps, **_EXACT,
+        logits, *layout, vocab, *params, workspace["lane_stats"], workspace["hist"], groups, **flags, **tile_meta,
+        ALIGNED=config["ALIGNED"], MAX_IN_STORAGE_TYPE=config["MAX_IN_STORAGE_TYPE"], ACC=acc_tl, num_warps=warps,
+        **_EXACT,
     )  # fmt: skip
     _split_rows_kernel[(n_rows,)](
-        logits, *layout, vocab, *params, lane_stats, tiles, groups, hist, records, **flags, LANES=lanes,
-        LIST_CAP=config["LIST_CAP"], ACC=acc_tl, num_warps=_WARPS, **_EXACT,
+        logits, *layout, vocab, *params, workspace["lane_stats"], tiles, groups, workspace["hist"],
+        workspace["records"], **flags, LANES=config["LANES"], LIST_CAP=config["LIST_CAP"], ACC=acc_tl,
+        num_warps=_WARPS, **_EXACT,
     )  # fmt: skip
     _split_compact_kernel[(n_rows, parts)](
-        logits, *layout, vocab, records, lists, counters, **tile_meta, LIST_CAP=config["LIST_CAP"],
-        num_warps=warps,
+        logits, *layout, vocab, workspace["records"], workspace["lists"], workspace["counters"], **tile_meta,
+        LIST_CAP=config["LIST_CAP"], num_warps=warps,
     )  # fmt: skip
-    return lists, counters, records
 
 
 def _selection_args(logits, n_rows, params, flags, config, acc_tl) -> tuple[list, dict]:
-    """The candidate-list and split arguments of the final launch (_select)."""
+    """The final launch's (_select) candidate lists, counters and split records
+    (None for one program a row), and its SPLIT flag."""
     parts, slice_lanes = _split_parts(logits, n_rows, config)
+    workspace = _workspace(logits, n_rows, config, bool(parts), logits.device)
     if parts:
-        split = _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes)
-        return list(split), {"SPLIT": True}
-    return [*_candidate_lists(logits, n_rows), None], {"SPLIT": False}
+        _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes, workspace)
+    records = workspace["records"] if parts else None
+    return [workspace["lists"], workspace["counters"], records], {"SPLIT": bool(parts)}
 
 
 def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):

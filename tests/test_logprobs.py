@@ -423,7 +423,7 @@ def test_sliced_logits_are_read_in_place(device, backend, layout):
             for name, call in calls.items():
                 peak, out = _largest_allocation(lambda: call(logits))
                 if name in ("sample", "truncated_logprobs") and backend == "triton":
-                    # the sampler's per-row candidate lists (at most V / 8 entries)
+                    # the sampler's per-row workspace (candidate lists of at most V / 8 entries)
                     peak -= workspace_bytes(logits)
                 assert peak < budget, f"{name} allocated {peak} bytes on {layout} logits"
                 # The same rows in the same order: bitwise the results of a contiguous

@@ -163,8 +163,8 @@ BUDGETS: dict[str, Budget] = {
         why="issue 14: <= 3 passes over the row, each <= 1.5x the log-prob forward's SASS per "
         "element, 128-bit loads, every SM busy",
     ),
-    # A batch smaller than the GPU splits its rows (kernels/sampling.py,
-    # _split_selection): a program reads a quarter of a tile, so that the two
+    # A batch of at most 0.4x the SMs splits its rows (kernels/sampling.py,
+    # _split_parts): a program reads a quarter of a tile, so that the two
     # launches over the row fill the SMs at B = 1; the one-program-a-row
     # launches between and after them (statistics fold, list work) are latency.
     "sample tiles": Budget(

@@ -171,8 +171,8 @@ TOP_P_SEARCH = "if p_on"
 COMPACTION = ("if compacted", "LIST_CAP")
 
 
-# A batch of fewer rows than the GPU has SMs splits each row over several
-# programs (kernels/sampling.py, _split_selection): the tiles' statistics and
+# A batch of at most 0.4x the SMs splits each row over several programs
+# (kernels/sampling.py, _split_parts, _split_selection): the tiles' statistics and
 # histogram, the rows' statistics, the compaction, then the final launch's work
 # on the candidate list.
 SPLIT_ROLES = ("sample tiles", "sample rows", "sample compact", "sample list")
