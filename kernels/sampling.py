@@ -85,7 +85,7 @@ _SPLIT_SM_SHARE = 0.4
 # row's statistics must round as one program's (reduce.fold_lanes), and a
 # contraction depends on the code around it.
 _EXACT = {"enable_fp_fusion": False}
-# A split row's statistics fold 8 tiles a load (_split_rows_kernel).
+# A split row's statistics fold 8 tiles a trip (_split_rows_kernel): their loads issued together.
 _FOLD_GROUP = tl.constexpr(8)
 # A split row's record (_split_rows_kernel): 7 int64, padded to 8.
 _SPLIT_RECORD = tl.constexpr(8)
@@ -140,7 +140,7 @@ def _workspace(logits: torch.Tensor, n_rows: int, config: dict, split: bool, dev
         groups = triton.cdiv(_tiles(vocab, config), _FOLD_GROUP.value)
         workspace |= {
             "hist": zeroed[: n_rows * bins],
-            "lane_stats": torch.empty(n_rows, groups, 3, config["LANES"], _FOLD_GROUP.value, dtype=_acc(logits)[0],
+            "lane_stats": torch.empty(n_rows, groups, 3, _FOLD_GROUP.value, config["LANES"], dtype=_acc(logits)[0],
                                       device=device),  # fmt: skip
             "records": torch.empty(n_rows, _SPLIT_RECORD.value, dtype=torch.int64, device=device),
         }
@@ -601,26 +601,17 @@ def _split_tiles_kernel(
     # specialises on: the mask is then whole 16-byte runs)
     x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
     m, n, tail = tile_lane_stats(x, exp2_scale(_inverse_temperature(t, valid, ACC)), MAX_IN_STORAGE_TYPE)
-    out = (lane_stats_ptr + (row * n_groups + tile // _FOLD_GROUP) * (3 * LANES * _FOLD_GROUP)
-           + (first_lane + tl.arange(0, SLICE_LANES)) * _FOLD_GROUP + tile % _FOLD_GROUP)  # fmt: skip
+    out = (lane_stats_ptr + (row * n_groups + tile // _FOLD_GROUP) * (3 * _FOLD_GROUP * LANES)
+           + (tile % _FOLD_GROUP) * LANES + first_lane + tl.arange(0, SLICE_LANES))  # fmt: skip
     tl.store(out, m)
-    tl.store(out + LANES * _FOLD_GROUP, n)
-    tl.store(out + 2 * LANES * _FOLD_GROUP, tail)
+    tl.store(out + _FOLD_GROUP * LANES, n)
+    tl.store(out + 2 * _FOLD_GROUP * LANES, tail)
     if ACC != tl.float64:
         if (t == 0) | ((k > 0) & (k < V)) | (p < 1):  # a superset of the rows _list_floor lists
             SIZE: tl.constexpr = REPS * SLICE_LANES * VEC
             digits = tl.reshape(_top_digit_of(_order_key(x.to(tl.float32))), [SIZE])
             counts = tl.histogram(digits, _BINS, mask=tl.reshape(offs < V, [SIZE]))
             tl.atomic_add(hist_ptr + row * _BINS + tl.arange(0, _BINS), counts, mask=counts > 0, sem="relaxed")
-
-
-@triton.jit
-def _group_column(x, j: tl.constexpr):
-    """Column j of x [LANES, _FOLD_GROUP], bit for bit (an integer sum of one
-    term: a float sum would turn -0.0 into +0.0), inside each lane's thread."""
-    INT: tl.constexpr = tl.int64 if x.dtype == tl.float64 else tl.int32
-    bits = tl.where(tl.arange(0, _FOLD_GROUP)[None, :] == j, x.to(INT, bitcast=True), 0)
-    return tl.sum(bits, axis=1).to(x.dtype, bitcast=True)
 
 
 @triton.jit
@@ -645,26 +636,25 @@ def _split_rows_kernel(
     )  # fmt: skip
     inv_t = _inverse_temperature(t, valid, ACC)
     scale = exp2_scale(inv_t)
-    # A trip loads a group of _FOLD_GROUP tiles' statistics, each lane's the
-    # contiguous [_FOLD_GROUP] of lane_stats [rows, groups, 3, LANES,
-    # _FOLD_GROUP] (a 128-bit load or two, in the lane's thread), and folds
-    # them in tile order.
+    # A trip folds a group of _FOLD_GROUP tiles' statistics in tile order,
+    # lane_stats [rows, groups, 3, _FOLD_GROUP, LANES]: each tile's m, n and t are
+    # a coalesced load of the lanes, the group's 3 x _FOLD_GROUP loads all issued
+    # before its folds (a trip a tile waited for a memory latency each).
     lanes = tl.arange(0, LANES)
-    in_group = tl.arange(0, _FOLD_GROUP)
     m = tl.full([LANES], float("-inf"), ACC)
     n = tl.zeros([LANES], ACC)
     tail = tl.zeros([LANES], ACC)
     for group in range(0, n_groups):  # n_groups = cdiv(n_tiles, _FOLD_GROUP)
-        at = (lane_stats_ptr + (row * n_groups + group) * (3 * LANES * _FOLD_GROUP) + lanes[:, None] * _FOLD_GROUP
-              + in_group[None, :])  # fmt: skip
-        live = group * _FOLD_GROUP + in_group[None, :] < n_tiles
-        group_m = tl.load(at, mask=live, other=float("-inf"))
-        group_n = tl.load(at + LANES * _FOLD_GROUP, mask=live, other=0.0)
-        group_tail = tl.load(at + 2 * LANES * _FOLD_GROUP, mask=live, other=0.0)
+        at = lane_stats_ptr + (row * n_groups + group) * (3 * _FOLD_GROUP * LANES) + lanes
         for j in tl.static_range(_FOLD_GROUP):
+            # tile < n_tiles, as one compare of the lanes (a scalar condition
+            # as a mask fails in Triton's interpreter)
+            live = (group * _FOLD_GROUP + j) * LANES + lanes < n_tiles * LANES
+            tile_m = tl.load(at + j * LANES, mask=live, other=float("-inf"))
+            tile_n = tl.load(at + (_FOLD_GROUP + j) * LANES, mask=live, other=0.0)
+            tile_tail = tl.load(at + (2 * _FOLD_GROUP + j) * LANES, mask=live, other=0.0)
             if group * _FOLD_GROUP + j < n_tiles:
-                m, n, tail = fold_lanes(m, n, tail, _group_column(group_m, j), _group_column(group_n, j),
-                                        _group_column(group_tail, j), scale)  # fmt: skip
+                m, n, tail = fold_lanes(m, n, tail, tile_m, tile_n, tile_tail, scale)
     m, n_max, tail, _no_w = merge_lanes(m, n, tail, tl.zeros([LANES], ACC), scale)
     bad, greedy, m_safe, s, _, k_on, p_on = _row_state(V, t, k, p, valid, m, n_max, tail, ACC)
     floor, k_rank, n_candidates, compacted = _list_floor(row_ptr, V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s,
