@@ -212,8 +212,9 @@ OP_BUDGETS: dict[str, float] = {
 # is fixed the test passes, fails as XPASS, and the entry is removed.
 # (fragment of the case id, role, gate) -> the change that fixes it.
 KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
-    # 64 rows use 64 of 132 SMs; splitting them is predicted slower (42.0 against
-    # 40.8 us: kernels/sampling.py, _split_parts)
+    # 64 rows use 64 of 132 SMs; splitting them is predicted slower (41.2 against
+    # 40.8 us: kernels/sampling.py, _split_parts; the split's tiles launch is
+    # issue-bound there, ~38 SASS an element)
     ("[64x", "sample", "grid"): "issue 14: a cheaper split (fewer launches) for B near half the SMs",
 }
 
