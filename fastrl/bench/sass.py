@@ -21,10 +21,10 @@ shape. Loops come from the SASS control-flow graph (natural loops of its back
 edges, by dominators), each matched to its TTGIR ``scf.for`` for its bound and
 step (elements per iteration), and to the runtime ``if`` s around it. Per loop,
 on the *hot path* of one iteration (of the paths that do the most work, global
-loads and stores and MUFU.EX2, the one of fewest instructions: data-dependent
-branches that skip the work, such as a block of only -inf, or add a fix-up,
-such as the rescale when a block raises the running max, take their common
-side; the dearest path is recorded too): SASS instructions per row element per
+loads and stores, MUFU.EX2 and shared-memory atomics, the one of fewest
+instructions: data-dependent branches that skip the work, such as a block of
+only -inf, or add a fix-up, such as the rescale when a block raises the running
+max, take their common side; the dearest path is recorded too): SASS instructions per row element per
 thread, global load / store widths, barriers, MUFU, fp64 and 64-bit integer
 (address) operations. A *row loop* is one bounded by the length of a row it
 loads; its executions are the passes over the row.
@@ -246,6 +246,13 @@ def _tensor_bytes(value) -> int:
     return 0
 
 
+def _guarded_by(fragment: str, guard: str) -> bool:
+    """Whether a loop guard (LoopInfo.guards) is the branch a case's fragment
+    names: "if p_on" the then-branch of the if on that line, "else: ..." the
+    else-branch of one."""
+    return fragment in guard and guard.startswith(sm.ELSE) == fragment.startswith(sm.ELSE)
+
+
 def _loop_runs(k: sm.KernelAnalysis, bound: dict, untaken: tuple[str, ...], grid: int,
                compaction: tuple[str, str] | None = None) -> list[sm.LoopRun]:  # fmt: skip
     import torch
@@ -253,7 +260,7 @@ def _loop_runs(k: sm.KernelAnalysis, bound: dict, untaken: tuple[str, ...], grid
     runs, seen_args = [], set()
     resident = min(grid, sm.H100.sms * max(sm.occupancy(k, sm.H100)["ctas_per_sm"], 1))
     for loop in k.loops:
-        executed = not any(frag in guard for guard in loop.guards for frag in untaken)
+        executed = not any(_guarded_by(frag, guard) for guard in loop.guards for frag in untaken)
         upper = bound.get(loop.upper) if loop.upper else loop.upper_const
         if not isinstance(upper, int) or loop.step is None:
             # A bound computed in the kernel (the sampler's candidate list): one
@@ -271,7 +278,7 @@ def _loop_runs(k: sm.KernelAnalysis, bound: dict, untaken: tuple[str, ...], grid
         if row and executed:
             seen_args |= set(loop.load_args)
         store_share = 1.0
-        if compaction and span and any(compaction[0] in guard for guard in loop.guards):
+        if compaction and span and any(_guarded_by(compaction[0], guard) for guard in loop.guards):
             store_share = min(1.0, bound[compaction[1]] / span)
         runs.append(sm.LoopRun(loop, trips, loop.step / k.threads, row, cached, executed, span, store_share))
     return runs

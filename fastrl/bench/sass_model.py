@@ -50,11 +50,15 @@ ELEMENT_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "i64": 8, "i32": 4, "i
 # Analysis of one compiled kernel
 
 
+# The prefix of a guard a loop is in the else of (LoopInfo.guards).
+ELSE = "else: "
+
+
 @dataclasses.dataclass
 class LoopInfo:
     source: tuple[str, int] | None
     text: str  # the source line of the loop
-    guards: list[str]  # source lines of the runtime ifs around it
+    guards: list[str]  # source lines of the runtime ifs around it; "else: <line>" for an if it is in the else of
     lower: int | None
     upper: str | None  # the kernel argument bounding it (V, L, ...), or None
     upper_const: int | None
@@ -182,7 +186,9 @@ def analyse_triton(compiled: dict, arch: int, param_names: list[str]) -> KernelA
         index = ir.loops.index(iloop) if iloop is not None else None
         load_args = sorted({op.arg for op in ir.memops if op.kind == "load" and op.loop == index and op.arg})
         loops.append(LoopInfo(
-            source=source, text=sp.source_text(source), guards=[sp.source_text(g) for g in (iloop.guards if iloop else [])],
+            source=source, text=sp.source_text(source),
+            guards=[sp.source_text(g) for g in (iloop.guards if iloop else [])]
+            + [ELSE + sp.source_text(g) for g in (iloop.else_guards if iloop else [])],
             lower=const(iloop.lower) if iloop else None, upper=arg_name(iloop.upper) if iloop else None,
             upper_const=const(iloop.upper) if iloop else None, step=const(iloop.step) if iloop else None,
             hot=sp.summarise(hot), longest_sass=longest, float_load_bits=float_bits, load_args=load_args,

@@ -282,7 +282,9 @@ class CFG:
         of ``ends`` inside ``region``, never taking an edge back to ``entry``, each
         loop of ``collapse`` standing as one node of no cost (its header) whose
         successors are the loop's exits. The hot path does the most *work* (global
-        loads and stores, MUFU.EX2: what every element needs), and among those
+        loads and stores, MUFU.EX2, shared-memory atomics: what every element
+        needs; a histogram of a masked block branches around each element's
+        atomic, and its common side is to take it), and among those
         paths it is the one of fewest instructions: a data-dependent branch that
         skips the work (a block of only -inf so far) or adds a fix-up (a rescale
         when the running max rises, the count at the max) takes its common side.
@@ -305,7 +307,7 @@ class CFG:
             if k in inner_of:
                 return (0, 0)
             instrs = self.blocks[k].instrs
-            work = sum(1 for i in instrs if i.base in ("LDG", "STG") or i.opcode.startswith("MUFU.EX2"))
+            work = sum(1 for i in instrs if i.base in ("LDG", "STG", "ATOMS") or i.opcode.startswith("MUFU.EX2"))
             return (-work, len(instrs)) if shortest else (0, len(instrs))
 
         # Longest / shortest path on a DAG: order the nodes topologically first.
@@ -406,6 +408,7 @@ class IRLoop:
     guards: list[tuple[str, int]]  # the runtime `if`s around it (source lines)
     depth: int
     whole_tiles: bool = False  # bounded by upper - upper % c: floor(upper / c) trips of step c
+    else_guards: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # the ifs it is in the else of
 
 
 @dataclasses.dataclass
@@ -481,10 +484,10 @@ def parse_ttgir(text: str) -> TTGIR:
     constants: dict[str, int] = {}
     defs: dict[str, tuple[str, list[str]]] = {}
     loops: list[IRLoop] = []
-    guard_markers: list[list[int]] = []  # per loop: the open ifs around it
+    guard_markers: list[list[tuple[int, bool]]] = []  # per loop: the open ifs around it (marker, in their else)
     if_locs: dict[int, tuple[str, int] | None] = {}
     memops: list[IRMemOp] = []
-    stack: list[tuple[str, int]] = []  # ("for", loop index) / ("if", marker)
+    stack: list[tuple[str, int]] = []  # ("for", loop index) / ("if" or "else", marker)
     last_yield: dict[int, tuple[str, int] | None] = {}  # stack depth -> loc of the last scf.yield there
     for line in lines:
         s = line.strip()
@@ -503,7 +506,7 @@ def parse_ttgir(text: str) -> TTGIR:
             depth = sum(1 for k, _ in stack if k == "for")
             upper, whole = _whole_tiles_bound(fm.group(3), defs, args)
             loops.append(IRLoop(None, fm.group(2), upper, fm.group(4), [], depth, whole))
-            guard_markers.append([marker for k, marker in stack if k == "if"])
+            guard_markers.append([(marker, k == "else") for k, marker in stack if k in ("if", "else")])
             if "iter_args" in s:
                 for im in re.finditer(rf"({_SSA}) = ({_SSA})", s.split("iter_args", 1)[1]):
                     defs[im.group(1)] = ("iter_arg", [im.group(2)])
@@ -514,6 +517,8 @@ def parse_ttgir(text: str) -> TTGIR:
             if_locs[len(if_locs)] = None
             continue
         if s.startswith("}") and s.endswith("{"):  # } else {  /  } do {
+            if s.startswith("} else") and stack and stack[-1][0] == "if":
+                stack[-1] = ("else", stack[-1][1])
             continue
         if s.endswith("{"):  # a reduction's combine region, the function, the module
             stack.append(("region", -1))
@@ -542,7 +547,8 @@ def parse_ttgir(text: str) -> TTGIR:
                                   _trace_arg(mm.group(2), defs, args), len(fors), fors[-1] if fors else None,
                                   shape is not None, elements))  # fmt: skip
     for loop, markers in zip(loops, guard_markers):
-        loop.guards = [if_locs[k] for k in markers if if_locs.get(k) is not None]
+        loop.guards = [if_locs[k] for k, in_else in markers if not in_else and if_locs.get(k) is not None]
+        loop.else_guards = [if_locs[k] for k, in_else in markers if in_else and if_locs.get(k) is not None]
     return TTGIR([a.lstrip("%") for a in args], constants, loops, memops)
 
 
