@@ -60,9 +60,16 @@ def row_start(base_ptr, row, inner, outer_stride, inner_stride):
 @triton.jit
 def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr,
                   VEC: tl.constexpr, ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr,
-                  ACC: tl.constexpr, FOLD_TILES: tl.constexpr = False):  # fmt: skip
+                  ACC: tl.constexpr, FOLD_TILES: tl.constexpr = False, HISTOGRAM: tl.constexpr = None,
+                  BINS: tl.constexpr = 1):  # fmt: skip
     """(m, n, t, w) of the row as defined above (n, t, w in float64; s = n + t);
     w is 0 unless WITH_W.
+
+    HISTOGRAM: a jit function (x, mask) -> int32 counts [BINS] of a tile x
+    [REPS, LANES, VEC] in the storage type (mask None for a whole tile, else
+    which elements are in the row); softmax_stats then returns (m, n, t, w,
+    counts summed over the row's tiles), both from the same read of the row
+    (the sampler's top-digit histogram, kernels/sampling.py).
 
     FOLD_TILES (not with WITH_W): each lane sums each tile from scratch
     (tile_lane_stats) and folds it into its running statistics (fold_lanes), so
@@ -95,6 +102,7 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
     # different place in a 16-byte line at each position).
     if ALIGNED:  # every row starts on a 16-byte boundary (the launcher checked)
         row_ptr = tl.multiple_of(row_ptr, 16)
+    counts = tl.zeros([BINS], tl.int32)
     whole = V - V % tile
     for start in range(0, whole, tile):  # the whole tiles, unmasked
         x = tl.load((row_ptr + start + lane_offs) + rep_offs)
@@ -102,6 +110,8 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
             m, n, t = fold_lanes(m, n, t, *tile_lane_stats(x, k, MAX_IN_STORAGE_TYPE), k)
         else:
             m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
+        if HISTOGRAM is not None:
+            counts += HISTOGRAM(x, None)
     if whole < V:  # the partial tile, masked
         offs = whole + lane_offs + rep_offs
         x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf)
@@ -109,7 +119,13 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
             m, n, t = fold_lanes(m, n, t, *tile_lane_stats(x, k, MAX_IN_STORAGE_TYPE), k)
         else:
             m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
-    return merge_lanes(m, n, t, w, k)
+        if HISTOGRAM is not None:
+            counts += HISTOGRAM(x, offs < V)
+    m, n, t, w = merge_lanes(m, n, t, w, k)
+    if HISTOGRAM is not None:
+        return m, n, t, w, counts
+    else:
+        return m, n, t, w
 
 
 @triton.jit

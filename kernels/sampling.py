@@ -16,10 +16,10 @@ row:
               with E ~ Exp(1) from Philox (kernels/random.py), which picks a token
               with its processed probability; ties go to the lowest index.
 
-A row is read three times (``_select``): its softmax statistics
-(reduce.softmax_stats), a histogram of its keys' top 12 bits, and the
-compaction into the row's candidate list of the tokens whose top digit can
-hold a kept token (from the k-th largest's digit up, for top-p alone the
+A row is read twice (``_select``): its softmax statistics
+(reduce.softmax_stats) with a histogram of its keys' top 12 bits from the same
+loads, and the compaction into the row's candidate list of the tokens whose top
+digit can hold a kept token (from the k-th largest's digit up, for top-p alone the
 digits above a mass bound, ``_top_p_floor``, for greedy rows the max's digit).
 The thresholds (a radix selection for top-k, ``_kth_largest_key32``; a 16-way
 descent for top-p and for float64 keys, ``_largest_key_reaching``), the kept
@@ -30,7 +30,7 @@ row as its list; rows with min-p or temperature alone (nothing to list) and
 float64 rows skip the histogram and the compaction and read the row twice
 more, for the kept mass and the race.
 
-A batch small against the GPU (_split_parts) splits those three reads over
+A batch small against the GPU (_split_parts) splits those reads over
 many programs a row (_split_selection): each reads a slice of one tile of the
 statistics pass and writes its lanes' statistics of that tile alone, and adds
 its top digits to the row's histogram; one program a row folds the tiles in
@@ -58,20 +58,18 @@ from .reduce import (exp2_scale, fold_lanes, log_sum, merge_lanes, row_start, sl
                      tile_lane_stats)
 
 _MAX_BLOCK_V = 4096
-# The top-digit histogram adds a block with shared-memory atomics between
-# barriers (3 a block): 16 elements a thread halve the barriers per element
-# (sm_90 model, truncated_logprobs fwd at 16384 x 151936: 6.2 -> 5.5 ms).
-_MAX_HIST_BLOCK = 8192
 # The digit search tests 16 pivots per element, a [block, 16] tile: a smaller
 # block keeps it in registers.
 _MAX_SEARCH_BLOCK = 512
 # A program's warps. The forward holds far more than a log-prob forward (a
-# 4096-bin histogram, the digit search, the race): 16 warps of at most 94
-# registers, one program per SM. (A cap of 64 registers, maxnreg, would fit two
-# without spills: predicted 7% faster at B >= 256, 15% slower at B = 1; left
-# for a GPU to decide.)
+# 4096-bin histogram, the digit search, the race): 16 warps.
 _WARPS = 16
-# The top digit of a key: its 12 highest bits (_top_digit_histogram).
+# The registers of the final launch's threads (_sample_kernel,
+# _truncated_fwd_kernel): 64 (no spills in the sm_90 and sm_80 cubins, against
+# 94 uncapped) fits two programs an SM, so that one's histogram barriers overlap
+# the other's loads (sm_90 model, sample top-k 50 at B = 1024: ~10% faster).
+_MAXNREG = 64
+# The top digit of a key: its 12 highest bits (_top_digit_of).
 _BINS = tl.constexpr(4096)
 # Entries of a row's candidate list (_select): a top-k 50 row of an LLM holds a
 # few dozen to a few hundred tokens in the digits from its 50th largest up.
@@ -79,8 +77,9 @@ _CANDIDATES = 1024
 # A split row's programs (_split_selection): 4 warps read a quarter of a tile's
 # lanes, so that a row of 19 tiles (V = 151936 bfloat16) fills 76 SMs at B = 1.
 _SLICE_WARPS = 4
-# Rows are split while the batch is at most this share of the SMs (_split_parts).
-_SPLIT_SM_SHARE = 0.4
+# Rows are split while the batch is at most this share of the SMs (_split_parts):
+# one program a row leaves the other half idle.
+_SPLIT_SM_SHARE = 0.5
 # The sampler's forward launches compile without fused multiply-adds: a split
 # row's statistics must round as one program's (reduce.fold_lanes), and a
 # contraction depends on the code around it.
@@ -99,13 +98,12 @@ def _launch_config(logits: torch.Tensor) -> dict:
     """The forward kernels' meta-parameters for rows of ``logits`` (V, dtype and
     alignment only, never the batch): the statistics and compaction passes'
     tile (logprobs.tile_config, whose num_warps the launch takes), the block of
-    the histogram pass, of the passes over the candidate list, and of the digit
-    search."""
+    the passes over the candidate list, and of the digit search."""
     vocab = logits.shape[-1]
     block = _row_block(vocab)
     return tile_config(logits, num_warps=_WARPS) | {
-        "HIST_BLOCK": min(triton.next_power_of_2(vocab), _MAX_HIST_BLOCK), "LIST_BLOCK": min(block, _CANDIDATES),
-        "SEARCH_BLOCK": min(block, _MAX_SEARCH_BLOCK), "LIST_CAP": list_capacity(vocab),
+        "LIST_BLOCK": min(block, _CANDIDATES), "SEARCH_BLOCK": min(block, _MAX_SEARCH_BLOCK),
+        "LIST_CAP": list_capacity(vocab),
     }  # fmt: skip
 
 
@@ -155,15 +153,16 @@ def _acc(logits: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
 def _order_key(x):
     """Unsigned integer keys ordered as the logits: uint32 for fp32 (and the 16-bit
     types, widened to it), uint64 for fp64, so that every compare of a key is one
-    instruction of the element's width; -0.0 and +0.0 share a key. Bits are
-    flipped by XOR with all ones rather than ``~``: triton 3.6's interpreter builds
-    ``~`` of an unsigned tensor from a -1 that numpy 2 refuses to cast to it."""
+    instruction of the element's width; -0.0 and +0.0 share a key. A negative
+    logit's bits are all flipped, a positive one's sign bit alone: XOR with the
+    sign bit spread by an arithmetic shift, OR the sign bit (two instructions, no
+    compare and select)."""
     if x.dtype == tl.float64:
-        b = (x + 0.0).to(tl.uint64, bitcast=True)
-        return tl.where((b >> 63) == 1, b ^ 0xFFFFFFFFFFFFFFFF, b | 0x8000000000000000)
+        b = (x + 0.0).to(tl.int64, bitcast=True)
+        return (b ^ ((b >> 63) | -9223372036854775808)).to(tl.uint64, bitcast=True)
     else:
-        b = (x + 0.0).to(tl.uint32, bitcast=True)
-        return tl.where((b >> 31) == 1, b ^ 0xFFFFFFFF, b | 0x80000000)
+        b = (x + 0.0).to(tl.int32, bitcast=True)
+        return (b ^ ((b >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -304,14 +303,20 @@ def _row_params(row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_
 
 
 @triton.jit
-def _top_digit_histogram(row_ptr, V, BLOCK: tl.constexpr):
-    """One read of the row: the counts [_BINS] of its 32-bit keys' top digit
-    (_top_digit_of)."""
-    counts = tl.zeros([_BINS], tl.int32)
-    for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        counts += tl.histogram(_top_digit_of(_order_key(x)), _BINS, mask=offs < V)
+def _tile_top_digits(x, mask):
+    """The counts [_BINS] of the top digits (_top_digit_of) of a tile's 32-bit
+    keys: x of any shape, mask None (every element) or of x's shape. One
+    histogram of the whole tile (reduce.softmax_stats' HISTOGRAM). A masked-off
+    element counts as -inf, in -inf's digit, and is taken back out of it after:
+    a masked histogram branches around each element's shared-memory atomic."""
+    SIZE: tl.constexpr = x.numel
+    if mask is not None:
+        x = tl.where(mask, x, float("-inf"))
+    counts = tl.histogram(tl.reshape(_top_digit_of(_order_key(x.to(tl.float32))), [SIZE]), _BINS)
+    if mask is not None:
+        masked = SIZE - tl.sum(tl.reshape(mask.to(tl.int32), [SIZE]), axis=0)
+        neg_inf_digit = _top_digit_of(_order_key(tl.full([], float("-inf"), tl.float32)))
+        counts -= tl.where(tl.arange(0, _BINS) == neg_inf_digit, masked, 0)
     return counts
 
 
@@ -452,14 +457,22 @@ def _row_state(V, t, k, p, valid, m, n_max, tail, ACC: tl.constexpr):
 
 
 @triton.jit
-def _list_floor(row_ptr, V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s, hist_ptr, SPLIT: tl.constexpr,
-                HIST_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+def _may_list(V, t, k, p):
+    """Whether a row with these parameters may list candidates: a superset of
+    the rows _list_floor lists (those also need a row that is not bad), known
+    before the row is read, so that only they pay for the top-digit histogram."""
+    return (t == 0) | ((k > 0) & (k < V)) | (p < 1)
+
+
+@triton.jit
+def _list_floor(V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s, counts, LIST_CAP: tl.constexpr,
+                ACC: tl.constexpr):  # fmt: skip
     """Which tokens go on the row's candidate list: (floor, k_rank,
     n_candidates, compacted); the list holds the n_candidates tokens whose top
     digit is >= floor when ``compacted``, else the list is the row, and k_rank
-    is the k-th largest key's rank among the keys of its digit. The top-digit
-    histogram is a read of the row, or with SPLIT the one a split row's
-    programs summed at hist_ptr (_split_tiles_kernel)."""
+    is the k-th largest key's rank among the keys of its digit. ``counts``: the
+    row's top-digit histogram (_tile_top_digits over the row), read only for
+    the rows that list (a row that lists none may pass anything)."""
     # The candidates: the tokens whose top digit is >= floor, where no other can
     # be kept: from the k-th largest key's digit up (top-p only narrows the
     # top-k set), or top-p's mass bound, or the max's digit (greedy: the first
@@ -472,10 +485,6 @@ def _list_floor(row_ptr, V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s, his
     compacted = False
     if ACC != tl.float64:
         if (~bad) & (k_on | p_on | greedy):
-            if SPLIT:
-                counts = tl.load(hist_ptr + tl.arange(0, _BINS))
-            else:
-                counts = _top_digit_histogram(row_ptr, V, HIST_BLOCK)
             if k_on:
                 top, k_rank = _top_digit(counts, k, _BINS)
                 floor = top.to(tl.int32)
@@ -491,8 +500,8 @@ def _list_floor(row_ptr, V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s, his
 @triton.jit
 def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
             SPLIT: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
-            MAX_IN_STORAGE_TYPE: tl.constexpr, HIST_BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr,
-            SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+            MAX_IN_STORAGE_TYPE: tl.constexpr, LIST_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+            LIST_CAP: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """Everything about one row's processed distribution: (bad, greedy, m, first
     argmax, number of maxima, 1/T, log s, threshold key, log min_p, log s_kept,
     whether the row's kept tokens are on its candidate list (compacted; else
@@ -500,20 +509,30 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
     over the row, e_j = exp((x_j - m) / T), and s_kept over the kept tokens (key
     >= threshold and (x - m) / T >= log min_p); bad as _row_state.
 
-    At most three reads of the row: its statistics (reduce.softmax_stats: m, s
-    and the number of maxima), the top-digit histogram, and the compaction of
-    the candidates into this row's list of LIST_CAP entries (_list_floor,
-    _compact). With SPLIT, other programs made those reads (_split_selection)
-    and left the row's statistics and list at split_ptr (_split_rows_kernel).
+    At most two reads of the row: its statistics (reduce.softmax_stats: m, s
+    and the number of maxima) with, for a row that may list candidates
+    (_may_list), its top-digit histogram (_tile_top_digits) from the same
+    loads; and the compaction of the candidates into this row's list of
+    LIST_CAP entries (_list_floor, _compact). With SPLIT, other programs made
+    those reads (_split_selection) and left the row's statistics and list at
+    split_ptr (_split_rows_kernel).
     The thresholds, s_kept, the first argmax and the draw then read the list
     only. A row with more candidates than that (top-p over a flat row) uses the
     row itself as its list: the same code, each step a read of the row."""
     neg_inf = float("-inf")
     inv_t = _inverse_temperature(t, valid, ACC)
+    counts = tl.zeros([_BINS], tl.int32)  # the top-digit histogram of a row that may list
     if SPLIT:
         m = tl.load(split_ptr).to(tl.float64, bitcast=True).to(ACC)
         n_max = tl.load(split_ptr + 1).to(tl.float64, bitcast=True)
         tail = tl.load(split_ptr + 2).to(tl.float64, bitcast=True)
+    elif ACC == tl.float64:  # never lists
+        m, n_max, tail, _no_w = softmax_stats(row_ptr, V, inv_t, False, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
+                                              ACC, True)  # fmt: skip
+    elif _may_list(V, t, k, p):
+        m, n_max, tail, _no_w, counts = softmax_stats(row_ptr, V, inv_t, False, REPS, LANES, VEC, ALIGNED,
+                                                      MAX_IN_STORAGE_TYPE, ACC, True, _tile_top_digits,
+                                                      _BINS)  # fmt: skip
     else:
         m, n_max, tail, _no_w = softmax_stats(row_ptr, V, inv_t, False, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
                                               ACC, True)  # fmt: skip
@@ -524,8 +543,8 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
         n_candidates = tl.load(split_ptr + 5).to(tl.int32)
         compacted = tl.load(split_ptr + 6) != 0
     else:
-        floor, k_rank, n_candidates, compacted = _list_floor(row_ptr, V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe,
-                                                             s, None, False, HIST_BLOCK, LIST_CAP, ACC)  # fmt: skip
+        floor, k_rank, n_candidates, compacted = _list_floor(V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s,
+                                                             counts, LIST_CAP, ACC)  # fmt: skip
         if compacted:
             _compact(row_ptr, 0, V, V, 0, floor, cand_ptr, counter_ptr, REPS, LANES, VEC, LANES)
     n_list = tl.where(compacted, n_candidates, V)
@@ -607,17 +626,14 @@ def _split_tiles_kernel(
     tl.store(out + _FOLD_GROUP * LANES, n)
     tl.store(out + 2 * _FOLD_GROUP * LANES, tail)
     if ACC != tl.float64:
-        if (t == 0) | ((k > 0) & (k < V)) | (p < 1):  # a superset of the rows _list_floor lists
-            SIZE: tl.constexpr = REPS * SLICE_LANES * VEC
-            digits = tl.reshape(_top_digit_of(_order_key(x.to(tl.float32))), [SIZE])
-            counts = tl.histogram(digits, _BINS, mask=tl.reshape(offs < V, [SIZE]))
+        if _may_list(V, t, k, p):
+            counts = _tile_top_digits(x, offs < V)
             tl.atomic_add(hist_ptr + row * _BINS + tl.arange(0, _BINS), counts, mask=counts > 0, sem="relaxed")
 
 
 @triton.jit
 def _split_rows_kernel(
-    logits_ptr, inner, outer_stride, inner_stride, V,
-    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+    V, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
     lane_stats_ptr, n_tiles, n_groups, hist_ptr, split_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
     LANES: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr,
@@ -629,7 +645,6 @@ def _split_rows_kernel(
     record of _SPLIT_RECORD int64 at split_ptr: the float64 bits of m, n and t,
     then floor, k_rank, n_candidates and compacted."""
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
     t, k, p, _, valid = _row_params(
         row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
         PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
@@ -657,8 +672,9 @@ def _split_rows_kernel(
                 m, n, tail = fold_lanes(m, n, tail, tile_m, tile_n, tile_tail, scale)
     m, n_max, tail, _no_w = merge_lanes(m, n, tail, tl.zeros([LANES], ACC), scale)
     bad, greedy, m_safe, s, _, k_on, p_on = _row_state(V, t, k, p, valid, m, n_max, tail, ACC)
-    floor, k_rank, n_candidates, compacted = _list_floor(row_ptr, V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s,
-                                                         hist_ptr + row * _BINS, True, 0, LIST_CAP, ACC)  # fmt: skip
+    counts = tl.load(hist_ptr + row * _BINS + tl.arange(0, _BINS))  # zero for a row that lists none
+    floor, k_rank, n_candidates, compacted = _list_floor(V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s, counts,
+                                                         LIST_CAP, ACC)  # fmt: skip
     record = split_ptr + row * _SPLIT_RECORD
     tl.store(record, m.to(tl.float64).to(tl.int64, bitcast=True))
     tl.store(record + 1, n_max.to(tl.int64, bitcast=True))
@@ -697,8 +713,8 @@ def _sample_kernel(
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
     PER_ROW_SEED: tl.constexpr, OFFSET_FROM_PTR: tl.constexpr, SPLIT: tl.constexpr,
     REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
-    MAX_IN_STORAGE_TYPE: tl.constexpr, HIST_BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr,
-    SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr,
+    MAX_IN_STORAGE_TYPE: tl.constexpr, LIST_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+    LIST_CAP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
@@ -710,7 +726,7 @@ def _sample_kernel(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
         ), cand_ptr, counter_ptr + row, split_ptr, SPLIT, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
-        HIST_BLOCK, LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
+        LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
     )  # fmt: skip
 
     # Philox key = the row's seed; counter = (vocab index, salt, offset): the
@@ -755,7 +771,7 @@ def _truncated_fwd_kernel(
     out_ptr, stats_ptr, cand_ptr, counter_ptr, split_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
     WITH_STATS: tl.constexpr, SPLIT: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
-    ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, HIST_BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr,
     LIST_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -768,7 +784,7 @@ def _truncated_fwd_kernel(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
         ), cand_ptr, counter_ptr + row, split_ptr, SPLIT, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
-        HIST_BLOCK, LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
+        LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
     )  # fmt: skip
     label = tl.load(labels_ptr + row).to(tl.int64)
     in_range = (label >= 0) & (label < V)
@@ -879,7 +895,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes, workspace):
-    """A row's three reads over ``parts`` programs each (_select, SPLIT), of
+    """A row's reads over ``parts`` programs each (_select, SPLIT), of
     ``slice_lanes`` lanes (_split_parts): the tiles' lane statistics and the
     histogram (_split_tiles_kernel), the row's statistics and its list's floor
     (_split_rows_kernel, one program a row), the compaction
@@ -896,7 +912,7 @@ def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice
         **_EXACT,
     )  # fmt: skip
     _split_rows_kernel[(n_rows,)](
-        logits, *layout, vocab, *params, workspace["lane_stats"], tiles, groups, workspace["hist"],
+        vocab, *params, workspace["lane_stats"], tiles, groups, workspace["hist"],
         workspace["records"], **flags, LANES=config["LANES"], LIST_CAP=config["LIST_CAP"], ACC=acc_tl,
         num_warps=_WARPS, **_EXACT,
     )  # fmt: skip
@@ -938,7 +954,7 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
         seed if per_row_seed else None, 0 if per_row_seed else seed,
         offset if offset_from_ptr else None, 0 if offset_from_ptr else offset,
         tokens, logprobs, raw, *selection, **flags, **split, PER_ROW_SEED=per_row_seed,
-        OFFSET_FROM_PTR=offset_from_ptr, ACC=acc_tl, **config, **_EXACT,
+        OFFSET_FROM_PTR=offset_from_ptr, ACC=acc_tl, **config, **_EXACT, maxnreg=_MAXNREG,
     )  # fmt: skip
     return tokens, logprobs, raw
 
@@ -955,7 +971,7 @@ def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_
     selection, split = _selection_args(logits, n_rows, args, flags, config, acc_tl)
     _truncated_fwd_kernel[(n_rows,)](
         logits, *row_layout(logits), vocab, labels, *args, out, stats, *selection, **flags, **split,
-        WITH_STATS=with_stats, ACC=acc_tl, **config, **_EXACT,
+        WITH_STATS=with_stats, ACC=acc_tl, **config, **_EXACT, maxnreg=_MAXNREG,
     )  # fmt: skip
     return out, stats
 

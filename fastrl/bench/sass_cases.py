@@ -42,7 +42,8 @@ class Case:
     """A canonical case: ``run()`` calls the launchers; ``roles`` names each
     launch it makes, in order. ``untaken`` lists source fragments of the runtime
     ``if`` s this case does not enter (the sampler's top-p search in a top-k
-    case): loops under them are not counted."""
+    case), or "else: " and one for the else of an ``if`` it enters: loops under
+    them are not counted."""
 
     op: str
     shape: tuple[int, ...]
@@ -166,12 +167,15 @@ def _truncated(n: int, v: int, dtype: torch.dtype) -> Callable[[], None]:
 # list holds runs them over the whole row, which these cases do not model.
 TOP_K_SEARCH = "if k_on"
 TOP_P_SEARCH = "if p_on"
+# A row that may list candidates reads its statistics with its top-digit
+# histogram: the statistics pass without it is the else of that branch.
+STATS_ALONE = "else: elif _may_list"
 # Its compaction pass (_compact, under ``if compacted``) writes at most LIST_CAP
 # candidates a row.
 COMPACTION = ("if compacted", "LIST_CAP")
 
 
-# A batch of at most 0.4x the SMs splits each row over several programs
+# A batch of at most half the SMs splits each row over several programs
 # (kernels/sampling.py, _split_parts, _split_selection): the tiles' statistics and
 # histogram, the rows' statistics, the compaction, then the final launch's work
 # on the candidate list.
@@ -187,15 +191,15 @@ def _sampling_cases() -> list[Case]:
         split = sampling._split_parts(logits, batch, sampling._launch_config(logits))[0]
         roles = SPLIT_ROLES if split else ("sample",)
         out.append(Case("sample top-k 50", (batch, SAMPLING_VOCAB), BF16, roles,
-                        _sample(batch, SAMPLING_VOCAB, {"top_k": 50}), untaken=(TOP_P_SEARCH,),
+                        _sample(batch, SAMPLING_VOCAB, {"top_k": 50}), untaken=(TOP_P_SEARCH, STATS_ALONE),
                         compaction=COMPACTION))  # fmt: skip
         out.append(Case("sample top-p 0.9", (batch, SAMPLING_VOCAB), BF16, roles,
-                        _sample(batch, SAMPLING_VOCAB, {"top_p": 0.9}), untaken=(TOP_K_SEARCH,),
+                        _sample(batch, SAMPLING_VOCAB, {"top_p": 0.9}), untaken=(TOP_K_SEARCH, STATS_ALONE),
                         compaction=COMPACTION))  # fmt: skip
     n, v, dtype = TRUNCATED_SHAPE
     out.append(Case("truncated_logprobs top-k 50 fwd+bwd", (n, v), dtype,
                     ("truncated_logprobs fwd", "truncated_logprobs bwd"), _truncated(n, v, dtype),
-                    untaken=(TOP_P_SEARCH,), compaction=COMPACTION))  # fmt: skip
+                    untaken=(TOP_P_SEARCH, STATS_ALONE), compaction=COMPACTION))  # fmt: skip
     return out
 
 
