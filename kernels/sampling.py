@@ -251,7 +251,7 @@ def _top_digit(counts, k, BINS: tl.constexpr):
     """(d, k'): the largest digit d whose bin and the bins above hold >= k keys, and
     k' = k less the keys above d (the rank of the answer within bin d)."""
     bins = tl.arange(0, BINS)
-    at_or_above = tl.sum(counts, axis=0) - tl.cumsum(counts, 0) + counts
+    at_or_above = tl.cumsum(counts, 0, reverse=True)
     d = tl.max(tl.where(at_or_above >= k, bins, 0), axis=0)
     above = tl.sum(tl.where(bins > d, counts, 0), axis=0)
     return d.to(tl.uint32), k - above
