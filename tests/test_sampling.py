@@ -408,6 +408,64 @@ def test_split_rows_give_the_bits_of_one_program_a_row(device, backend, dtype, v
     assert one[0][2] == -1 and (one[0][[0, 1, 3, 4, 5, 6]] >= 0).all()
 
 
+def _rows_spanning_tiles(vocab: int, dtype: torch.dtype, g: torch.Generator, interpreted: bool) -> torch.Tensor:
+    """Rows of more than one tile of the Triton forward whose keys are hard on its
+    top-digit histogram and its candidate list: signed zeros at the max (one
+    key), subnormals at the top, every logit equal (more candidates than the
+    list holds: the row is the list), finfo extremes, a flat row and a ramp, and
+    a row of -inf but two. Triton's interpreter keeps bfloat16 as its raw bits:
+    it widens subnormals wrongly and compares -0.0 and +0.0 as different, so
+    interpreted bfloat16 rows leave those two out (a GPU runs them)."""
+    f = torch.finfo(dtype)
+    zeros = torch.zeros(vocab)
+    zeros[::3] = -0.0
+    zeros[100:140] = -1.0
+    subnormal = torch.full((vocab,), -1e-40)
+    subnormal[::7] = 1e-41
+    subnormal[3] = -0.0
+    extremes = torch.full((vocab,), f.min)
+    extremes[10:12] = f.max
+    sparse = torch.full((vocab,), float("-inf"))
+    sparse[[4, vocab - 3]] = torch.tensor([-5.0, 2.0])
+    rows = [torch.randn(vocab, generator=g) * 3, torch.full((vocab,), 1.5), extremes,
+            torch.randn(vocab, generator=g) * 1e-3, torch.linspace(-20, 20, vocab), sparse]  # fmt: skip
+    if dtype != torch.bfloat16 or not interpreted:
+        rows += [zeros, subnormal]
+    return torch.stack(rows).to(dtype)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-program", "split"])
+@pytest.mark.parametrize("dtype,vocab", [(torch.float32, 8200), (torch.bfloat16, 8200)], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("device,backend", TRITON_BACKENDS)
+def test_rows_spanning_tiles_with_hard_keys_match_the_reference(device, backend, dtype, vocab, split, monkeypatch):
+    """The forward's statistics pass carries the top-digit histogram (one program
+    a row) or the split programs sum it; on rows whose keys are hard on it
+    (_rows_spanning_tiles) both paths draw the reference's tokens with its
+    log-probs (1e-5: the float32 bound of the sampler tests), and truncated
+    log-probs match, for top-k, top-p, all three filters, greedy, and a top-k
+    past the list's capacity."""
+    from fastrl.kernels import sampling as kernels
+
+    monkeypatch.setattr(kernels, "_sm_count", lambda device: 10**6 if split else 0)
+    g = torch.Generator().manual_seed(torch.randint(2**31, ()).item())
+    x = _rows_spanning_tiles(vocab, dtype, g, interpreted=device == "cpu").to(device)
+    assert bool(kernels._split_parts(x, x.shape[0], kernels._launch_config(x))[0]) == split
+    for filters in (dict(top_k=50), dict(top_p=0.9), dict(top_k=50, top_p=0.9, min_p=0.01), dict(temperature=0.0),
+                    dict(temperature=1.3, top_k=3000)):  # fmt: skip
+        kw = dict(temperature=1.0) | filters
+        expected = reference.sample(x, **kw, seed=1234, offset=7)
+        with fastrl.use_backend(backend):
+            out = fastrl.sample(x, **kw, seed=1234, offset=7)
+        assert torch.equal(out.tokens, expected[0]), (filters, out.tokens, expected[0])
+        torch.testing.assert_close(out.logprobs, expected[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.raw_logprobs, expected[2], rtol=1e-5, atol=1e-5)
+        if kw["temperature"] > 0:
+            labels = expected[0]
+            with fastrl.use_backend(backend):
+                truncated = fastrl.truncated_logprobs(x, labels, **kw)
+            torch.testing.assert_close(truncated, reference.truncated_logprobs(x, labels, **kw), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("device,backend", BACKENDS)
 def test_truncated_logprobs_match_sample_and_reference(device, backend, dtype):
