@@ -869,9 +869,10 @@ def _split_parts(logits: torch.Tensor, n_rows: int, config: dict) -> tuple[int, 
     several tiles and the batch is small against the GPU: the split reads
     nothing more, but three more launches, a fold and a histogram a program
     cost a few microseconds (sm_90 model, V = 151936 bfloat16 top-k 50: split
-    23.8 / 27.2 / 36.9 / 42.0 us against one program a row 39.3 / 39.7 / 40.2 /
-    40.8 at B = 1 / 16 / 48 / 64). The slice of a tile a program reads changes
-    no result (each lane's statistics are its own)."""
+    22.0 / 26.1 / 37.3 / 43.4 / 50.1 / 57.7 us against one program a row
+    44.9 / 44.9 / 47.3 / 49.0 / 50.9 / 53.1 at B = 1 / 16 / 48 / 64 / 80 / 100).
+    The slice of a tile a program reads changes no result (each lane's
+    statistics are its own)."""
     lanes = config["LANES"]
     tiles = _tiles(logits.shape[-1], config)
     if tiles < 2 or n_rows > _SPLIT_SM_SHARE * _sm_count(logits.device):
