@@ -627,7 +627,10 @@ def _split_tiles_kernel(
     tl.store(out + 2 * _FOLD_GROUP * LANES, tail)
     if ACC != tl.float64:
         if _may_list(V, t, k, p):
-            counts = _tile_top_digits(x, offs < V)
+            if start + REPS * LANES * VEC <= V:  # a whole tile: no mask to count out
+                counts = _tile_top_digits(x, None)
+            else:
+                counts = _tile_top_digits(x, offs < V)
             tl.atomic_add(hist_ptr + row * _BINS + tl.arange(0, _BINS), counts, mask=counts > 0, sem="relaxed")
 
 
