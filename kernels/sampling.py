@@ -872,8 +872,10 @@ def _split_parts(logits: torch.Tensor, n_rows: int, config: dict) -> tuple[int, 
     several tiles and the batch is small against the GPU: the split reads
     nothing more, but three more launches, a fold and a histogram a program
     cost a few microseconds (sm_90 model, V = 151936 bfloat16 top-k 50: split
-    22.0 / 26.1 / 37.3 / 43.4 / 50.1 / 57.7 us against one program a row
-    44.9 / 44.9 / 47.3 / 49.0 / 50.9 / 53.1 at B = 1 / 16 / 48 / 64 / 80 / 100).
+    21.9 / 25.6 / 35.7 / 41.3 / 47.4 / 54.4 us against one program a row
+    44.9 / 44.9 / 47.3 / 49.0 / 50.9 / 53.1 at B = 1 / 16 / 48 / 64 / 80 / 100;
+    the share stays at half the SMs, short of the crossover, for what the
+    model leaves out of the split: its global atomics and workspace traffic).
     The slice of a tile a program reads changes no result (each lane's
     statistics are its own)."""
     lanes = config["LANES"]
