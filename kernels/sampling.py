@@ -52,8 +52,8 @@ import triton.language as tl
 
 from fastrl._rows import row_count, row_layout
 
-from .random import exponential_variate, philox4x32_10
 from .logprobs import tile_config
+from .random import exponential_variate, philox4x32_10
 from .reduce import (exp2_scale, fold_lanes, log_sum, merge_lanes, row_start, slice_offsets, softmax_stats,
                      tile_lane_stats)
 

@@ -19,9 +19,9 @@ import collections
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import itertools
 import math
-import importlib.util
 import os
 import subprocess
 import sys

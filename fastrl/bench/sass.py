@@ -24,9 +24,9 @@ on the *hot path* of one iteration (of the paths that do the most work, global
 loads and stores, MUFU.EX2 and shared-memory atomics, the one of fewest
 instructions: data-dependent branches that skip the work, such as a block of
 only -inf, or add a fix-up, such as the rescale when a block raises the running
-max, take their common side; the dearest path is recorded too): SASS instructions per row element per
-thread, global load / store widths, barriers, MUFU, fp64 and 64-bit integer
-(address) operations. A *row loop* is one bounded by the length of a row it
+max, take their common side; the dearest path is recorded too): SASS
+instructions per row element per thread, global load / store widths, barriers,
+MUFU, fp64 and 64-bit integer (address) operations. A *row loop* is one bounded by the length of a row it
 loads; its executions are the passes over the row.
 
 How it predicts one launch (``fastrl.bench.sass_model.predict``), on an H100
