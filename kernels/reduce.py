@@ -205,7 +205,9 @@ def accumulate_tile(x, m, n, t, w, k, WITH_W: tl.constexpr, MAX_IN_STORAGE_TYPE:
 
 @triton.jit
 def _maximum(a, b):
-    return tl.maximum(a, b)
+    # .to: Triton 3.6 returns float32 for two bfloat16 (3.9 keeps the type); the max
+    # of two values is one of them, so the cast back is exact
+    return tl.maximum(a, b).to(a.dtype)
 
 
 @triton.jit
