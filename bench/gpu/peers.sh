@@ -31,6 +31,9 @@ download "$DEST" verl==0.9.0 omegaconf==2.3.0 codetiming==1.4.0 tensordict==0.10
 # TRL's log-prob helpers and its Triton kernel (trl.kernels), and datasets, which
 # trl.trainer.utils imports.
 download "$DEST" trl==1.16.0 datasets==5.2.0 dill multiprocess
+# pybind11, which building fastrl._C needs: the image's venv python runs CMake's
+# check through the base interpreter, which does not see the venv's copy.
+download "$DEST" pybind11==3.0.1
 # Liger-Kernel: Triton cross entropy and GRPO loss.
 download "$DEST" liger-kernel==0.8.5
 # ray, pruned (see above), and the schema validator its import needs.

@@ -51,14 +51,17 @@ run_stage() {  # run_stage NAME TIMEOUT_S COMMAND...
 
 setup() {
     if [ -d .whl ]; then
-        if [ ! -f /tmp/site/.fastrl-peers ]; then
+        # the marker holds the list of what was installed: a warm machine
+        # installs again when .whl has changed since
+        if [ "$(ls .whl)" != "$(cat /tmp/site/.fastrl-peers 2>/dev/null)" ]; then
             $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
                 for pack in .whl/*.tar.gz; do [ -e "$pack" ] && tar -C /tmp/site -xzf "$pack"; done &&
-                touch /tmp/site/.fastrl-peers || return 1
+                ls .whl > /tmp/site/.fastrl-peers || return 1
         fi
     fi
     if ! $PY -c "from fastrl import _backend; assert _backend.native_module()" 2>/dev/null; then
-        $PY -m pip install -q --no-build-isolation --no-deps -e . || return 1
+        # PYTHONPATH: CMake asks the base interpreter for pybind11, carried in .whl
+        PYTHONPATH=/tmp/site $PY -m pip install -q --no-build-isolation --no-deps -e . || return 1
     fi
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
     $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
