@@ -20,6 +20,8 @@ logits (inplace_backward): each block is loaded before it is stored.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -110,13 +112,30 @@ def _acc_dtypes(logits: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
     return torch.float32, tl.float32
 
 
+def float_scalar_arg(value: int | float) -> int:
+    """A float scalar as the kernels take it: the int64 bits of its float64 value
+    (``float_scalar``). Triton passes a Python float as float32, which would round
+    a float64 kernel's T (1e-300 to 0: seen on an H100), top-p or min-p; an int
+    passes as it is."""
+    if isinstance(value, float):
+        return struct.unpack("<q", struct.pack("<d", value))[0]
+    return value
+
+
+@triton.jit
+def float_scalar(bits, DTYPE: tl.constexpr):
+    """The float64 whose bits ``float_scalar_arg`` passed, rounded once to DTYPE
+    (as the C++ kernels' cast does)."""
+    return tl.full([], bits, tl.int64).to(tl.float64, bitcast=True).to(DTYPE)
+
+
 @triton.jit
 def _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP: tl.constexpr, ACC: tl.constexpr):
     """1/T of this row; NaN (poisoning the row) if T is not positive and finite."""
     if PER_ROW_TEMP:
         t = tl.load(temps_ptr + row).to(ACC)
     else:
-        t = tl.full([], temp_scalar, ACC)
+        t = float_scalar(temp_scalar, ACC)
     usable = (t > 0) & (t < float("inf"))
     return tl.where(usable, 1.0 / t, float("nan")).to(ACC)
 
@@ -220,11 +239,11 @@ def _logprobs_grad(x, index, m, log_s, inv_t, g, h, entropy, label, HAS_GRAD_ENT
     return grad * inv_t
 
 
-def _temperature_args(temperature: float | torch.Tensor) -> tuple[torch.Tensor | None, float, bool]:
-    """(per-row temperature tensor or None, scalar temperature, PER_ROW_TEMP)."""
+def _temperature_args(temperature: float | torch.Tensor) -> tuple[torch.Tensor | None, int, bool]:
+    """(per-row temperature tensor or None, scalar temperature (float_scalar_arg), PER_ROW_TEMP)."""
     if isinstance(temperature, torch.Tensor):
-        return temperature, 1.0, True
-    return None, float(temperature), False
+        return temperature, 0, True
+    return None, float_scalar_arg(float(temperature)), False
 
 
 def logprobs_forward(

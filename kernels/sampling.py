@@ -44,7 +44,6 @@ result does not depend on the batch it comes in.
 from __future__ import annotations
 
 import functools
-import struct
 
 import torch
 import triton
@@ -52,7 +51,7 @@ import triton.language as tl
 
 from fastrl._rows import row_count, row_layout
 
-from .logprobs import tile_config
+from .logprobs import float_scalar, float_scalar_arg, tile_config
 from .random import exponential_variate, philox4x32_10
 from .reduce import (exp2_scale, fold_lanes, log_sum, merge_lanes, row_start, slice_offsets, softmax_stats,
                      tile_lane_stats)
@@ -275,15 +274,14 @@ def _kth_largest_key32(row_ptr, cand_ptr, compacted, n, floor_key, d1, k, BLOCK:
 
 @triton.jit
 def _row_param(ptr, scalar, row, PER_ROW: tl.constexpr, DTYPE: tl.constexpr):
-    """This row's value of a parameter: ptr[row], or the scalar. A float scalar
-    arrives as the int64 bits of its float64 value (``_scalar_arg``) and is
-    rounded once to DTYPE here, as the C++ kernels' cast does."""
+    """This row's value of a parameter: ptr[row], or the scalar (a float one as
+    logprobs.float_scalar_arg passes it)."""
     if PER_ROW:
         return tl.load(ptr + row).to(DTYPE)
     elif DTYPE == tl.int64:
         return tl.full([], scalar, DTYPE)
     else:
-        return tl.full([], scalar, tl.int64).to(tl.float64, bitcast=True).to(DTYPE)
+        return float_scalar(scalar, DTYPE)
 
 
 @triton.jit
@@ -847,21 +845,12 @@ def _truncated_bwd_kernel(
         tl.store(grad_row_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
-def _scalar_arg(value: int | float) -> int:
-    """A scalar parameter as the kernels take it. Triton passes a Python float as
-    float32, which would round a float64 kernel's T, top-p and min-p; a float
-    goes as the int64 bits of its float64 value instead (``_row_param``)."""
-    if isinstance(value, float):
-        return struct.unpack("<q", struct.pack("<d", value))[0]
-    return value
-
-
 def _params(temperature, top_k, top_p, min_p) -> tuple[list, dict]:
     """Kernel arguments (pointer-or-None, scalar) per parameter, and the PER_ROW_* flags."""
     args, flags = [], {}
     for value, flag in ((temperature, "PER_ROW_T"), (top_k, "PER_ROW_K"), (top_p, "PER_ROW_P"), (min_p, "PER_ROW_MIN_P")):
         per_row = isinstance(value, torch.Tensor)
-        args += [value if per_row else None, 0 if per_row else _scalar_arg(value)]
+        args += [value if per_row else None, 0 if per_row else float_scalar_arg(value)]
         flags[flag] = per_row
     return args, flags
 
