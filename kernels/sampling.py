@@ -44,11 +44,13 @@ result does not depend on the batch it comes in.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import triton
 import triton.language as tl
 
+from fastrl import _backend
 from fastrl._rows import row_count, row_layout
 
 from .logprobs import float_scalar, float_scalar_arg, tile_config
@@ -917,9 +919,23 @@ def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice
     )  # fmt: skip
 
 
+@functools.cache
+def _warn_slow_histogram() -> None:
+    """Once a process: the top-digit histograms are slow on this Triton
+    (fastrl._backend.FAST_HISTOGRAM_TRITON)."""
+    warnings.warn(
+        f"fastrl.sample / truncated_logprobs on a GPU with triton {triton.__version__}: its tl.histogram lowers to "
+        f"a vote and a popcount per bin, which makes the sampler 20-270x slower than with triton >= "
+        f"{'.'.join(map(str, _backend.FAST_HISTOGRAM_TRITON))} (measured on an H100; README, Performance)",
+        RuntimeWarning, stacklevel=4,
+    )  # fmt: skip
+
+
 def _selection_args(logits, n_rows, params, flags, config, acc_tl) -> tuple[list, dict]:
     """The final launch's (_select) candidate lists, counters and split records
     (None for one program a row), and its SPLIT flag."""
+    if logits.is_cuda and _backend.triton_histogram_is_slow() and not _backend.triton_interpreter():
+        _warn_slow_histogram()
     parts, slice_lanes = _split_parts(logits, n_rows, config)
     workspace = _workspace(logits, n_rows, config, bool(parts), logits.device)
     if parts:
