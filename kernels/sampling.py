@@ -73,8 +73,12 @@ _MAXNREG = 64
 # The top digit of a key: its 12 highest bits (_top_digit_of).
 _BINS = tl.constexpr(4096)
 # Entries of a row's candidate list (_select): a top-k 50 row of an LLM holds a
-# few dozen to a few hundred tokens in the digits from its 50th largest up.
-_CANDIDATES = 1024
+# few dozen to a few hundred tokens in the digits from its 50th largest up; a
+# top-p 0.9 row whole digits above _top_p_floor (randn * 3 at T = 0.7: 205 to
+# 1538 tokens, top-p 0.99 2322 to 10261). 32 KB a row at most.
+_CANDIDATES = 4096
+# Entries a pass over the list reads at once.
+_LIST_BLOCK = 1024
 # A split row's programs (_split_selection): 4 warps read a quarter of a tile's
 # lanes, so that a row of 19 tiles (V = 151936 bfloat16) fills 76 SMs at B = 1.
 _SLICE_WARPS = 4
@@ -103,7 +107,7 @@ def _launch_config(logits: torch.Tensor) -> dict:
     vocab = logits.shape[-1]
     block = _row_block(vocab)
     return tile_config(logits, num_warps=_WARPS) | {
-        "LIST_BLOCK": min(block, _CANDIDATES), "SEARCH_BLOCK": min(block, _MAX_SEARCH_BLOCK),
+        "LIST_BLOCK": min(block, _LIST_BLOCK), "SEARCH_BLOCK": min(block, _MAX_SEARCH_BLOCK),
         "LIST_CAP": list_capacity(vocab),
     }  # fmt: skip
 
@@ -124,7 +128,7 @@ def workspace_bytes(logits: torch.Tensor) -> int:
 
 def _workspace(logits: torch.Tensor, n_rows: int, config: dict, split: bool, device) -> dict[str, torch.Tensor]:
     """The forward launches' temporaries for ``logits``' rows, on ``device``: each
-    row's candidate list (_select, _compact: list_capacity int64 entries, 8 KB a
+    row's candidate list (_select, _compact: list_capacity int64 entries, 32 KB a
     row at most) and its counter (zero); for split rows (_split_selection) also
     each row's top-digit histogram (zero, in one zeroed buffer with the
     counters), the tiles' lane statistics and the rows' records."""
@@ -184,12 +188,16 @@ def _top_digit_of(key):
 
 
 @triton.jit
-def _digit_lowest(digit, ACC: tl.constexpr):
-    """The logit of the lowest key whose top digit (_top_digit_of) is ``digit``.
-    Digits 0 to 7 start at NaN bits (-inf is the top of digit 7); from 8 up it is
-    the lowest logit of the digit."""
+def _digit_lowest(digit, ACC: tl.constexpr, HIGHEST: tl.constexpr = False):
+    """The logit of the lowest key whose top digit (_top_digit_of) is ``digit``
+    (HIGHEST: of the highest key). Digits 0 to 7 start at NaN bits (-inf is the
+    top of digit 7); from 8 up it is the lowest logit of the digit."""
     KEY: tl.constexpr = tl.uint64 if ACC == tl.float64 else tl.uint32
-    return _key_to_value(digit.to(KEY) << (KEY.primitive_bitwidth - 12), ACC)
+    SHIFT: tl.constexpr = KEY.primitive_bitwidth - 12
+    key = digit.to(KEY) << SHIFT
+    if HIGHEST:
+        key |= (tl.full([], 1, KEY) << SHIFT) - 1
+    return _key_to_value(key, ACC)
 
 
 @triton.jit
@@ -322,21 +330,35 @@ def _tile_top_digits(x, mask):
 
 @triton.jit
 def _top_p_floor(counts, p, m, inv_t, s, ACC: tl.constexpr):
-    """For top-p alone, the lowest top digit a kept token can have: the largest
-    digit b whose higher digits hold a mass of at least p * s even at their
-    lowest logits (count * exp((lowest logit - m) / T) per digit, a lower
-    bound); the tokens of digit <= b have at least that mass strictly above
-    them, so top-p drops them. The bound is taken with a margin of 2^-8, far
-    above its float32 rounding (4096 terms: < 2^-11 relative), so that a
-    rounding never drops a token the exact search keeps; 0 (every token) when no
-    digit has it."""
+    """For top-p alone, the lowest top digit a kept token can have: the higher of
+    two floors, each leaving out digits whose tokens have at least p * s of mass
+    strictly above them, so that top-p drops them.
+    - From above: the largest digit b whose higher digits hold a mass of at least
+      p * s even at their lowest logits (count * exp((lowest logit - m) / T) per
+      digit, a lower bound); the tokens of digit <= b are dropped.
+    - From below: one above the largest digit b whose digits <= b hold at most
+      (1 - p) * s even at their highest logits (an upper bound), so that the
+      digits above b hold at least p * s. A digit's edges are up to 2^-3 of its
+      logits apart, so the lower bound alone falls short on real rows (randn * 3
+      at T = 0.7: the lower bounds of all digits sum to 0.59 s, the whole row
+      became the list; this floor leaves 205 to 1538 candidates of 151936); the
+      upper bound of the thin tail is tight where it matters.
+    Each bound is taken with a margin of 2^-8, far above its float32 rounding
+    (4096 terms: < 2^-11 relative), so that a rounding never drops a token the
+    exact search keeps; 0 (every token) when neither reaches."""
     bins = tl.arange(0, _BINS)
+    # reach[b]: the lower bound on the mass of digits >= b. Digit 7 (-inf's)
+    # starts at NaN bits: a row with -inf makes reach[b] NaN for b <= 7, which
+    # reaches nothing, as 0 would (and a floor that low keeps every token anyway).
     lowest = _digit_lowest(bins, ACC)
-    # reach[b]: the bound on the mass of digits >= b. Digit 7 (-inf's) starts at
-    # NaN bits: a row with -inf makes reach[b] NaN for b <= 7, which reaches
-    # nothing, as 0 would (and a floor that low keeps every token anyway).
     reach = tl.cumsum(tl.where(counts > 0, tl.exp((lowest - m) * inv_t) * counts, 0.0), 0, reverse=True)
-    return tl.maximum(tl.max(tl.where(reach >= p * s * 1.00390625, bins, 0), axis=0) - 1, 0)
+    from_above = tl.max(tl.where(reach >= p * s * 1.00390625, bins, 0), axis=0) - 1
+    # below[b]: the upper bound on the mass of digits <= b (-inf's digit tops at
+    # -inf: nothing; NaN and +inf digits hold tokens only in rows that are bad).
+    highest = _digit_lowest(bins, ACC, HIGHEST=True)
+    below = tl.cumsum(tl.where(counts > 0, tl.exp((highest - m) * inv_t) * counts, 0.0), 0)
+    from_below = tl.max(tl.where(below <= (1.0 - p) * s * 0.99609375, bins, -1), axis=0) + 1
+    return tl.maximum(tl.maximum(from_above, from_below), 0)
 
 
 @triton.jit

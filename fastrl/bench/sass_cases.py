@@ -162,9 +162,10 @@ def _truncated(n: int, v: int, dtype: torch.dtype) -> Callable[[], None]:
 
 # The sampler's runtime branches (kernels/sampling.py, _select). Its steps after
 # the compaction loop over the row's candidate list, whose length the kernel
-# computes: the model counts one trip of each, as for an LLM's row at top-k 50
-# or top-p 0.9 (a list within one tile); a row with more candidates than the
-# list holds runs them over the whole row, which these cases do not model.
+# computes: the model counts one trip of each (1024 entries), as for an LLM's
+# row at top-k 50 (dozens of candidates) or top-p 0.9 (the benchmark's rows:
+# 205 to 1538); a row with more candidates than the list holds runs them over
+# the whole row, which these cases do not model.
 TOP_K_SEARCH = "if k_on"
 TOP_P_SEARCH = "if p_on"
 # A row that may list candidates reads its statistics with its top-digit
