@@ -72,7 +72,9 @@ status=0
 for stage in "$@"; do
     case $stage in
         setup) run_stage setup 420 bash -c "$(declare -f setup); PY=$PY; setup" ;;
-        test) run_stage test 540 $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider --junitxml "$OUT/junit.xml" ;;
+        # -v: a run cut short by its limit still logs each test's verdict (the
+        # first H100 run's -m gpu suite took over 330 s on 16 workers)
+        test) run_stage test 480 $PY -m pytest -v -rfE -m gpu -n 16 -p no:cacheprovider --junitxml "$OUT/junit.xml" ;;
         test-all) run_stage test-all 540 $PY -m pytest -q -n 8 -p no:cacheprovider --junitxml "$OUT/junit-all.xml" ;;
         bench-logprobs) run_stage bench-logprobs 570 $PY -m fastrl.bench --op logprobs --plot bench/results/plots ;;
         bench-rest) run_stage bench-rest 420 $PY -m fastrl.bench --op sampling --op policy --op kl --merge \

@@ -41,7 +41,9 @@ How it predicts one launch (``fastrl.bench.sass_model.predict``), on an H100
   write at most the list's capacity a row, not one entry per element.
 - Issue time T_issue = warp instructions / (4 schedulers x 132 SMs x 1.755 GHz),
   the warp instructions being each loop's hot-path SASS x warps x iterations x
-  CTAs plus the straight-line code. 1.755 GHz is the clock an H100 sustains under
+  CTAs plus the straight-line code; a stretch whose quarter-rate instructions
+  (MUFU, POPC, FLO, BREV: 16 lanes a cycle an SM) need more counts 8 cycles
+  each instead. 1.755 GHz is the clock an H100 sustains under
   a long streaming load (its maximum boost is 1.98 GHz). issue / memory =
   T_issue / T_mem is the headroom figure the budgets gate: a kernel meant to be
   memory-bound needs it well below 1.
@@ -50,7 +52,9 @@ How it predicts one launch (``fastrl.bench.sass_model.predict``), on an H100
   closed queueing network per SM: the customers are the CTAs when an iteration
   has a barrier (its warps move in lock step) and the warps otherwise; each
   iteration of a customer passes a delay (DRAM latency 800 cycles, L2 270, plus
-  30 cycles per barrier), the SM's issue server (its SASS times its warps over 4
+  30 cycles per barrier, and what a warp's own dependent chain adds: at least 4
+  cycles a SASS, the sm_90 ALU / FMA latency, which costs time only when few
+  warps share a scheduler), the SM's issue server (its SASS times its warps over 4
   schedulers; a customer of fewer than 4 warps leaves the rest as delay) and the
   memory server (its bytes over the SM's share of the bandwidth, at most 64 B
   per cycle per SM). This is where latency, occupancy and barriers cost time:
@@ -64,9 +68,16 @@ How it predicts one launch (``fastrl.bench.sass_model.predict``), on an H100
   the op's minimum bytes (each input read once, each output written once, as the
   benchmarks count them) / predicted time / copy bandwidth.
 
-Assumptions to calibrate against the first GPU run: the clock, the latencies,
-the L2 bandwidth and per-SM cap, and the hot-path rule. Everything this module
-writes is labelled *predicted*.
+Calibration: the first GPU run (an H100 with triton 3.6, sampler only,
+bench/gpu/sampler_profile.py) gave the per-warp latency floor and the
+quarter-rate unit: with them the model, run with triton 3.6 installed, puts
+the split launches of B = 1 and 64 at 0.63-1.67x their measured times (model /
+measured: tiles 21.5 / 32.8 us and 457 / 727 us, rows 8.3 / 6.2 and 9.0 / 7.3,
+compaction 5.0 / 3.0 and 18.6 / 20.3), where it had put the tiles at 0.23x. Still unmodelled: local-memory
+traffic (triton 3.6's spilling histograms ran 3-16x their prediction), and
+whatever a run with triton >= 3.8 shows. The clock, the latencies, the L2
+bandwidth and per-SM cap and the hot-path rule stay to check. Everything this
+module writes is labelled *predicted*.
 
 The CI gate (tests/test_triton_compile.py) holds every kernel to ``BUDGETS``;
 ``KNOWN_FAILURES`` lists what today's kernels miss, each with the change that

@@ -35,6 +35,13 @@ class Device:
     dram_latency_cycles: float = 800.0
     l2_latency_cycles: float = 270.0
     barrier_cycles: float = 30.0  # a bar.sync with the shared-memory round trip of a block reduction
+    # A warp issues at most once every warp_cpi cycles (the sm_90 ALU / FMA latency
+    # on a dependent chain): what one warp a scheduler costs. Calibrated on the first
+    # H100 run (triton 3.6): the split tiles launch, one warp a scheduler, ran its
+    # 8238 SASS in 54k cycles (6.6 a SASS, vote / popcount heavy); its rows launch
+    # (1478 SASS, one CTA) in 7.4k cycles with three DRAM latencies (~3.4).
+    warp_cpi: float = 4.0
+    xu_cycles: float = 8.0  # a quarter-rate (sass_parse.XU_OPCODES) warp instruction on one scheduler
     launch_s: float = 2.0e-6  # launch and ramp-up of one kernel
 
 
@@ -293,22 +300,32 @@ def mva(customers: int, queues: list[float], delay: float) -> float:
     return x
 
 
+def issue_slots(sass: float, xu: float, dev: Device) -> float:
+    """Scheduler cycles of a warp's ``sass`` instructions, ``xu`` of them on the
+    quarter-rate unit, which holds the scheduler's share of it xu_cycles each."""
+    return max(sass, xu * dev.xu_cycles)
+
+
 def _phase_cycles(k: KernelAnalysis, dev: Device, ctas_here: int, resident: int, trips: int, sass: float,
-                  bytes_dram: float, bytes_l2: float, latency: float, barriers: int, bw_dram_cyc: float,
+                  xu: float, bytes_dram: float, bytes_l2: float, latency: float, barriers: int, bw_dram_cyc: float,
                   bw_l2_cyc: float) -> float:  # fmt: skip
     """Cycles one SM spends on ``ctas_here`` CTAs (at most ``resident`` at once)
-    each running ``trips`` iterations of a phase (``sass`` warp instructions and
-    ``bytes_*`` per CTA-iteration)."""
+    each running ``trips`` iterations of a phase (``sass`` warp instructions, ``xu``
+    of them quarter-rate, and ``bytes_*`` per CTA-iteration)."""
     if trips <= 0 or ctas_here <= 0:
         return 0.0
     # Warps that meet at a barrier every iteration move as one customer (the CTA);
     # without barriers each warp is its own customer.
     per_customer = k.num_warps if barriers > 0 else 1
     parallel = min(per_customer, dev.schedulers)
-    issue = sass * per_customer / dev.schedulers  # the SM's schedulers as one server
+    slots = issue_slots(sass, xu, dev)
+    issue = slots * per_customer / dev.schedulers  # the SM's schedulers as one server
     # Seidmann's multi-server correction: a customer of fewer warps than
     # schedulers cannot use all of them, the rest of its issue time is delay.
-    delay = latency + barriers * dev.barrier_cycles + sass * per_customer * (1 / parallel - 1 / dev.schedulers)
+    delay = latency + barriers * dev.barrier_cycles + slots * per_customer * (1 / parallel - 1 / dev.schedulers)
+    # A warp's own dependent chain: at least warp_cpi cycles a SASS; what the
+    # issue server and the correction above leave of that is delay too.
+    delay += max(0.0, sass * dev.warp_cpi - slots * per_customer / parallel)
     share = per_customer / k.num_warps
     memory = share * (bytes_dram / bw_dram_cyc + bytes_l2 / bw_l2_cyc)
     cycles, left = 0.0, ctas_here
@@ -344,16 +361,16 @@ def predict(k: KernelAnalysis, runs: list[LoopRun], grid: int, dev: Device, stra
         b_l2 = ld_bytes * run.cached
         b_dram = cta_bytes - b_l2
         latency = run.cached * dev.l2_latency_cycles + (1 - run.cached) * dev.dram_latency_cycles
-        cycles += _phase_cycles(k, dev, per_sm, resident, run.trips, hot["sass"], b_dram, b_l2, latency,
+        cycles += _phase_cycles(k, dev, per_sm, resident, run.trips, hot["sass"], hot["xu"], b_dram, b_l2, latency,
                                 hot["barriers"], bw_dram_cyc, bw_l2_cyc)  # fmt: skip
-        issue_instr += hot["sass"] * k.num_warps * run.trips * grid
+        issue_instr += issue_slots(hot["sass"], hot["xu"], dev) * k.num_warps * run.trips * grid
         dram += b_dram * run.trips * grid
         l2 += b_l2 * run.trips * grid
     s = k.straight
     s_bytes = k.straight_bytes
-    cycles += _phase_cycles(k, dev, per_sm, resident, 1, s["sass"], s_bytes, 0.0,
+    cycles += _phase_cycles(k, dev, per_sm, resident, 1, s["sass"], s["xu"], s_bytes, 0.0,
                             straight_latencies * dev.dram_latency_cycles, s["barriers"], bw_dram_cyc, bw_l2_cyc)  # fmt: skip
-    issue_instr += s["sass"] * k.num_warps * grid
+    issue_instr += issue_slots(s["sass"], s["xu"], dev) * k.num_warps * grid
     dram += s_bytes * grid
 
     t_mem = dram / dev.copy_bw + l2 / dev.l2_bw

@@ -376,6 +376,13 @@ def is_wide_int(ins: Instr) -> bool:
     return bool(parts & {"X", "EX", "WIDE", "U64", "S64"}) or "U64.HI" in ins.opcode
 
 
+# The quarter-rate unit's instructions on sm_90 (16 lanes a cycle an SM, so 8
+# cycles a warp instruction on one scheduler's share): transcendentals, population
+# count, find-leading-one, bit reverse (CUDA C++ Programming Guide, arithmetic
+# instruction throughput, compute capability 9.0).
+XU_OPCODES = frozenset({"MUFU", "POPC", "FLO", "BREV"})
+
+
 def summarise(instrs: list[Instr]) -> dict:
     """Counts over a straight run of instructions (a path)."""
     loads = Counter(access_bits(i) for i in instrs if i.base == "LDG")
@@ -388,6 +395,7 @@ def summarise(instrs: list[Instr]) -> dict:
         "st_bits": sum(k * v for k, v in stores.items()),
         "barriers": sum(1 for i in instrs if i.base == "BAR"),
         "mufu": sum(1 for i in instrs if i.base == "MUFU"),
+        "xu": sum(1 for i in instrs if i.base in XU_OPCODES),
         "fp64": sum(1 for i in instrs if i.base in ("DADD", "DMUL", "DFMA", "DSETP", "DMNMX")),
         "int64": sum(1 for i in instrs if is_wide_int(i)),
         "shuffles": sum(1 for i in instrs if i.base == "SHFL"),
