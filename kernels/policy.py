@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from .kl import clamp_nan, kl_estimate
-from .logprobs import _acc_dtypes
+from .logprobs import _acc_dtypes, float_scalar, float_scalar_arg
 
 # The statistics of chunk c of row b (stats[b, 8c : 8c + 8]), 8 float64 columns:
 #   policy_forward              n, sum l, sum kl, sum values, n clipped, n clipped lower, sum ppo_kl, mean u
@@ -261,8 +261,10 @@ def _policy_fwd_kernel(
     C_BLOCK: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk) writes its chunk; at sequence level, from the row's
-    mean of u (diff_sums: _diff_sum_kernel's launch before this one)."""
+    mean of u (diff_sums: _diff_sum_kernel's launch before this one). The clip
+    ratios arrive as float64 bits (logprobs.float_scalar_arg)."""
     row = tl.program_id(0).to(tl.int64)
+    clip_low, clip_high, clip_c = float_scalar(clip_low, ACC), float_scalar(clip_high, ACC), float_scalar(clip_c, ACC)
     mean_u = tl.zeros([], ACC)
     if WITH_PG and SEQUENCE:
         sum_u, count = _row_diff_sum(diff_sums_ptr, row, n_chunks, C_BLOCK)
@@ -282,9 +284,12 @@ def _policy_bwd_kernel(
     HAS_W: tl.constexpr, DUAL_CLIP: tl.constexpr, SEQUENCE: tl.constexpr, GRAD_LOGP: tl.constexpr,
     GRAD_VALUES: tl.constexpr, CHUNK_L: tl.constexpr, BLOCK_L: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """Program (row, chunk): the gradients of the chunk's tokens."""
+    """Program (row, chunk): the gradients of the chunk's tokens. The float
+    parameters arrive as float64 bits (logprobs.float_scalar_arg)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
+    clip_low, clip_high, clip_c = float_scalar(clip_low, ACC), float_scalar(clip_high, ACC), float_scalar(clip_c, ACC)
+    kl_coef, value_coef = float_scalar(kl_coef, ACC), float_scalar(value_coef, ACC)
     base = row * L
     g = (tl.load(grad_loss_ptr).to(tl.float64) * tl.load(row_weights_ptr + row)).to(ACC)
     mean_u = tl.zeros([], ACC)
@@ -394,8 +399,11 @@ def _rollout_correction_kernel(
     C_BLOCK: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk) does its chunk; at sequence level, from the row's
-    log-weight S (diff_sums: _diff_sum_kernel's launch before this one)."""
+    log-weight S (diff_sums: _diff_sum_kernel's launch before this one). The
+    bounds arrive as float64 bits (logprobs.float_scalar_arg)."""
     row = tl.program_id(0).to(tl.int64)
+    clip_min, clip_max = float_scalar(clip_min, ACC), float_scalar(clip_max, ACC)
+    low_threshold = float_scalar(low_threshold, ACC)
     sum_u = tl.zeros([], tl.float64)
     count = tl.zeros([], tl.float64)
     if SEQUENCE:
@@ -412,7 +420,7 @@ def _count(ptr, scalar, default, GIVEN: tl.constexpr):
     if GIVEN == 2:
         return tl.load(ptr).to(tl.float64)
     elif GIVEN == 1:
-        return tl.full([], scalar, tl.float64)
+        return float_scalar(scalar, tl.float64)
     else:
         return default
 
@@ -470,8 +478,10 @@ def _policy_finalize_kernel(
 ):  # fmt: skip
     """One program: the per-row weights w_b of the aggregation mode, the loss and
     the metrics from the per-chunk sums (see policy_finalize). Two passes over the
-    rows: the counts, then the weighted sums."""
+    rows: the counts, then the weighted sums. The float parameters arrive as
+    float64 bits (logprobs.float_scalar_arg): a count above 2^24 stays exact."""
     f64 = tl.float64
+    norm, kl_coef, value_coef = float_scalar(norm, f64), float_scalar(kl_coef, f64), float_scalar(value_coef, f64)
     tokens = tl.zeros([], f64)
     sequences = tl.zeros([], f64)
     for start in range(0, B, BLOCK_B):
@@ -479,7 +489,7 @@ def _policy_finalize_kernel(
         n = _column(_row_stats(stats_ptr, rows, rows < B, n_chunks, BLOCK_B, C_BLOCK), 0)
         tokens += tl.sum(n, axis=0)
         sequences += tl.sum((n > 0).to(f64), axis=0)
-    dp64 = tl.full([], dp, f64)
+    dp64 = float_scalar(dp, f64)
     if MODE == 0:  # token-mean
         base_weight = _safe_div(dp64, _count(n_ptr, n_scalar, tokens, N_GIVEN))
     elif MODE == 1:  # token-sum
@@ -564,13 +574,19 @@ _FINALIZE_TILE = 512
 _FINALIZE_CHUNKS = 64
 
 
-def _count_args(value) -> tuple[torch.Tensor | None, float, int]:
-    """(tensor, scalar, GIVEN) of a global count: None, a number or a 0-d float64 device tensor."""
+def _float_args(*values: float) -> list[int]:
+    """Float parameters as the kernels take them (logprobs.float_scalar_arg): float64 bits."""
+    return [float_scalar_arg(float(v)) for v in values]
+
+
+def _count_args(value) -> tuple[torch.Tensor | None, int, int]:
+    """(tensor, scalar (float_scalar_arg), GIVEN) of a global count: None, a number
+    or a 0-d float64 device tensor."""
     if value is None:
-        return None, 0.0, 0
+        return None, 0, 0
     if isinstance(value, torch.Tensor):
-        return value, 0.0, 2
-    return None, float(value), 1
+        return value, 0, 2
+    return None, float_scalar_arg(float(value)), 1
 
 
 def _finalize_sizes(stats: torch.Tensor) -> tuple[int, dict]:
@@ -596,8 +612,8 @@ def policy_finalize(
     g_ptr, g_scalar, g_given = _count_args(global_batch_size)
     n_chunks, tiles = _finalize_sizes(stats)
     _policy_finalize_kernel[(1,)](
-        stats, n_rows, n_chunks, loss, metrics, row_weights, float(dp_size), n_scalar, n_ptr, g_scalar, g_ptr,
-        float(norm), kl_coef, value_coef, MODE=mode, N_GIVEN=n_given, G_GIVEN=g_given, **tiles,
+        stats, n_rows, n_chunks, loss, metrics, row_weights, *_float_args(dp_size), n_scalar, n_ptr, g_scalar, g_ptr,
+        *_float_args(norm, kl_coef, value_coef), MODE=mode, N_GIVEN=n_given, G_GIVEN=g_given, **tiles,
     )  # fmt: skip
     return loss, metrics, row_weights
 
@@ -643,7 +659,7 @@ def policy_forward(
         diff_sums = _row_diff_sums(log_probs, old_log_probs, mask, sizes, grid) if sequence and with_pg else None
         _policy_fwd_kernel[grid](
             log_probs, old_log_probs, advantages, mask, weights, ref_log_probs, values, diff_sums, stats, length,
-            stats.shape[1] // N_STATS, clip_low, clip_high, 0.0 if clip_c is None else clip_c,
+            stats.shape[1] // N_STATS, *_float_args(clip_low, clip_high, 0.0 if clip_c is None else clip_c),
             ESTIMATOR=estimator, WITH_PG=with_pg, HAS_W=weights is not None, HAS_VALUES=values is not None,
             DUAL_CLIP=clip_c is not None, SEQUENCE=sequence, C_BLOCK=triton.next_power_of_2(grid[1]), ACC=acc_tl,
             **sizes,
@@ -666,8 +682,8 @@ def policy_backward(
     if log_probs.numel():
         _policy_bwd_kernel[grid](
             log_probs, old_log_probs, advantages, mask, weights, ref_log_probs, stats, row_weights, grad_loss,
-            grad_logp, grad_values, length, stats.shape[1] // N_STATS, clip_low, clip_high,
-            0.0 if clip_c is None else clip_c, kl_coef, value_coef,
+            grad_logp, grad_values, length, stats.shape[1] // N_STATS,
+            *_float_args(clip_low, clip_high, 0.0 if clip_c is None else clip_c, kl_coef, value_coef),
             ESTIMATOR=estimator, STRAIGHT_THROUGH=straight_through, WITH_PG=with_pg, HAS_W=weights is not None,
             DUAL_CLIP=clip_c is not None, SEQUENCE=sequence, GRAD_LOGP=grad_logp is not None,
             GRAD_VALUES=grad_values is not None, ACC=acc_tl, **sizes,
@@ -688,7 +704,7 @@ def rollout_correction_forward(
         diff_sums = _row_diff_sums(old_log_probs, rollout_log_probs, mask, sizes, grid) if sequence else None
         _rollout_correction_kernel[grid](
             old_log_probs, rollout_log_probs, mask, weights, diff_sums, stats, length, stats.shape[1] // N_STATS,
-            clip_min, clip_max, low_threshold, SEQUENCE=sequence, TRUNCATE=truncate,
+            *_float_args(clip_min, clip_max, low_threshold), SEQUENCE=sequence, TRUNCATE=truncate,
             C_BLOCK=triton.next_power_of_2(grid[1]), ACC=acc_tl, **sizes,
         )  # fmt: skip
     return weights, stats

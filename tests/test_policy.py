@@ -560,6 +560,23 @@ def test_policy_loss_from_logits_refuses_a_loss_without_gradient():
     assert logits.grad is not None
 
 
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_float_parameters_reach_the_kernels_in_float64(device, backend):
+    """A global token count above 2^24, the clip ratios and the coefficients reach
+    the kernels as float64 (kernels/logprobs.py float_scalar_arg): Triton passes a
+    Python float as float32, which rounds 2^24 + 1 to 2^24, a float64 loss off by
+    6e-8. Bound: float64 sums of 6 tokens, a few ulps (1e-13 relative)."""
+    inputs = per_token_inputs((4, 8), device, dtype=torch.float64)
+    args = [inputs[k] for k in ("log_probs", "old_log_probs", "advantages", "response_mask")]
+    kwargs = {"ref_log_probs": inputs["ref_log_probs"], "batch_num_tokens": 2**24 + 1, "clip_ratio_low": 0.1,
+              "clip_ratio_high": 0.3, "kl_coef": 0.3}  # fmt: skip
+    expected, _ = reference.policy_loss(*(a.double() for a in args[:3]), args[3], **kwargs)
+    with fastrl.use_backend(backend):
+        loss, _ = fastrl.policy_loss(*args, **kwargs)
+    assert loss.dtype == torch.float64
+    assert_close_to_reference(loss, expected, 1e-13, atol=0.0, what="loss")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_device_tensor_counts_are_checked_only_under_fastrl_checks(monkeypatch):
