@@ -8,10 +8,10 @@ from __future__ import annotations
 import collections
 
 import torch
+from fastrl.kernels import sampling as kernels
 from torch.profiler import ProfilerActivity, profile
 
 import fastrl
-from fastrl.kernels import sampling as kernels
 
 VOCAB = 151936
 CASES = [(b, f) for f in (dict(top_k=50), dict(top_p=0.9)) for b in (1, 64, 256, 1024)]
