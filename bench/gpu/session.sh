@@ -24,6 +24,8 @@
 #                   peers take most of the time); starts bench/results/<gpu>.json
 #   bench-rest      sampling, policy and kl, merged into that file (same GPU
 #                   model, torch and FASTRL_BENCH_COMMIT, or refused)
+#   profile-sampler the device time of each kernel fastrl.sample launches
+#                   (bench/gpu/sampler_profile.py)
 #   demo            examples/grpo_tiny.py --compare on the GPU
 #   pack            $OUT/results.tgz: bench/results (JSON, plots) and the README
 #                   regenerated from them, to unpack over the checkout here
@@ -79,6 +81,7 @@ for stage in "$@"; do
         bench-logprobs) run_stage bench-logprobs 570 $PY -m fastrl.bench --op logprobs --plot bench/results/plots ;;
         bench-rest) run_stage bench-rest 420 $PY -m fastrl.bench --op sampling --op policy --op kl --merge \
             --plot bench/results/plots ;;
+        profile-sampler) run_stage profile-sampler 240 $PY bench/gpu/sampler_profile.py ;;
         demo) run_stage demo 300 $PY examples/grpo_tiny.py --compare --device cuda --plot "$OUT/reward_curve_cuda.png" ;;
         pack) run_stage pack 120 bash -c "$PY -m fastrl.bench.report && tar -czf '$OUT/results.tgz' bench/results README.md" ;;
         *) echo "unknown stage: $stage" >&2; exit 2 ;;
