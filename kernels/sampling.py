@@ -345,7 +345,10 @@ def _top_p_floor(counts, p, m, inv_t, s, ACC: tl.constexpr):
       upper bound of the thin tail is tight where it matters.
     Each bound is taken with a margin of 2^-8, far above its float32 rounding
     (4096 terms: < 2^-11 relative), so that a rounding never drops a token the
-    exact search keeps; 0 (every token) when neither reaches."""
+    exact search keeps; the one from below also 2^-20 s less, since its slack is
+    relative to (1 - p) s, which for p near 1 falls below the rounding of s itself
+    (float32, 2^-24 s): such a p then gets no floor from below. 0 (every token)
+    when neither reaches."""
     bins = tl.arange(0, _BINS)
     # reach[b]: the lower bound on the mass of digits >= b. Digit 7 (-inf's)
     # starts at NaN bits: a row with -inf makes reach[b] NaN for b <= 7, which
@@ -357,7 +360,7 @@ def _top_p_floor(counts, p, m, inv_t, s, ACC: tl.constexpr):
     # -inf: nothing; NaN and +inf digits hold tokens only in rows that are bad).
     highest = _digit_lowest(bins, ACC, HIGHEST=True)
     below = tl.cumsum(tl.where(counts > 0, tl.exp((highest - m) * inv_t) * counts, 0.0), 0)
-    from_below = tl.max(tl.where(below <= (1.0 - p) * s * 0.99609375, bins, -1), axis=0) + 1
+    from_below = tl.max(tl.where(below <= ((1.0 - p) * 0.99609375 - 9.5367431640625e-07) * s, bins, -1), axis=0) + 1
     return tl.maximum(tl.maximum(from_above, from_below), 0)
 
 
