@@ -91,7 +91,9 @@ def test_speed_check_measures_a_short_ratio_again_before_failing(fastrl_sleeps, 
 def test_merge_adds_one_op_familys_rows_to_the_results_file_of_the_same_commit(monkeypatch, tmp_path):
     def family(op):
         case = dataclasses.replace(_sleeping_case(itertools.repeat(0.1e-3)), op=op)
-        return types.SimpleNamespace(cases=lambda device, quick, shapes: [case])
+        return types.SimpleNamespace(
+            cases=lambda device, quick, shapes: [dataclasses.replace(case, shape=tuple(s[:2])) for s in shapes or [(1, 1)]]
+        )
 
     monkeypatch.setitem(bench_main.OPS, "toy_a", family("toy a"))
     monkeypatch.setitem(bench_main.OPS, "toy_b", family("toy b"))
@@ -103,6 +105,9 @@ def test_merge_adds_one_op_familys_rows_to_the_results_file_of_the_same_commit(m
     assert rows[0]["copy_gbps"] > 0 and "copy_gbps" not in rows[2]  # each row's % uses its own run's bandwidth
     assert run("--op", "toy_b", "--merge") == 0  # a family run again replaces its rows
     assert [r["op"] for r in json.loads(out.read_text())["rows"]] == ["toy a", "toy a", "toy b", "toy b"]
+    assert run("--op", "toy_b", "--merge", "--shape", "3,5,float32") == 0  # another shape adds its rows
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["op"], r["shape"]) for r in rows][2:] == [("toy b", [1, 1])] * 2 + [("toy b", [3, 5])] * 2
 
     monkeypatch.setattr(bench, "_git_commit", lambda: "another")
     assert run("--op", "toy_b", "--merge") == 2  # refused before anything is timed

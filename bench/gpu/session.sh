@@ -4,14 +4,16 @@
 #     FASTRL_BENCH_COMMIT=<HEAD here> bash bench/gpu/session.sh STAGE...
 #
 # A lease gives 30 minutes of device time and 10 minutes a command, and the
-# machine may come back bare between commands, so every command starts with
-# `setup` (quick when the machine is still warm) and a few stages; with the
-# peers carried (bench/gpu/peers.sh, run here first, then `carry: [".whl"]`):
+# machine comes back bare after 30 s idle, so every command starts with `setup`
+# (about 40 s: installs the peers, builds fastrl._C) and a few stages; with the
+# peers carried (bench/gpu/peers.sh, run here first, then `carry: [".whl"]`).
+# The first H100 lease (2026-11-24, one start a call, ~1.5 min each) fitted:
 #
-#     call 1: setup test                   build, then every GPU test
-#     call 2: setup bench-logprobs pack
-#     call 3: setup bench-rest demo pack   (after unpacking call 2's results.tgz
-#                                           here, so that they travel with the tree)
+#     call 1: setup test                   build, then every GPU test (~6 min)
+#     call 2: setup bench-logprobs=16384,151936,bfloat16 bench-rest pack
+#     call 3: setup bench-logprobs=8192,128256,bfloat16 bench-logprobs=4096,32000,float32 pack
+#             (after unpacking call 2's results.tgz here, so that they travel
+#             with the tree and the stages add to them)
 #
 # Stages:
 #   setup           installs the carried peers into /tmp/site and builds fastrl
@@ -22,8 +24,14 @@
 #   test-all        the whole suite (the CPU part also runs in CI)
 #   bench-logprobs  python -m fastrl.bench --op logprobs (its torch.compile
 #                   peers take most of the time); starts bench/results/<gpu>.json
-#   bench-rest      sampling, policy and kl, merged into that file (same GPU
-#                   model, torch and FASTRL_BENCH_COMMIT, or refused)
+#   bench-rest      sampling, policy and kl, merged into that file when it is
+#                   this commit's (same GPU model, torch and FASTRL_BENCH_COMMIT),
+#                   else starting it
+#   bench-logprobs=N,V,DTYPE
+#                   one log-prob shape with its peers (about 3 minutes for
+#                   16384,151936,bfloat16 on an H100), merged into that file when
+#                   it is this commit's, else starting it (no sweeps: the whole
+#                   family takes more than one call)
 #   profile-sampler the device time of each kernel fastrl.sample launches
 #                   (bench/gpu/sampler_profile.py)
 #   demo            examples/grpo_tiny.py --compare on the GPU
@@ -70,6 +78,19 @@ setup() {
     $PY -m fastrl info
 }
 
+# bench_merged ARGS...: the suite with --merge, or without where the results
+# file is another commit's (exit 2: refused before anything is timed), so that
+# the first stage of a session starts the file and the later ones add to it.
+bench_merged() {
+    $PY -m fastrl.bench "$@" --merge --plot bench/results/plots
+    local status=$?
+    if [ $status -eq 2 ]; then
+        $PY -m fastrl.bench "$@" --plot bench/results/plots
+        status=$?
+    fi
+    return $status
+}
+
 status=0
 for stage in "$@"; do
     case $stage in
@@ -79,8 +100,12 @@ for stage in "$@"; do
         test) run_stage test 480 $PY -m pytest -v -rfE -m gpu -n 16 -p no:cacheprovider --junitxml "$OUT/junit.xml" ;;
         test-all) run_stage test-all 540 $PY -m pytest -q -n 8 -p no:cacheprovider --junitxml "$OUT/junit-all.xml" ;;
         bench-logprobs) run_stage bench-logprobs 570 $PY -m fastrl.bench --op logprobs --plot bench/results/plots ;;
-        bench-rest) run_stage bench-rest 420 $PY -m fastrl.bench --op sampling --op policy --op kl --merge \
-            --plot bench/results/plots ;;
+        bench-rest) run_stage bench-rest 420 bash -c \
+            "$(declare -f bench_merged); PY=$PY; bench_merged --op sampling --op policy --op kl" ;;
+        bench-logprobs=*)  # its log's name in the letters a file from $OUT may have
+            shape=${stage#bench-logprobs=}
+            run_stage "bench-logprobs-${shape//,/-}" 570 bash -c \
+                "$(declare -f bench_merged); PY=$PY; bench_merged --op logprobs --shape $shape" ;;
         profile-sampler) run_stage profile-sampler 240 $PY bench/gpu/sampler_profile.py ;;
         demo) run_stage demo 300 $PY examples/grpo_tiny.py --compare --device cuda --plot "$OUT/reward_curve_cuda.png" ;;
         pack) run_stage pack 120 bash -c "$PY -m fastrl.bench.report && tar -czf '$OUT/results.tgz' bench/results README.md" ;;

@@ -402,12 +402,13 @@ def merge_refusal(previous: dict, env: dict) -> str | None:
 
 
 def merge_rows(previous: dict, rows: list[dict]) -> list[dict]:
-    """``rows`` after the rows of ``previous`` whose op was not measured now, so
-    that a suite run op family by op family (a GPU lease allows ten minutes a
-    command) adds up to one file; each row keeps the copy bandwidth of its own
-    run. Check :func:`merge_refusal` first."""
-    measured = {r["op"] for r in rows}
-    kept = [{"copy_gbps": previous["copy_bandwidth_gbps"], **r} for r in previous["rows"] if r["op"] not in measured]
+    """``rows`` after the rows of ``previous`` whose case (op, shape, dtype) was not
+    measured now, so that a suite run op family by op family, or shape by shape
+    (a GPU lease allows ten minutes a command; one log-prob shape with its peers
+    took three on an H100), adds up to one file; each row keeps the copy
+    bandwidth of its own run. Check :func:`merge_refusal` first."""
+    measured = {row_key(r) for r in rows}
+    kept = [{"copy_gbps": previous["copy_bandwidth_gbps"], **r} for r in previous["rows"] if row_key(r) not in measured]
     return kept + rows
 
 

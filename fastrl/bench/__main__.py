@@ -1,7 +1,7 @@
 """``python -m fastrl.bench``: run the benchmark suite on the local device.
 
 Prints a table and writes ``bench/results/<device>.json`` (or ``--json PATH``;
-with ``--merge``, keeping that file's rows of the ops not run now), and with
+with ``--merge``, keeping that file's rows of the cases not run now), and with
 ``--plot DIR`` one PNG per op.
 Exits non-zero if fastrl's result on a benchmark input is off the reference, or,
 with ``--check-speed``, if fastrl is slower than the torch reference in the same
@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="results file (default bench/results/<device>.json)")
     parser.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write one PNG per op into DIR")
     parser.add_argument("--merge", action="store_true",
-                        help="keep the results file's rows of the ops not run now (same device and commit)")  # fmt: skip
+                        help="keep the results file's rows of the cases (op, shape, dtype) not run now (same device, "
+                        "commit and torch)")  # fmt: skip
     parser.add_argument("--check-speed", type=float, default=None, metavar="MARGIN",
                         help="fail if fastrl is not faster than the torch reference by this factor")
     parser.add_argument("--check-speed-avx2", type=float, default=None, metavar="MARGIN",
