@@ -586,7 +586,7 @@ def _count_args(value) -> tuple[torch.Tensor | None, int, int]:
         return None, 0, 0
     if isinstance(value, torch.Tensor):
         return value, 0, 2
-    return None, float_scalar_arg(float(value)), 1
+    return None, *_float_args(value), 1
 
 
 def _finalize_sizes(stats: torch.Tensor) -> tuple[int, dict]:

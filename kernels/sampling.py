@@ -188,7 +188,7 @@ def _top_digit_of(key):
 
 
 @triton.jit
-def _digit_lowest(digit, ACC: tl.constexpr, HIGHEST: tl.constexpr = False):
+def _digit_edge(digit, ACC: tl.constexpr, HIGHEST: tl.constexpr = False):
     """The logit of the lowest key whose top digit (_top_digit_of) is ``digit``
     (HIGHEST: of the highest key). Digits 0 to 7 start at NaN bits (-inf is the
     top of digit 7); from 8 up it is the lowest logit of the digit."""
@@ -329,6 +329,13 @@ def _tile_top_digits(x, mask):
 
 
 @triton.jit
+def _digit_masses(bins, HIGHEST: tl.constexpr, counts, m, inv_t, ACC: tl.constexpr):
+    """Each digit's mass were its tokens all at its lowest (HIGHEST: highest)
+    logit, count * exp((edge - m) / T); 0 for an empty digit, whatever its edge."""
+    return tl.where(counts > 0, tl.exp((_digit_edge(bins, ACC, HIGHEST) - m) * inv_t) * counts, 0.0)
+
+
+@triton.jit
 def _top_p_floor(counts, p, m, inv_t, s, ACC: tl.constexpr):
     """For top-p alone, the lowest top digit a kept token can have: the higher of
     two floors, each leaving out digits whose tokens have at least p * s of mass
@@ -353,13 +360,11 @@ def _top_p_floor(counts, p, m, inv_t, s, ACC: tl.constexpr):
     # reach[b]: the lower bound on the mass of digits >= b. Digit 7 (-inf's)
     # starts at NaN bits: a row with -inf makes reach[b] NaN for b <= 7, which
     # reaches nothing, as 0 would (and a floor that low keeps every token anyway).
-    lowest = _digit_lowest(bins, ACC)
-    reach = tl.cumsum(tl.where(counts > 0, tl.exp((lowest - m) * inv_t) * counts, 0.0), 0, reverse=True)
+    reach = tl.cumsum(_digit_masses(bins, False, counts, m, inv_t, ACC), 0, reverse=True)
     from_above = tl.max(tl.where(reach >= p * s * 1.00390625, bins, 0), axis=0) - 1
     # below[b]: the upper bound on the mass of digits <= b (-inf's digit tops at
     # -inf: nothing; NaN and +inf digits hold tokens only in rows that are bad).
-    highest = _digit_lowest(bins, ACC, HIGHEST=True)
-    below = tl.cumsum(tl.where(counts > 0, tl.exp((highest - m) * inv_t) * counts, 0.0), 0)
+    below = tl.cumsum(_digit_masses(bins, True, counts, m, inv_t, ACC), 0)
     from_below = tl.max(tl.where(below <= ((1.0 - p) * 0.99609375 - 9.5367431640625e-07) * s, bins, -1), axis=0) + 1
     return tl.maximum(tl.maximum(from_above, from_below), 0)
 
@@ -395,7 +400,7 @@ def _compact(row_ptr, begin, end, V, first_lane, floor, cand_ptr, counter_ptr, R
     # order as the logits, -0.0 and +0.0 alike). floor >= 8 here: a lower floor
     # holds every token of a row without NaN (-inf is in digit 7), and such a
     # row is never compacted (_select).
-    lowest = _digit_lowest(floor, tl.float32)
+    lowest = _digit_edge(floor, tl.float32)
     for start in range(begin, end, REPS * TILE_LANES * VEC):
         offs = (start + lane_offs) + rep_offs
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)

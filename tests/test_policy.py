@@ -565,7 +565,7 @@ def test_float_parameters_reach_the_kernels_in_float64(device, backend):
     """A global token count above 2^24, the clip ratios and the coefficients reach
     the kernels as float64 (kernels/logprobs.py float_scalar_arg): Triton passes a
     Python float as float32, which rounds 2^24 + 1 to 2^24, a float64 loss off by
-    6e-8. Bound: float64 sums of 6 tokens, a few ulps (1e-13 relative)."""
+    6e-8. Bound: float64 sums of 32 tokens, a few ulps (1e-13 relative)."""
     inputs = per_token_inputs((4, 8), device, dtype=torch.float64)
     args = [inputs[k] for k in ("log_probs", "old_log_probs", "advantages", "response_mask")]
     kwargs = {"ref_log_probs": inputs["ref_log_probs"], "batch_num_tokens": 2**24 + 1, "clip_ratio_low": 0.1,
