@@ -32,7 +32,7 @@ def info_lines() -> list[str]:
         "  native CPU:         "
         + (yes_no(True) + f" ({build['cpu_isa']}, {build['openmp_threads']} OpenMP threads)" if build else yes_no(False, "fastrl._C not built")),
         "  Triton compiled:    " + yes_no(triton_ok and cuda, "no CUDA device" if triton_ok else "triton not installed")
-        + (f" (sampling slow: triton < {'.'.join(map(str, _backend.FAST_HISTOGRAM_TRITON))}, README)"
+        + (f" (sampler: window histogram, triton < {'.'.join(map(str, _backend.FAST_HISTOGRAM_TRITON))})"
            if triton_ok and cuda and _backend.triton_histogram_is_slow() else ""),
         "  Triton interpreter: " + yes_no(triton_ok and _backend.triton_interpreter(), "set TRITON_INTERPRET=1" if triton_ok else "triton not installed"),
         "  reference:          yes",

@@ -83,7 +83,9 @@ def triton_importable() -> bool:
 # 3.8 on it counts with shared-memory atomics. At the sampler's 4096 bins that is
 # 4056 SASS for 1024 elements (with spills) against 200. Measured on an H100 with
 # Triton 3.6: fastrl.sample took 0.5 ms (B = 1, top-k 50) to 88 ms (B = 1024,
-# top-p 0.9), 20-270x the static model's prediction for Triton 3.9.
+# top-p 0.9), 20-270x the static model's prediction for Triton 3.9. With such a
+# Triton the sampler takes a 128-bin histogram of its own (kernels/sampling.py,
+# _uses_window).
 FAST_HISTOGRAM_TRITON = (3, 8)
 
 

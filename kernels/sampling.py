@@ -30,6 +30,12 @@ row as its list; rows with min-p or temperature alone (nothing to list) and
 float64 rows skip the histogram and the compaction and read the row twice
 more, for the kept mass and the race.
 
+Where triton's tl.histogram costs a vote and a popcount per bin and element
+(< 3.8, _uses_window), the 4096 top-digit bins would dominate the sampler; it
+takes instead a window histogram (_window_bin) of 128 bins below the row's
+max, in a read of the row between the statistics and the compaction, and the
+same steps after it (the list's floor as a logit, _window_edge).
+
 A batch small against the GPU (_split_parts) splits those reads over
 many programs a row (_split_selection): each reads a slice of one tile of the
 statistics pass and writes its lanes' statistics of that tile alone, and adds
@@ -43,8 +49,8 @@ result does not depend on the batch it comes in.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import warnings
 
 import torch
 import triton
@@ -72,6 +78,14 @@ _WARPS = 16
 _MAXNREG = 64
 # The top digit of a key: its 12 highest bits (_top_digit_of).
 _BINS = tl.constexpr(4096)
+# The bins of the window histogram (_window_bin), the statistics pass's
+# histogram where triton's tl.histogram is slow (_uses_window).
+_WINDOW_BINS = tl.constexpr(128)
+# A window bin's y (_window_bin) keeps the float32 bits from this one up: 16
+# bins a doubling (8 made the sampler's top-p lists 1.4x as long, the window
+# pass 14% cheaper on triton 3.6).
+_WINDOW_SHIFT = tl.constexpr(19)
+_WINDOW_ONE = tl.constexpr(0x3F800000 >> _WINDOW_SHIFT.value)  # 1.0's bin
 # Entries of a row's candidate list (_select): a top-k 50 row of an LLM holds a
 # few dozen to a few hundred tokens in the digits from its 50th largest up; a
 # top-p 0.9 row whole digits above _top_p_floor (randn * 3 at T = 0.7: 205 to
@@ -91,7 +105,7 @@ _SPLIT_SM_SHARE = 0.5
 _EXACT = {"enable_fp_fusion": False}
 # A split row's statistics fold 8 tiles a trip (_split_rows_kernel): their loads issued together.
 _FOLD_GROUP = tl.constexpr(8)
-# A split row's record (_split_rows_kernel): 7 int64, padded to 8.
+# A split row's record (_split_rows_kernel, _record_list): 6 int64, padded to 8.
 _SPLIT_RECORD = tl.constexpr(8)
 
 
@@ -123,17 +137,20 @@ def workspace_bytes(logits: torch.Tensor) -> int:
     n_rows = row_count(logits)
     config = _launch_config(logits)
     split = bool(_split_parts(logits, n_rows, config)[0])
-    return sum(t.numel() * t.element_size() for t in _workspace(logits, n_rows, config, split, "meta").values())
+    window = _uses_window(logits.device)
+    return sum(t.numel() * t.element_size() for t in _workspace(logits, n_rows, config, split, window, "meta").values())
 
 
-def _workspace(logits: torch.Tensor, n_rows: int, config: dict, split: bool, device) -> dict[str, torch.Tensor]:
+def _workspace(logits: torch.Tensor, n_rows: int, config: dict, split: bool, window: bool,
+               device) -> dict[str, torch.Tensor]:  # fmt: skip
     """The forward launches' temporaries for ``logits``' rows, on ``device``: each
     row's candidate list (_select, _compact: list_capacity int64 entries, 32 KB a
     row at most) and its counter (zero); for split rows (_split_selection) also
-    each row's top-digit histogram (zero, in one zeroed buffer with the
-    counters), the tiles' lane statistics and the rows' records."""
+    each row's histogram (top-digit, or with ``window`` the window's; zero, in
+    one zeroed buffer with the counters), the tiles' lane statistics and the
+    rows' records."""
     vocab = logits.shape[-1]
-    bins = _BINS.value if split else 0
+    bins = (_WINDOW_BINS.value if window else _BINS.value) if split else 0
     zeroed = torch.zeros(n_rows * (bins + 1), dtype=torch.int32, device=device)
     workspace = {
         "lists": torch.empty(n_rows, list_capacity(vocab), dtype=torch.int64, device=device),
@@ -239,19 +256,24 @@ def _largest_key_reaching(row_ptr, cand_ptr, compacted, n, m, inv_t, floor_key, 
 
 @triton.jit
 def _digit_histogram(row_ptr, cand_ptr, compacted, n, floor_key, prefix, PREFIX_SHIFT: tl.constexpr,
-                     DIGIT_SHIFT: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """Counts [BINS] of the digit (key >> DIGIT_SHIFT) % BINS over the list's
-    (_list_entries) 32-bit keys >= floor_key whose bits above PREFIX_SHIFT (< 32) equal ``prefix``. The keys left
-    out are masked out of the histogram (not sent to a bin of their own: on a GPU
-    the histogram adds with shared-memory atomics, and most of a later pass's keys
-    are left out, so one bin would serialise every warp's adds)."""
-    counts = tl.zeros([BINS], tl.int32)
+                     DIGIT_SHIFT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Counts [256] of the digit (key >> DIGIT_SHIFT) % 256 over the list's
+    (_list_entries) 32-bit keys >= floor_key whose bits from PREFIX_SHIFT up
+    equal ``prefix`` (every key for PREFIX_SHIFT = 32). The keys left out are
+    masked out of the histogram (not sent to a bin of their own: on a GPU the
+    histogram adds with shared-memory atomics, and most of a later pass's keys
+    are left out, so one bin would serialise every warp's adds). 256 bins: a
+    triton < 3.8 histogram costs a vote per bit and a popcount per bin and
+    element (_backend.FAST_HISTOGRAM_TRITON), 2.5 instructions an element here."""
+    counts = tl.zeros([256], tl.int32)
     for start in range(0, n, BLOCK):
         x, _, live = _list_entries(row_ptr, cand_ptr, compacted, n, start + tl.arange(0, BLOCK), tl.float32)
         key = _order_key(x)
-        live = live & (key >= floor_key) & ((key >> PREFIX_SHIFT) == prefix)
-        digit = ((key >> DIGIT_SHIFT) & (BINS - 1)).to(tl.int32)
-        counts += tl.histogram(digit, BINS, mask=live)
+        live = live & (key >= floor_key)
+        if PREFIX_SHIFT < 32:
+            live = live & ((key >> PREFIX_SHIFT) == prefix)
+        digit = ((key >> DIGIT_SHIFT) & 255).to(tl.int32)
+        counts += tl.histogram(digit, 256, mask=live)
     return counts
 
 
@@ -267,19 +289,23 @@ def _top_digit(counts, k, BINS: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest_key32(row_ptr, cand_ptr, compacted, n, floor_key, d1, k, BLOCK: tl.constexpr):
-    """The k-th largest 32-bit key of the list (_list_entries) among keys >= floor_key: the largest
-    key u with #{key >= max(u, floor_key)} >= k, as _largest_key_reaching counts
-    it, by radix selection, given its top 12 bits d1 and its rank k among the
-    keys with those bits (_top_digit of the row's histogram, _select): a
-    histogram of the next 12 bits among the keys in d1, then of the last 8 among
-    those left; each pass fixes a digit of the answer."""
-    counts = _digit_histogram(row_ptr, cand_ptr, compacted, n, floor_key, d1, 20, 8, 4096, BLOCK)
-    d2, k = _top_digit(counts, k, 4096)
-    prefix = (d1 << 12) | d2
-    counts = _digit_histogram(row_ptr, cand_ptr, compacted, n, floor_key, prefix, 8, 0, 256, BLOCK)
-    d3, _ = _top_digit(counts, k, 256)
-    return (prefix << 8) | d3
+def _kth_largest_key32(row_ptr, cand_ptr, compacted, n, floor_key, k, BLOCK: tl.constexpr):
+    """The k-th largest 32-bit key of the list (_list_entries) among keys >=
+    floor_key: the largest key u with #{key >= max(u, floor_key)} >= k, as
+    _largest_key_reaching counts it, by radix selection over the list: a
+    histogram of the keys' top 8 bits, then of the next 8 among the keys with
+    the digits found so far, four passes; each fixes a byte of the answer and
+    the answer's rank among the keys that share it."""
+    prefix = tl.zeros([], tl.uint32)
+    counts = _digit_histogram(row_ptr, cand_ptr, compacted, n, floor_key, prefix, 32, 24, BLOCK)
+    d, k = _top_digit(counts, k, 256)
+    prefix = d
+    for level in tl.static_range(1, 4):
+        shift = 24 - 8 * level  # a constexpr: level is one in static_range
+        counts = _digit_histogram(row_ptr, cand_ptr, compacted, n, floor_key, prefix, shift + 8, shift, BLOCK)
+        d, k = _top_digit(counts, k, 256)
+        prefix = (prefix << 8) | d
+    return prefix
 
 
 @triton.jit
@@ -370,10 +396,101 @@ def _top_p_floor(counts, p, m, inv_t, s, ACC: tl.constexpr):
 
 
 @triton.jit
-def _compact(row_ptr, begin, end, V, first_lane, floor, cand_ptr, counter_ptr, REPS: tl.constexpr,
+def _window_scale(inv_t):
+    """c of _window_bin: 1/T, at most 4 (a logit), so that the window resolves
+    247 / c >= 61 logits below the max for top-k at any T, and >= 247 T for
+    top-p, whose kept tokens lie within T log(V / (1 - p)) of it (20 T at V =
+    151936, p = 0.99999). Its first bin spans 1/(16 c) of a logit: a row whose
+    top tokens lie closer than that (randn * 0.01) lists them all, or with
+    more than the list holds, becomes the list."""
+    return tl.minimum(inv_t.to(tl.float32), 4.0)
+
+
+@triton.jit
+def _window_bin(x, m, c):
+    """The window bin of float32 logits x of a row with max m (the window
+    histogram, _list_floor with WINDOW): y = (m - x) c + 1 >= 1 in float32, and
+    its exponent and top 4 mantissa bits above 1.0's, 16 bins a doubling of y:
+    bin 0 holds the max, 127 everything from y = 248 on (-inf too). A
+    non-increasing function of x (each rounding is monotone), so the tokens in
+    bins <= b are those >= one logit (_window_edge). The same float32 steps
+    wherever it runs (the launches compile without fused multiply-adds)."""
+    y = (m - x) * c + 1.0
+    return tl.minimum((y.to(tl.int32, bitcast=True) >> _WINDOW_SHIFT) - _WINDOW_ONE, _WINDOW_BINS - 1)
+
+
+@triton.jit
+def _window_edge(b, m, c):
+    """The lowest float32 logit x with _window_bin(x, m, c) <= b (b < 127; bin
+    0 holds m): a binary search over the keys from -inf's to m's, 32 steps of
+    _window_bin itself, so the compaction's x >= edge takes exactly the
+    histogram's tokens in bins <= b."""
+    lo = _order_key(tl.full([], float("-inf"), tl.float32))  # its bin, 127, is above b
+    hi = _order_key(m)
+    for _ in range(32):
+        mid = lo + (hi - lo) // 2
+        inside = _window_bin(_key_to_value(mid, tl.float32), m, c) <= b
+        hi = tl.where(inside, mid, hi)
+        lo = tl.where(inside, lo, mid)
+    return _key_to_value(hi, tl.float32)
+
+
+@triton.jit
+def _window_floor(counts, k, p, c, inv_t, s, k_on, p_on):
+    """The last window bin (_window_bin) the row's list needs: every kept token
+    is in a bin <= b. ``counts`` [_WINDOW_BINS]: the row's window histogram.
+    - top-k: the first bin where the bins so far hold >= k tokens.
+    - top-p alone: the lower of two bins, each past which top-p drops every
+      token (as _top_p_floor, with bins for digits): from above, the first bin
+      b whose bins <= b hold >= p * s even at their lowest logits; from below,
+      the first b whose bins > b hold <= (1 - p) * s even at their highest.
+      Bin i holds y in [y_i, y_i+1) (its float32 edges); y rounds (m - x) c + 1
+      three times, so (m - x) c is taken >= (y_i (1 - 2^-23) - 1)(1 - 2^-22) and
+      < (y_i+1 (1 + 2^-23) - 1)(1 + 2^-22), float64 bounds on each token's
+      mass exp(-(m - x) / T); the same margins as _top_p_floor on the sums.
+    - greedy rows (neither): bin 0, the max's.
+    127 (every token) when nothing closer reaches."""
+    bins = tl.arange(0, _WINDOW_BINS)
+    last = _WINDOW_BINS - 1
+    b = tl.zeros([], tl.int32)
+    if k_on:
+        b = tl.min(tl.where(tl.cumsum(counts, 0) >= k, bins, last), axis=0)
+    elif p_on:
+        y_lo = ((bins + _WINDOW_ONE) << _WINDOW_SHIFT).to(tl.float32, bitcast=True).to(tl.float64)
+        y_hi = ((bins + _WINDOW_ONE + 1) << _WINDOW_SHIFT).to(tl.float32, bitcast=True).to(tl.float64)
+        y_hi = tl.where(bins == last, float("inf"), y_hi)
+        per_logit = inv_t.to(tl.float64) / c.to(tl.float64)  # (m - x) / T = (m - x) c * per_logit
+        far = (y_hi * 1.00000011920928955 - 1.0) * 1.0000002384185791 * per_logit
+        near = tl.maximum(y_lo * 0.99999988079071045 - 1.0, 0.0) * 0.99999976158142090 * per_logit
+        lowest_mass = tl.where(counts > 0, tl.exp(-far) * counts, 0.0)
+        highest_mass = tl.where(counts > 0, tl.exp(-near) * counts, 0.0)
+        mass = s.to(tl.float64)
+        share = p.to(tl.float64)
+        from_above = tl.min(tl.where(tl.cumsum(lowest_mass, 0) >= share * mass * 1.00390625, bins, last), axis=0)
+        beyond = tl.cumsum(highest_mass, 0, reverse=True) - highest_mass  # bins > b
+        drop = ((1.0 - share) * 0.99609375 - 9.5367431640625e-07) * mass
+        from_below = tl.min(tl.where(beyond <= drop, bins, last), axis=0)
+        b = tl.minimum(from_above, from_below)
+    return b
+
+
+@triton.jit
+def _window_histogram(row_ptr, V, m, c, TILE: tl.constexpr):
+    """The row's window histogram [_WINDOW_BINS] (_window_bin of every token), a
+    read of the row in tiles of TILE."""
+    counts = tl.zeros([_WINDOW_BINS], tl.int32)
+    for start in range(0, V, TILE):
+        offs = start + tl.arange(0, TILE)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        counts += tl.histogram(_window_bin(x, m, c), _WINDOW_BINS, mask=offs < V)
+    return counts
+
+
+@triton.jit
+def _compact(row_ptr, begin, end, V, first_lane, lowest, cand_ptr, counter_ptr, REPS: tl.constexpr,
              LANES: tl.constexpr, VEC: tl.constexpr, TILE_LANES: tl.constexpr):  # fmt: skip
-    """Writes the row's tokens whose top digit is >= floor (at most the list's
-    capacity) to the candidate list at cand_ptr, one int64 per token: the bits of
+    """Writes the row's tokens x >= lowest (a float32 logit above -inf; at most
+    the list's capacity, _list_floor) to the candidate list at cand_ptr, one int64 per token: the bits of
     its logit as a float32 (exact for the 16- and 32-bit types) above its index
     (_list_entries reads them). The tokens are those of the tiles from ``begin``
     (a tile's first element) to ``end`` in lanes first_lane .. first_lane + LANES
@@ -396,11 +513,6 @@ def _compact(row_ptr, begin, end, V, first_lane, floor, cand_ptr, counter_ptr, R
     rep_of = tl.arange(0, REPS)[:, None, None]
     vec_of = tl.arange(0, VEC)[None, None, :]
     lane = first_lane + tl.arange(0, LANES)
-    # Digit >= floor as one float compare, x >= the digit's lowest logit (keys
-    # order as the logits, -0.0 and +0.0 alike). floor >= 8 here: a lower floor
-    # holds every token of a row without NaN (-inf is in digit 7), and such a
-    # row is never compacted (_select).
-    lowest = _digit_edge(floor, tl.float32)
     for start in range(begin, end, REPS * TILE_LANES * VEC):
         offs = (start + lane_offs) + rep_offs
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
@@ -496,42 +608,50 @@ def _may_list(V, t, k, p):
 
 @triton.jit
 def _list_floor(V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s, counts, LIST_CAP: tl.constexpr,
-                ACC: tl.constexpr):  # fmt: skip
-    """Which tokens go on the row's candidate list: (floor, k_rank,
-    n_candidates, compacted); the list holds the n_candidates tokens whose top
-    digit is >= floor when ``compacted``, else the list is the row, and k_rank
-    is the k-th largest key's rank among the keys of its digit. ``counts``: the
-    row's top-digit histogram (_tile_top_digits over the row), read only for
-    the rows that list (a row that lists none may pass anything)."""
-    # The candidates: the tokens whose top digit is >= floor, where no other can
-    # be kept: from the k-th largest key's digit up (top-p only narrows the
-    # top-k set), or top-p's mass bound, or the max's digit (greedy: the first
+                WINDOW: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """Which tokens go on the row's candidate list: (lowest, n_candidates,
+    compacted); the list holds the n_candidates tokens x >= lowest (a float32
+    logit) when ``compacted``, else the list is the row. ``counts``: the row's
+    histogram, read only for the rows that list (a row that lists none may
+    pass anything): of its keys' top digits (_tile_top_digits), or with WINDOW
+    of its window bins (_window_bin)."""
+    # The candidates: the tokens at or above a floor where no other can be kept:
+    # the k-th largest key's digit or bin (top-p only narrows the top-k set),
+    # or top-p's mass bound, or the max's digit or bin (greedy: the first
     # argmax). Rows with min-p or temperature alone keep too many tokens to
     # list: they skip the histogram and read the row. Float64 rows never
     # compact: their sums stay float64, in row order (_mass_units).
-    floor = tl.zeros([], tl.int32)
-    k_rank = k
+    lowest = tl.full([], float("-inf"), tl.float32)
     n_candidates = V + tl.zeros([], tl.int32)
     compacted = False
     if ACC != tl.float64:
         if (~bad) & (k_on | p_on | greedy):
-            if k_on:
-                top, k_rank = _top_digit(counts, k, _BINS)
-                floor = top.to(tl.int32)
-            elif p_on:
-                floor = _top_p_floor(counts, p.to(ACC), m_safe, inv_t, s.to(ACC), ACC)
+            if WINDOW:
+                c = _window_scale(inv_t)
+                b = _window_floor(counts, k, p, c, inv_t, s, k_on, p_on)
+                lowest = _window_edge(b, m_safe, c)
+                n_candidates = tl.sum(tl.where(tl.arange(0, _WINDOW_BINS) <= b, counts, 0), axis=0)
             else:
-                floor = _top_digit_of(_order_key(m_safe))
-            n_candidates = tl.sum(tl.where(tl.arange(0, _BINS) >= floor, counts, 0), axis=0)
+                if k_on:
+                    floor, _ = _top_digit(counts, k, _BINS)
+                    floor = floor.to(tl.int32)
+                elif p_on:
+                    floor = _top_p_floor(counts, p.to(ACC), m_safe, inv_t, s.to(ACC), ACC)
+                else:
+                    floor = _top_digit_of(_order_key(m_safe))
+                # the digit's lowest logit; NaN bits for digits < 8, which hold
+                # every token (-inf is in digit 7): such a row is never compacted
+                lowest = _digit_edge(floor, tl.float32)
+                n_candidates = tl.sum(tl.where(tl.arange(0, _BINS) >= floor, counts, 0), axis=0)
         compacted = (~bad) & (n_candidates <= LIST_CAP) & (n_candidates < V)
-    return floor, k_rank, n_candidates, compacted
+    return lowest, n_candidates, compacted
 
 
 @triton.jit
 def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
-            SPLIT: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
-            MAX_IN_STORAGE_TYPE: tl.constexpr, LIST_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-            LIST_CAP: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+            SPLIT: tl.constexpr, WINDOW: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
+            ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, LIST_BLOCK: tl.constexpr,
+            SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """Everything about one row's processed distribution: (bad, greedy, m, first
     argmax, number of maxima, 1/T, log s, threshold key, log min_p, log s_kept,
     whether the row's kept tokens are on its candidate list (compacted; else
@@ -543,20 +663,24 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
     and the number of maxima) with, for a row that may list candidates
     (_may_list), its top-digit histogram (_tile_top_digits) from the same
     loads; and the compaction of the candidates into this row's list of
-    LIST_CAP entries (_list_floor, _compact). With SPLIT, other programs made
-    those reads (_split_selection) and left the row's statistics and list at
+    LIST_CAP entries (_list_floor, _compact). With WINDOW (_uses_window) the
+    histogram is the window's (_window_histogram), a read of its own between
+    the two, for the rows that list. With SPLIT, other programs made those
+    reads (_split_selection) and left the row's statistics and list at
     split_ptr (_split_rows_kernel).
     The thresholds, s_kept, the first argmax and the draw then read the list
     only. A row with more candidates than that (top-p over a flat row) uses the
     row itself as its list: the same code, each step a read of the row."""
     neg_inf = float("-inf")
     inv_t = _inverse_temperature(t, valid, ACC)
-    counts = tl.zeros([_BINS], tl.int32)  # the top-digit histogram of a row that may list
+    HIST_BINS: tl.constexpr = _WINDOW_BINS if WINDOW else _BINS
+    counts = tl.zeros([HIST_BINS], tl.int32)  # the histogram of a row that may list
     if SPLIT:
-        m = tl.load(split_ptr).to(tl.float64, bitcast=True).to(ACC)
-        n_max = tl.load(split_ptr + 1).to(tl.float64, bitcast=True)
-        tail = tl.load(split_ptr + 2).to(tl.float64, bitcast=True)
+        m, n_max, tail = _record_stats(split_ptr, ACC)
     elif ACC == tl.float64:  # never lists
+        m, n_max, tail, _no_w = softmax_stats(row_ptr, V, inv_t, False, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
+                                              ACC, True)  # fmt: skip
+    elif WINDOW:  # the window histogram is a read of its own, after the statistics
         m, n_max, tail, _no_w = softmax_stats(row_ptr, V, inv_t, False, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
                                               ACC, True)  # fmt: skip
     elif _may_list(V, t, k, p):
@@ -568,15 +692,16 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
                                               ACC, True)  # fmt: skip
     bad, greedy, m_safe, s, log_s, k_on, p_on = _row_state(V, t, k, p, valid, m, n_max, tail, ACC)
     if SPLIT:
-        floor = tl.load(split_ptr + 3).to(tl.int32)
-        k_rank = tl.load(split_ptr + 4)
-        n_candidates = tl.load(split_ptr + 5).to(tl.int32)
-        compacted = tl.load(split_ptr + 6) != 0
+        n_candidates = tl.load(split_ptr + 4).to(tl.int32)
+        compacted = tl.load(split_ptr + 5) != 0
     else:
-        floor, k_rank, n_candidates, compacted = _list_floor(V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s,
-                                                             counts, LIST_CAP, ACC)  # fmt: skip
+        if WINDOW and ACC != tl.float64:
+            if (~bad) & (k_on | p_on | greedy):
+                counts = _window_histogram(row_ptr, V, m_safe, _window_scale(inv_t), REPS * LANES * VEC)
+        lowest, n_candidates, compacted = _list_floor(V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s, counts,
+                                                      LIST_CAP, WINDOW, ACC)  # fmt: skip
         if compacted:
-            _compact(row_ptr, 0, V, V, 0, floor, cand_ptr, counter_ptr, REPS, LANES, VEC, LANES)
+            _compact(row_ptr, 0, V, V, 0, lowest, cand_ptr, counter_ptr, REPS, LANES, VEC, LANES)
     n_list = tl.where(compacted, n_candidates, V)
 
     threshold = _order_key(tl.full([], neg_inf, ACC))  # keeps every non-NaN logit
@@ -585,8 +710,7 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
             threshold = _largest_key_reaching(row_ptr, cand_ptr, compacted, n_list, m_safe, inv_t, threshold, k, False,
                                               SEARCH_BLOCK, ACC)  # fmt: skip
         else:
-            threshold = _kth_largest_key32(row_ptr, cand_ptr, compacted, n_list, threshold, floor.to(tl.uint32), k_rank,
-                                           LIST_BLOCK)  # fmt: skip
+            threshold = _kth_largest_key32(row_ptr, cand_ptr, compacted, n_list, threshold, k, LIST_BLOCK)
     if p_on:
         top_k_mass = s  # top-k off: the row's mass (float64)
         if k_on:
@@ -623,14 +747,14 @@ def _split_tiles_kernel(
     lane_stats_ptr, hist_ptr, n_groups,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
     REPS: tl.constexpr, LANES: tl.constexpr, SLICE_LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
-    MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr,
+    MAX_IN_STORAGE_TYPE: tl.constexpr, WINDOW: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """The first launch of a split row (_split_selection), program (row, part):
     lanes first_lane .. + SLICE_LANES of the row's tile ``part // SLICES`` of
     softmax_stats' tiling. Writes each lane's (m, n, t) over that tile alone
     (reduce.tile_lane_stats) to lane_stats (_split_rows_kernel), and adds the
     slice's top-digit counts to the row's histogram (zero at launch) for rows
-    that may list candidates."""
+    that may list candidates (not with WINDOW: _split_window_kernel)."""
     SLICES: tl.constexpr = LANES // SLICE_LANES
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -655,7 +779,7 @@ def _split_tiles_kernel(
     tl.store(out, m)
     tl.store(out + _FOLD_GROUP * LANES, n)
     tl.store(out + 2 * _FOLD_GROUP * LANES, tail)
-    if ACC != tl.float64:
+    if ACC != tl.float64 and not WINDOW:
         if _may_list(V, t, k, p):
             if start + REPS * LANES * VEC <= V:  # a whole tile: no mask to count out
                 counts = _tile_top_digits(x, None)
@@ -669,14 +793,14 @@ def _split_rows_kernel(
     V, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
     lane_stats_ptr, n_tiles, n_groups, hist_ptr, split_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
-    LANES: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr,
+    LANES: tl.constexpr, LIST_CAP: tl.constexpr, WINDOW: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """The second launch of a split row, one program a row: its statistics, the
     tiles' lane statistics folded in tile order and merged as softmax_stats
-    folds and merges them (the same bits as one program's read of the row), and
-    which tokens go on its list (_list_floor, from the histogram), to the row's
-    record of _SPLIT_RECORD int64 at split_ptr: the float64 bits of m, n and t,
-    then floor, k_rank, n_candidates and compacted."""
+    folds and merges them (the same bits as one program's read of the row), to
+    the row's record of _SPLIT_RECORD int64 at split_ptr: the float64 bits of
+    m, n and t; then which tokens go on its list (_record_list, from the
+    histogram; with WINDOW, _split_floor_kernel does, after the window's)."""
     row = tl.program_id(0).to(tl.int64)
     t, k, p, _, valid = _row_params(
         row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
@@ -704,18 +828,90 @@ def _split_rows_kernel(
             if group * _FOLD_GROUP + j < n_tiles:
                 m, n, tail = fold_lanes(m, n, tail, tile_m, tile_n, tile_tail, scale)
     m, n_max, tail, _no_w = merge_lanes(m, n, tail, tl.zeros([LANES], ACC), scale)
-    bad, greedy, m_safe, s, _, k_on, p_on = _row_state(V, t, k, p, valid, m, n_max, tail, ACC)
-    counts = tl.load(hist_ptr + row * _BINS + tl.arange(0, _BINS))  # zero for a row that lists none
-    floor, k_rank, n_candidates, compacted = _list_floor(V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s, counts,
-                                                         LIST_CAP, ACC)  # fmt: skip
     record = split_ptr + row * _SPLIT_RECORD
     tl.store(record, m.to(tl.float64).to(tl.int64, bitcast=True))
     tl.store(record + 1, n_max.to(tl.int64, bitcast=True))
     tl.store(record + 2, tail.to(tl.int64, bitcast=True))
-    tl.store(record + 3, floor.to(tl.int64))
-    tl.store(record + 4, tl.where(k_on, k_rank, 0).to(tl.int64))
-    tl.store(record + 5, n_candidates.to(tl.int64))
-    tl.store(record + 6, compacted.to(tl.int64))
+    if not WINDOW:
+        _record_list(record, V, t, k, p, valid, inv_t, m, n_max, tail, hist_ptr + row * _BINS, LIST_CAP, WINDOW, ACC)
+
+
+@triton.jit
+def _record_list(record, V, t, k, p, valid, inv_t, m, n_max, tail, hist_ptr, LIST_CAP: tl.constexpr,
+                 WINDOW: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """A split row's list (_list_floor, from the row's histogram at hist_ptr:
+    zero for a row that lists none) to its record after m, n and t: the float64
+    bits of its lowest logit, n_candidates and compacted."""
+    bad, greedy, m_safe, s, _, k_on, p_on = _row_state(V, t, k, p, valid, m, n_max, tail, ACC)
+    HIST_BINS: tl.constexpr = _WINDOW_BINS if WINDOW else _BINS
+    counts = tl.load(hist_ptr + tl.arange(0, HIST_BINS))
+    lowest, n_candidates, compacted = _list_floor(V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s, counts,
+                                                  LIST_CAP, WINDOW, ACC)  # fmt: skip
+    tl.store(record + 3, lowest.to(tl.float64).to(tl.int64, bitcast=True))
+    tl.store(record + 4, n_candidates.to(tl.int64))
+    tl.store(record + 5, compacted.to(tl.int64))
+
+
+@triton.jit
+def _record_stats(record, ACC: tl.constexpr):
+    """A split row's (m, n, t) from its record (_split_rows_kernel)."""
+    m = tl.load(record).to(tl.float64, bitcast=True).to(ACC)
+    return m, tl.load(record + 1).to(tl.float64, bitcast=True), tl.load(record + 2).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _split_window_kernel(
+    logits_ptr, inner, outer_stride, inner_stride, V,
+    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p, split_ptr, hist_ptr,
+    PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
+    REPS: tl.constexpr, LANES: tl.constexpr, SLICE_LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
+    ACC: tl.constexpr,
+):  # fmt: skip
+    """With WINDOW, the third launch of a split row, program (row, part) as in
+    _split_tiles_kernel, for a row that lists: its slice's window bins
+    (_window_bin, from the row's m in its record) added to the row's window
+    histogram (zero at launch)."""
+    SLICES: tl.constexpr = LANES // SLICE_LANES
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    t, k, p, _, valid = _row_params(
+        row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+        PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
+    )  # fmt: skip
+    tl.static_assert(ACC != tl.float64, "float64 rows never list")
+    m, n_max, tail = _record_stats(split_ptr + row * _SPLIT_RECORD, ACC)
+    bad, greedy, m_safe, _, _, k_on, p_on = _row_state(V, t, k, p, valid, m, n_max, tail, ACC)
+    if (~bad) & (k_on | p_on | greedy):
+        row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+        if ALIGNED:  # every row starts on a 16-byte boundary (the launcher checked)
+            row_ptr = tl.multiple_of(row_ptr, 16)
+        lane_offs, rep_offs = slice_offsets(REPS, SLICE_LANES, VEC, (part % SLICES) * SLICE_LANES, LANES)
+        offs = ((part // SLICES) * (REPS * LANES * VEC) + lane_offs) + rep_offs
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        SIZE: tl.constexpr = REPS * SLICE_LANES * VEC
+        bins = tl.reshape(_window_bin(x, m_safe, _window_scale(_inverse_temperature(t, valid, ACC))), [SIZE])
+        counts = tl.histogram(bins, _WINDOW_BINS, mask=tl.reshape(offs < V, [SIZE]))
+        tl.atomic_add(hist_ptr + row * _WINDOW_BINS + tl.arange(0, _WINDOW_BINS), counts, mask=counts > 0,
+                      sem="relaxed")  # fmt: skip
+
+
+@triton.jit
+def _split_floor_kernel(
+    V, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p, hist_ptr, split_ptr,
+    PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
+    LIST_CAP: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """With WINDOW, the fourth launch of a split row, one program a row: which
+    tokens go on its list, from its window histogram (_record_list)."""
+    row = tl.program_id(0).to(tl.int64)
+    t, k, p, _, valid = _row_params(
+        row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+        PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
+    )  # fmt: skip
+    record = split_ptr + row * _SPLIT_RECORD
+    m, n_max, tail = _record_stats(record, ACC)
+    _record_list(record, V, t, k, p, valid, _inverse_temperature(t, valid, ACC), m, n_max, tail,
+                 hist_ptr + row * _WINDOW_BINS, LIST_CAP, True, ACC)  # fmt: skip
 
 
 @triton.jit
@@ -723,17 +919,18 @@ def _split_compact_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V, split_ptr, cand_ptr, counter_ptr,
     REPS: tl.constexpr, LANES: tl.constexpr, SLICE_LANES: tl.constexpr, VEC: tl.constexpr, LIST_CAP: tl.constexpr,
 ):  # fmt: skip
-    """The third launch of a split row, program (row, part) as in
-    _split_tiles_kernel: its slice's candidates onto the row's list (_compact)."""
+    """The last launch before the list's of a split row, program (row, part) as
+    in _split_tiles_kernel: its slice's candidates onto the row's list (_compact)."""
     SLICES: tl.constexpr = LANES // SLICE_LANES
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    record = split_ptr + row * _SPLIT_RECORD  # (_split_rows_kernel)
-    compacted, floor = tl.load(record + 6), tl.load(record + 3).to(tl.int32)
+    record = split_ptr + row * _SPLIT_RECORD  # (_record_list)
+    compacted = tl.load(record + 5)
     if compacted != 0:
+        lowest = tl.load(record + 3).to(tl.float64, bitcast=True).to(tl.float32)
         row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
         start = (part // SLICES) * (REPS * LANES * VEC)
-        _compact(row_ptr, start, start + 1, V, (part % SLICES) * SLICE_LANES, floor, cand_ptr + row * LIST_CAP,
+        _compact(row_ptr, start, start + 1, V, (part % SLICES) * SLICE_LANES, lowest, cand_ptr + row * LIST_CAP,
                  counter_ptr + row, REPS, SLICE_LANES, VEC, LANES)  # fmt: skip
 
 
@@ -744,7 +941,7 @@ def _sample_kernel(
     seeds_ptr, seed, offset_ptr, offset,
     tokens_ptr, logprobs_ptr, raw_ptr, cand_ptr, counter_ptr, split_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
-    PER_ROW_SEED: tl.constexpr, OFFSET_FROM_PTR: tl.constexpr, SPLIT: tl.constexpr,
+    PER_ROW_SEED: tl.constexpr, OFFSET_FROM_PTR: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr,
     REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
     MAX_IN_STORAGE_TYPE: tl.constexpr, LIST_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     LIST_CAP: tl.constexpr, ACC: tl.constexpr,
@@ -758,7 +955,7 @@ def _sample_kernel(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
-        ), cand_ptr, counter_ptr + row, split_ptr, SPLIT, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
+        ), cand_ptr, counter_ptr + row, split_ptr, SPLIT, WINDOW, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
         LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
     )  # fmt: skip
 
@@ -803,7 +1000,8 @@ def _truncated_fwd_kernel(
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
     out_ptr, stats_ptr, cand_ptr, counter_ptr, split_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
-    WITH_STATS: tl.constexpr, SPLIT: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
+    WITH_STATS: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr,
+    VEC: tl.constexpr,
     ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr,
     LIST_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
@@ -816,7 +1014,7 @@ def _truncated_fwd_kernel(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
-        ), cand_ptr, counter_ptr + row, split_ptr, SPLIT, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
+        ), cand_ptr, counter_ptr + row, split_ptr, SPLIT, WINDOW, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
         LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
     )  # fmt: skip
     label = tl.load(labels_ptr + row).to(tl.int64)
@@ -921,12 +1119,15 @@ def _sm_count(device: torch.device) -> int:
     return 132
 
 
-def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes, workspace):
+def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes, window, workspace):
     """A row's reads over ``parts`` programs each (_select, SPLIT), of
     ``slice_lanes`` lanes (_split_parts): the tiles' lane statistics and the
-    histogram (_split_tiles_kernel), the row's statistics and its list's floor
-    (_split_rows_kernel, one program a row), the compaction
-    (_split_compact_kernel), into ``workspace`` (_workspace)."""
+    top-digit histogram (_split_tiles_kernel), the row's statistics and its
+    list's floor (_split_rows_kernel, one program a row); with ``window``
+    (_uses_window) the tiles' statistics alone, the row's statistics, then
+    the window histogram (_split_window_kernel) and the floor
+    (_split_floor_kernel); last the compaction (_split_compact_kernel), into
+    ``workspace`` (_workspace)."""
     vocab = logits.shape[-1]
     tiles = _tiles(vocab, config)
     groups = workspace["lane_stats"].shape[1]
@@ -935,43 +1136,71 @@ def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice
     warps = max(slice_lanes // 32, 1)
     _split_tiles_kernel[(n_rows, parts)](
         logits, *layout, vocab, *params, workspace["lane_stats"], workspace["hist"], groups, **flags, **tile_meta,
-        ALIGNED=config["ALIGNED"], MAX_IN_STORAGE_TYPE=config["MAX_IN_STORAGE_TYPE"], ACC=acc_tl, num_warps=warps,
-        **_EXACT,
+        ALIGNED=config["ALIGNED"], MAX_IN_STORAGE_TYPE=config["MAX_IN_STORAGE_TYPE"], WINDOW=window, ACC=acc_tl,
+        num_warps=warps, **_EXACT,
     )  # fmt: skip
     _split_rows_kernel[(n_rows,)](
         vocab, *params, workspace["lane_stats"], tiles, groups, workspace["hist"],
-        workspace["records"], **flags, LANES=config["LANES"], LIST_CAP=config["LIST_CAP"], ACC=acc_tl,
-        num_warps=_WARPS, **_EXACT,
+        workspace["records"], **flags, LANES=config["LANES"], LIST_CAP=config["LIST_CAP"], WINDOW=window,
+        ACC=acc_tl, num_warps=_WARPS, **_EXACT,
     )  # fmt: skip
+    if window:
+        if acc_tl != tl.float64:  # (float64 rows never list: _list_floor)
+            _split_window_kernel[(n_rows, parts)](
+                logits, *layout, vocab, *params, workspace["records"], workspace["hist"], **flags, **tile_meta,
+                ALIGNED=config["ALIGNED"], ACC=acc_tl, num_warps=warps, **_EXACT,
+            )  # fmt: skip
+        _split_floor_kernel[(n_rows,)](
+            vocab, *params, workspace["hist"], workspace["records"], **flags, LIST_CAP=config["LIST_CAP"],
+            ACC=acc_tl, num_warps=4, **_EXACT,
+        )  # fmt: skip
     _split_compact_kernel[(n_rows, parts)](
         logits, *layout, vocab, workspace["records"], workspace["lists"], workspace["counters"], **tile_meta,
         LIST_CAP=config["LIST_CAP"], num_warps=warps,
     )  # fmt: skip
 
 
-@functools.cache
-def _warn_slow_histogram() -> None:
-    """Once a process: the top-digit histograms are slow on this Triton
-    (fastrl._backend.FAST_HISTOGRAM_TRITON)."""
-    warnings.warn(
-        f"fastrl.sample / truncated_logprobs on a GPU with triton {triton.__version__}: its tl.histogram lowers to "
-        f"a vote and a popcount per bin, which makes the sampler 20-270x slower than with triton >= "
-        f"{'.'.join(map(str, _backend.FAST_HISTOGRAM_TRITON))} (measured on an H100; README, Performance)",
-        RuntimeWarning, stacklevel=4,
-    )  # fmt: skip
+# histogram_forced's choice while it runs; None: _uses_window's own.
+_forced_window: bool | None = None
+
+
+def _uses_window(device: torch.device) -> bool:
+    """Whether the sampler's launches on ``device`` take the window histogram
+    (_window_bin: 128 bins from the row's max, a read of the row of its own)
+    rather than the top-digit histogram (4096 bins, in the statistics pass):
+    where tl.histogram is slow, triton < 3.8 on a GPU (and the static model's
+    meta tensors: _backend.FAST_HISTOGRAM_TRITON), whose cost grows with the
+    bins (the 4096-bin one made the sampler 20-270x slower on an H100; with the
+    window the sm_90 model puts it within 1.2x of the top digits on triton
+    3.9). Both give the same results."""
+    if _forced_window is not None:
+        return _forced_window
+    return device.type != "cpu" and _backend.triton_histogram_is_slow()
+
+
+@contextlib.contextmanager
+def histogram_forced(window: bool):
+    """The sampler's launches take the window histogram (``window``) or the
+    top-digit one inside this block, whatever the Triton (_uses_window): the
+    tests run both on one machine, the static model compiles both."""
+    global _forced_window
+    before, _forced_window = _forced_window, window
+    try:
+        yield
+    finally:
+        _forced_window = before
 
 
 def _selection_args(logits, n_rows, params, flags, config, acc_tl) -> tuple[list, dict]:
     """The final launch's (_select) candidate lists, counters and split records
-    (None for one program a row), and its SPLIT flag."""
-    if logits.is_cuda and _backend.triton_histogram_is_slow() and not _backend.triton_interpreter():
-        _warn_slow_histogram()
+    (None for one program a row), and its SPLIT and WINDOW flags."""
+    window = _uses_window(logits.device)
     parts, slice_lanes = _split_parts(logits, n_rows, config)
-    workspace = _workspace(logits, n_rows, config, bool(parts), logits.device)
+    workspace = _workspace(logits, n_rows, config, bool(parts), window, logits.device)
     if parts:
-        _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes, workspace)
+        _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes, window, workspace)
     records = workspace["records"] if parts else None
-    return [workspace["lists"], workspace["counters"], records], {"SPLIT": bool(parts)}
+    return [workspace["lists"], workspace["counters"], records], {"SPLIT": bool(parts), "WINDOW": window}
 
 
 def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):

@@ -363,14 +363,30 @@ def test_kept_mass_of_a_long_tail(device, backend, filters):
 TRITON_BACKENDS = [p for p in KERNEL_BACKENDS if p.values[1] == "triton"]
 
 
+# The sampler's two row histograms (kernels/sampling.py, _uses_window): the
+# top digits in the statistics pass, and the window below the row's max where
+# triton's tl.histogram is slow (< 3.8); each test runs the one it names
+# whatever the installed triton.
+HISTOGRAMS = pytest.mark.parametrize("window", [False, True], ids=["top-digits", "window"])
+
+
+@pytest.fixture
+def histogram(window):
+    from fastrl.kernels import sampling as kernels
+
+    with kernels.histogram_forced(window):
+        yield window
+
+
+@HISTOGRAMS
 @pytest.mark.parametrize("device,backend", TRITON_BACKENDS)
-def test_top_p_lists_the_digits_above_its_mass_floor(device, backend, monkeypatch):
+def test_top_p_lists_the_digits_above_its_mass_floor(device, backend, histogram, monkeypatch):
     """Top-p alone on rows like an LLM's (randn * 3 at T = 0.7, as the benchmark
     draws them) compacts its candidates: the floor from below (the thin tail's
-    upper bound, kernels/sampling.py _top_p_floor) leaves a few hundred tokens
-    where the lower bound alone found no floor and the whole row became the
-    list (seen as 3.7 ms at B = 1 on an H100); the draws and log-probs are the
-    native kernel's, which selects exactly."""
+    upper bound, kernels/sampling.py _top_p_floor, _window_floor) leaves a few
+    hundred tokens where the lower bound alone found no floor and the whole row
+    became the list (seen as 3.7 ms at B = 1 on an H100); the draws and
+    log-probs are the native kernel's, which selects exactly."""
     from fastrl.kernels import sampling as kernels
 
     lists = {}
@@ -392,14 +408,69 @@ def test_top_p_lists_the_digits_above_its_mass_floor(device, backend, monkeypatc
     assert_close_to_reference(out.logprobs, native.logprobs.double(), 1e-5)  # float32 rounding of both
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-program", "split"])
+@pytest.mark.parametrize("device,backend", TRITON_BACKENDS)
+def test_window_and_top_digit_histograms_give_the_same_bits(device, backend, split, monkeypatch):
+    """The two row histograms (kernels/sampling.py, _uses_window) only choose
+    which tokens go on the candidate list; the selection on it is exact and its
+    sums are in fixed point (_mass_units), so tokens, log-probs and truncated
+    log-probs are bitwise the same: on an LLM-like row, a peaked one, one below
+    zero, one crossing it, one whose top-k ends beyond the window's reach (its
+    k-th largest 300 logits below the max: the row is the list), with top-k at
+    T = 0.05 (the window's scale capped at 4 a logit), top-p at T = 30, top-p
+    near 1 at T = 1e-6, and all three filters."""
+    from fastrl.kernels import sampling as kernels
+
+    monkeypatch.setattr(kernels, "_sm_count", lambda device: 10**6 if split else 0)
+    g = torch.Generator().manual_seed(torch.randint(2**31, ()).item())
+    vocab = 8200
+    far = torch.full((vocab,), -150.0)
+    far[torch.randperm(vocab, generator=g)[:10]] = 150.0
+    peaked = torch.randn(vocab, generator=g) * 2
+    peaked[:40] += 25
+    x = torch.stack([torch.randn(vocab, generator=g) * 3, peaked, torch.randn(vocab, generator=g) - 30,
+                     torch.randn(vocab, generator=g) * 0.01, far]).to(torch.bfloat16).to(device)  # fmt: skip
+    labels = torch.randint(vocab, (x.shape[0],), generator=g).to(device)
+    lists = {}
+    make_workspace = kernels._workspace
+
+    def workspace(*args, **kwargs):
+        lists.update(make_workspace(*args, **kwargs))
+        return lists
+
+    monkeypatch.setattr(kernels, "_workspace", workspace)
+    for filters in (dict(top_k=50), dict(top_k=300, temperature=0.05), dict(top_p=0.9, temperature=30.0),
+                    dict(top_p=0.9999, temperature=1e-6), dict(top_k=100, top_p=0.9, min_p=0.01)):  # fmt: skip
+        kw = dict(temperature=1.0) | filters
+        results = {}
+        for window in (False, True):
+            with kernels.histogram_forced(window), fastrl.use_backend(backend):
+                out = fastrl.sample(x, **kw, seed=99, offset=3)
+                # (the truncated forward shares the selection: two filters suffice)
+                both = "min_p" in kw or kw.get("top_k") == 50
+                truncated = fastrl.truncated_logprobs(x, labels, **kw) if both else None
+            results[window] = (out.tokens, out.logprobs, out.raw_logprobs, truncated)
+            if window and filters == dict(top_k=50):
+                # the window lists the candidates of the first three rows; the
+                # crossing row's 0.04 logits fit in its first bin (1/16 of a
+                # logit at T = 1: the whole row), and the far row's top-k in none
+                assert (lists["counters"][:3] > 0).all() and (lists["counters"][3:] == 0).all(), lists["counters"]
+        for a, b in zip(results[False], results[True]):
+            if a is not None:
+                assert torch.equal(a.view(torch.int32) if a.is_floating_point() else a,
+                                   b.view(torch.int32) if b.is_floating_point() else b), (filters, a, b)  # fmt: skip
+
+
 # (dtype, V): rows of two tiles of the Triton forward (kernels/logprobs.py,
 # tile_config): 16-byte aligned (128-bit lanes) and not (one element a lane).
 SPLIT_SHAPES = [(torch.float32, 8704), (torch.bfloat16, 8693), (torch.float64, 8200)]
 
 
+@HISTOGRAMS
 @pytest.mark.parametrize("dtype,vocab", SPLIT_SHAPES, ids=lambda v: str(v).replace("torch.", ""))
 @pytest.mark.parametrize("device,backend", TRITON_BACKENDS)
-def test_split_rows_give_the_bits_of_one_program_a_row(device, backend, dtype, vocab, monkeypatch, request):
+def test_split_rows_give_the_bits_of_one_program_a_row(device, backend, dtype, vocab, histogram, monkeypatch,
+                                                       request):  # fmt: skip
     """A small batch splits each row over several programs (kernels/sampling.py,
     _split_selection); the result is bitwise that of one program a row, the
     path of a large batch, so a row's draw and log-probs do not depend on the
@@ -469,16 +540,19 @@ def _rows_spanning_tiles(vocab: int, dtype: torch.dtype, g: torch.Generator, int
     return torch.stack(rows).to(dtype)
 
 
+@HISTOGRAMS
 @pytest.mark.parametrize("split", [False, True], ids=["one-program", "split"])
 @pytest.mark.parametrize("dtype,vocab", [(torch.float32, 8200), (torch.bfloat16, 8200)], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("device,backend", TRITON_BACKENDS)
-def test_rows_spanning_tiles_with_hard_keys_match_the_reference(device, backend, dtype, vocab, split, monkeypatch):
+def test_rows_spanning_tiles_with_hard_keys_match_the_reference(device, backend, dtype, vocab, split, histogram,
+                                                                monkeypatch):  # fmt: skip
     """The forward's statistics pass carries the top-digit histogram (one program
-    a row) or the split programs sum it; on rows whose keys are hard on it
-    (_rows_spanning_tiles) both paths draw the reference's tokens with its
-    log-probs (1e-5: the float32 bound of the sampler tests), and truncated
-    log-probs match, for top-k, top-p, all three filters, greedy, and a top-k
-    past the list's capacity."""
+    a row) or the split programs sum it, or the window histogram takes a pass
+    of its own; on rows whose keys are hard on them (_rows_spanning_tiles)
+    every path draws the reference's tokens with its log-probs (1e-5: the
+    float32 bound of the sampler tests), and truncated log-probs match, for
+    top-k, top-p, all three filters, greedy, and a top-k past the list's
+    capacity."""
     from fastrl.kernels import sampling as kernels
 
     monkeypatch.setattr(kernels, "_sm_count", lambda device: 10**6 if split else 0)

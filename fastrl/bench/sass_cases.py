@@ -179,8 +179,11 @@ COMPACTION = ("if compacted", "LIST_CAP")
 # A batch of at most half the SMs splits each row over several programs
 # (kernels/sampling.py, _split_parts, _split_selection): the tiles' statistics and
 # histogram, the rows' statistics, the compaction, then the final launch's work
-# on the candidate list.
+# on the candidate list; where the installed triton's histogram is slow
+# (_uses_window), the window histogram and the rows' floors between the
+# statistics and the compaction.
 SPLIT_ROLES = ("sample tiles", "sample rows", "sample compact", "sample list")
+WINDOW_SPLIT_ROLES = ("sample tiles", "sample rows", "sample window", "sample floor", "sample compact", "sample list")
 
 
 def _sampling_cases() -> list[Case]:
@@ -190,7 +193,8 @@ def _sampling_cases() -> list[Case]:
     for batch in SAMPLING_BATCHES:
         logits = meta(batch, SAMPLING_VOCAB, dtype=BF16)
         split = sampling._split_parts(logits, batch, sampling._launch_config(logits))[0]
-        roles = SPLIT_ROLES if split else ("sample",)
+        split_roles = WINDOW_SPLIT_ROLES if sampling._uses_window(logits.device) else SPLIT_ROLES
+        roles = split_roles if split else ("sample",)
         out.append(Case("sample top-k 50", (batch, SAMPLING_VOCAB), BF16, roles,
                         _sample(batch, SAMPLING_VOCAB, {"top_k": 50}), untaken=(TOP_P_SEARCH, STATS_ALONE),
                         compaction=COMPACTION))  # fmt: skip
@@ -320,6 +324,12 @@ def coverage() -> None:
         split_params = {"temperature": one_temp, "top_k": meta(1, dtype=I64), "top_p": one_temp, "min_p": one_temp}
         sampling.sample_forward(one, **split_params, seed=meta(1, dtype=I64), offset=meta(1, dtype=I64))
         sampling.truncated_forward(one, meta(1, dtype=I64), **split_params, with_stats=True)
+        # the other histogram (sampling._uses_window: the window where triton's
+        # tl.histogram is slow, else the top digits), one program a row and split
+        with sampling.histogram_forced(window=not sampling._uses_window(x.device)):
+            sampling.sample_forward(x, **params, seed=meta(n, dtype=I64), offset=meta(1, dtype=I64))
+            sampling.truncated_forward(x, labels, **params, with_stats=True)
+            sampling.sample_forward(one, **split_params, seed=meta(1, dtype=I64), offset=meta(1, dtype=I64))
         for temperature in (1.0, temps):
             full, full_stats = kl.full_kl_forward(x, x, temperature, with_stats=True)
             kl.full_kl_backward(x, x, temperature, full_stats, full, meta(n), meta(n, v, dtype=dtype))
