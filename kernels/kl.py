@@ -48,7 +48,7 @@ import triton.language as tl
 from fastrl._rows import row_count, row_layout
 
 from .logprobs import _acc_dtypes, _launch_config, _row_inv_temperature, _temperature_args, tile_config
-from .reduce import lane_max, row_start, tile_offsets
+from .reduce import lane_max, lane_tile, row_start, tile_offsets
 
 # veRL's clamps of the k3 estimator: its log-ratio and its value.
 K3_LOG_RATIO_CLAMP = tl.constexpr(20.0)
@@ -182,13 +182,13 @@ def _full_kl_fwd_kernel(
     tile = REPS * LANES * VEC
     whole = V - V % tile
     for start in range(0, whole, tile):
-        x = tl.load((x_row + start + lane_offs) + rep_offs)
-        y = tl.load((y_row + start + lane_offs) + rep_offs)
+        x = lane_tile(tl.load((x_row + start + lane_offs) + rep_offs), LANES, VEC)
+        y = lane_tile(tl.load((y_row + start + lane_offs) + rep_offs), LANES, VEC)
         m, m_ref, s, s_ref, t = _full_kl_tile(x, y, m, m_ref, s, s_ref, t, k, MAX_IN_STORAGE_TYPE)
     if whole < V:
         offs = whole + lane_offs + rep_offs
-        x = tl.load(x_row + offs, mask=offs < V, other=neg_inf)
-        y = tl.load(y_row + offs, mask=offs < V, other=neg_inf)
+        x = lane_tile(tl.load(x_row + offs, mask=offs < V, other=neg_inf), LANES, VEC)
+        y = lane_tile(tl.load(y_row + offs, mask=offs < V, other=neg_inf), LANES, VEC)
         m, m_ref, s, s_ref, t = _full_kl_tile(x, y, m, m_ref, s, s_ref, t, k, MAX_IN_STORAGE_TYPE)
     # The merge: every lane's sums moved to the row maxima, as a tile moves them.
     row_max = tl.max(m, axis=0)

@@ -105,7 +105,7 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
     counts = tl.zeros([BINS], tl.int32)
     whole = V - V % tile
     for start in range(0, whole, tile):  # the whole tiles, unmasked
-        x = tl.load((row_ptr + start + lane_offs) + rep_offs)
+        x = lane_tile(tl.load((row_ptr + start + lane_offs) + rep_offs), LANES, VEC)
         if FOLD_TILES:
             m, n, t = fold_lanes(m, n, t, *tile_lane_stats(x, k, MAX_IN_STORAGE_TYPE), k)
         else:
@@ -114,13 +114,13 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
             counts += HISTOGRAM(x, None)
     if whole < V:  # the partial tile, masked
         offs = whole + lane_offs + rep_offs
-        x = tl.load(row_ptr + offs, mask=offs < V, other=neg_inf)
+        x = lane_tile(tl.load(row_ptr + offs, mask=offs < V, other=neg_inf), LANES, VEC)
         if FOLD_TILES:
             m, n, t = fold_lanes(m, n, t, *tile_lane_stats(x, k, MAX_IN_STORAGE_TYPE), k)
         else:
             m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
         if HISTOGRAM is not None:
-            counts += HISTOGRAM(x, offs < V)
+            counts += HISTOGRAM(x, lane_tile(offs < V, LANES, VEC))
     m, n, t, w = merge_lanes(m, n, t, w, k)
     if HISTOGRAM is not None:
         return m, n, t, w, counts
@@ -252,14 +252,19 @@ def aligned_body(row_ptr, V):
 
 @triton.jit
 def tile_offsets(REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr):
-    """Offsets of one tile of a row, in two parts whose sum is the tile [REPS,
-    LANES, VEC]: lane l's elements are the VEC contiguous ones at r * LANES * VEC
-    + l * VEC, r < REPS. With LANES the threads of the program, Triton's layout
-    gives each thread one lane (VEC elements in one load, the REPS in
-    registers), so reductions over axes 2 and 0 stay inside a thread. Returned
-    as (lane part [1, LANES, VEC], rep part [REPS, 1, 1]): a pointer built as
-    (row + lane part) + rep part takes each rep as a constant offset of its load,
-    with no 64-bit address arithmetic per load."""
+    """Offsets of one tile of a row: lane l's elements are the VEC contiguous
+    ones at r * LANES * VEC + l * VEC, r < REPS. Returned in two parts whose
+    sum is the tile as a [REPS, LANES * VEC] block (lane part [1, LANES * VEC],
+    rep part [REPS, 1]): a pointer built as (row + lane part) + rep part takes
+    each rep as a constant offset of its load, with no 64-bit address
+    arithmetic per load. A load of the block goes through ``lane_tile`` to
+    [REPS, LANES, VEC]; with LANES the threads of the program, each thread
+    then holds one lane (VEC elements in one load, the REPS in registers), so
+    reductions over axes 2 and 0 stay inside a thread. Loaded as a 3-D block
+    instead, the REPS and LANES axes are equally contiguous and triton < 3.7
+    broke the tie the other way: a lane's REPS on 2 to 8 threads, and every
+    such reduction a shuffle (logprobs forward, sm_90: 84 shuffles and
+    barriers against 45)."""
     return slice_offsets(REPS, LANES, VEC, 0, LANES)
 
 
@@ -268,10 +273,16 @@ def slice_offsets(REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, fi
     """tile_offsets of lanes first_lane .. first_lane + LANES - 1 of a tile of
     TILE_LANES lanes: a program with fewer threads than the tile's lanes reads
     their elements, each thread the same ones as that lane's thread would."""
-    r = tl.arange(0, REPS)[:, None, None]
-    lane = first_lane + tl.arange(0, LANES)[None, :, None]
-    v = tl.arange(0, VEC)[None, None, :]
-    return lane * VEC + v, r * (TILE_LANES * VEC)
+    r = tl.arange(0, REPS)[:, None]
+    element = first_lane * VEC + tl.arange(0, LANES * VEC)[None, :]
+    return element, r * (TILE_LANES * VEC)
+
+
+@triton.jit
+def lane_tile(block, LANES: tl.constexpr, VEC: tl.constexpr):
+    """A [REPS, LANES * VEC] block loaded at tile_offsets (or a mask of it) as
+    the tile [REPS, LANES, VEC]: each thread's own elements, nothing moved."""
+    return tl.reshape(block, [block.shape[0], LANES, VEC])
 
 
 @triton.jit

@@ -61,8 +61,8 @@ from fastrl._rows import row_count, row_layout
 
 from .logprobs import float_scalar, float_scalar_arg, tile_config
 from .random import exponential_variate, philox4x32_10
-from .reduce import (exp2_scale, fold_lanes, log_sum, merge_lanes, row_start, slice_offsets, softmax_stats,
-                     tile_lane_stats)
+from .reduce import (exp2_scale, fold_lanes, lane_tile, log_sum, merge_lanes, row_start, slice_offsets,
+                     softmax_stats, tile_lane_stats)
 
 _MAX_BLOCK_V = 4096
 # The digit search tests 16 pivots per element, a [block, 16] tile: a smaller
@@ -515,7 +515,7 @@ def _compact(row_ptr, begin, end, V, first_lane, lowest, cand_ptr, counter_ptr, 
     lane = first_lane + tl.arange(0, LANES)
     for start in range(begin, end, REPS * TILE_LANES * VEC):
         offs = (start + lane_offs) + rep_offs
-        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        x = lane_tile(tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")), LANES, VEC).to(tl.float32)
         take = (x >= lowest).to(tl.int32)  # masked lanes: -inf < lowest
         count = tl.sum(tl.sum(take, axis=2), axis=0)  # [LANES]: inside each thread
         # relaxed: the list is read only after the barrier below
@@ -772,7 +772,7 @@ def _split_tiles_kernel(
     offs = (start + lane_offs) + rep_offs
     # one masked load (128 bits a lane where V is a multiple of 16, which Triton
     # specialises on: the mask is then whole 16-byte runs)
-    x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf"))
+    x = lane_tile(tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")), SLICE_LANES, VEC)
     m, n, tail = tile_lane_stats(x, exp2_scale(_inverse_temperature(t, valid, ACC)), MAX_IN_STORAGE_TYPE)
     out = (lane_stats_ptr + (row * n_groups + tile // _FOLD_GROUP) * (3 * _FOLD_GROUP * LANES)
            + (tile % _FOLD_GROUP) * LANES + first_lane + tl.arange(0, SLICE_LANES))  # fmt: skip
@@ -784,7 +784,7 @@ def _split_tiles_kernel(
             if start + REPS * LANES * VEC <= V:  # a whole tile: no mask to count out
                 counts = _tile_top_digits(x, None)
             else:
-                counts = _tile_top_digits(x, offs < V)
+                counts = _tile_top_digits(x, lane_tile(offs < V, SLICE_LANES, VEC))
             tl.atomic_add(hist_ptr + row * _BINS + tl.arange(0, _BINS), counts, mask=counts > 0, sem="relaxed")
 
 
