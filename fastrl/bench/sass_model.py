@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from . import sass_parse as sp
@@ -181,7 +182,8 @@ def analyse_triton(compiled: dict, arch: int, param_names: list[str]) -> KernelA
 
     sass_loops = cfg.all_loops()
     notes = []
-    pairs = _match_loops(sass_loops, cfg, ir.loops)
+    pairs = _match_loops(sass_loops, cfg, ir.loops,
+                         lambda il: None not in (const(il.lower), const(il.upper), const(il.step)))  # fmt: skip
     if len(sass_loops) != len(ir.loops):
         notes.append(f"{len(sass_loops)} SASS loops for {len(ir.loops)} TTGIR loops")
     loops = []
@@ -231,10 +233,13 @@ def analyse_triton(compiled: dict, arch: int, param_names: list[str]) -> KernelA
     )  # fmt: skip
 
 
-def _match_loops(sass_loops: list[sp.Loop], cfg: sp.CFG, ir_loops: list[sp.IRLoop]):
-    """(SASS loop, TTGIR loop or None) pairs: in program order when the counts and
-    source lines agree, else each SASS loop to the first unused TTGIR loop of its
-    latch's source line."""
+def _match_loops(sass_loops: list[sp.Loop], cfg: sp.CFG, ir_loops: list[sp.IRLoop],
+                 constant: Callable[[sp.IRLoop], bool] = lambda loop: False):  # fmt: skip
+    """(SASS loop, TTGIR loop or None) pairs: in program order when the counts
+    agree, or agree once the TTGIR loops of constant bounds (``constant``), which
+    the backend may unroll, are left out (triton 3.6 unrolls the sampler's 32
+    binary-search steps, 3.9 does not); else each SASS loop to the first unused
+    TTGIR loop of its latch's source line."""
 
     def line(loop: sp.Loop):
         src = cfg.blocks[max(loop.latches)].instrs[-1].source
@@ -245,6 +250,9 @@ def _match_loops(sass_loops: list[sp.Loop], cfg: sp.CFG, ir_loops: list[sp.IRLoo
 
     if len(sass_loops) == len(ir_loops):
         return list(zip(sass_loops, ir_loops))
+    rolled = [il for il in ir_loops if not constant(il)]
+    if len(sass_loops) == len(rolled):
+        return list(zip(sass_loops, rolled))
     used, out = set(), []
     for sl in sass_loops:
         match = next((k for k, il in enumerate(ir_loops) if k not in used and ir_line(il) == line(sl)), None)
