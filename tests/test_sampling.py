@@ -378,6 +378,23 @@ def histogram(window):
         yield window
 
 
+def _last_workspace(monkeypatch) -> dict:
+    """The Triton sampler's last launch's workspace (kernels/sampling.py,
+    _workspace), its tensors filled in after the launch: ``counters`` holds
+    each row's list length (0: the row is its list)."""
+    from fastrl.kernels import sampling as kernels
+
+    lists = {}
+    make_workspace = kernels._workspace
+
+    def workspace(*args, **kwargs):
+        lists.update(make_workspace(*args, **kwargs))
+        return lists
+
+    monkeypatch.setattr(kernels, "_workspace", workspace)
+    return lists
+
+
 @HISTOGRAMS
 @pytest.mark.parametrize("device,backend", TRITON_BACKENDS)
 def test_top_p_lists_the_digits_above_its_mass_floor(device, backend, histogram, monkeypatch):
@@ -389,14 +406,7 @@ def test_top_p_lists_the_digits_above_its_mass_floor(device, backend, histogram,
     log-probs are the native kernel's, which selects exactly."""
     from fastrl.kernels import sampling as kernels
 
-    lists = {}
-    make_workspace = kernels._workspace
-
-    def workspace(*args, **kwargs):
-        lists.update(make_workspace(*args, **kwargs))
-        return lists
-
-    monkeypatch.setattr(kernels, "_workspace", workspace)
+    lists = _last_workspace(monkeypatch)
     x = (torch.randn(4, 32768, dtype=torch.float64) * 3).to(torch.bfloat16)
     with fastrl.use_backend(backend):
         out = fastrl.sample(x.to(device), temperature=0.7, seed=5, top_p=0.9)
@@ -431,14 +441,7 @@ def test_window_and_top_digit_histograms_give_the_same_bits(device, backend, spl
     x = torch.stack([torch.randn(vocab, generator=g) * 3, peaked, torch.randn(vocab, generator=g) - 30,
                      torch.randn(vocab, generator=g) * 0.01, far]).to(torch.bfloat16).to(device)  # fmt: skip
     labels = torch.randint(vocab, (x.shape[0],), generator=g).to(device)
-    lists = {}
-    make_workspace = kernels._workspace
-
-    def workspace(*args, **kwargs):
-        lists.update(make_workspace(*args, **kwargs))
-        return lists
-
-    monkeypatch.setattr(kernels, "_workspace", workspace)
+    lists = _last_workspace(monkeypatch)
     for filters in (dict(top_k=50), dict(top_k=300, temperature=0.05), dict(top_p=0.9, temperature=30.0),
                     dict(top_p=0.9999, temperature=1e-6), dict(top_k=100, top_p=0.9, min_p=0.01)):  # fmt: skip
         kw = dict(temperature=1.0) | filters
