@@ -47,7 +47,7 @@ import triton.language as tl
 
 from fastrl._rows import row_count, row_layout
 
-from .logprobs import _acc_dtypes, _launch_config, _row_inv_temperature, _temperature_args, tile_config
+from .logprobs import CONTRACTED, _acc_dtypes, _launch_config, _row_inv_temperature, _temperature_args, tile_config
 from .reduce import lane_max, lane_tile, row_start, tile_offsets
 
 # veRL's clamps of the k3 estimator: its log-ratio and its value.
@@ -137,7 +137,7 @@ def kl_penalty_forward(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, *, 
     out = torch.empty_like(log_probs)
     n = log_probs.numel()
     _kl_penalty_fwd_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](
-        log_probs, ref_log_probs, out, n, ESTIMATOR=estimator, BLOCK=_ELEMENTWISE_BLOCK
+        log_probs, ref_log_probs, out, n, ESTIMATOR=estimator, BLOCK=_ELEMENTWISE_BLOCK, **CONTRACTED
     )
     return out
 
@@ -150,7 +150,7 @@ def kl_penalty_backward(
     n = log_probs.numel()
     _kl_penalty_bwd_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](
         log_probs, ref_log_probs, grad, out, n,
-        ESTIMATOR=estimator, STRAIGHT_THROUGH=straight_through, BLOCK=_ELEMENTWISE_BLOCK,
+        ESTIMATOR=estimator, STRAIGHT_THROUGH=straight_through, BLOCK=_ELEMENTWISE_BLOCK, **CONTRACTED,
     )  # fmt: skip
     return out
 
@@ -298,7 +298,7 @@ def full_kl_forward(
     temps, temp_scalar, per_row = _temperature_args(temperature)
     _full_kl_fwd_kernel[(n_rows,)](
         logits, *row_layout(logits), ref_logits, *row_layout(ref_logits), temps, temp_scalar, kl, stats, vocab,
-        PER_ROW_TEMP=per_row, WITH_STATS=with_stats, ACC=acc_tl, **tile_config(logits, ref_logits),
+        PER_ROW_TEMP=per_row, WITH_STATS=with_stats, ACC=acc_tl, **tile_config(logits, ref_logits), **CONTRACTED,
     )  # fmt: skip
     return kl, stats
 
@@ -320,5 +320,5 @@ def full_kl_backward(
     _full_kl_bwd_kernel[(n_rows,)](
         logits, *row_layout(logits), ref_logits, *row_layout(ref_logits), grad_out, *row_layout(grad_out),
         temps, temp_scalar, stats, kl, grad_kl, vocab,
-        PER_ROW_TEMP=per_row, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
+        PER_ROW_TEMP=per_row, BLOCK_V=block, ACC=acc_tl, num_warps=num_warps, **CONTRACTED,
     )  # fmt: skip

@@ -50,6 +50,11 @@ _THREAD_ELEMS = 16
 # V = 151936, 89% -> 93% of copy bandwidth; 4 warps would predict 97% but leave
 # a small batch of long rows with a quarter of the threads per row).
 _FORWARD_MAX_WARPS = 8
+# Every launch names its floating-point contraction (triton 3.9 warns when it is
+# left to the default, which triton 3.10 turns off). These kernels contract
+# a * b + c into one rounding (FFMA), as they were benchmarked; their tests bound
+# the error either way. The sampler's forward compiles without (sampling._EXACT).
+CONTRACTED = {"enable_fp_fusion": True}
 
 
 def _launch_config(vocab: int) -> tuple[int, int]:
@@ -270,7 +275,7 @@ def logprobs_forward(
         logits, *row_layout(logits), labels, temps, temp_scalar, ignore_index,
         logprob, entropy, stats, vocab,
         HAS_LABELS=labels is not None, PER_ROW_TEMP=per_row, WITH_ENTROPY=with_entropy,
-        WITH_STATS=with_stats, ACC=acc_tl, **tile_config(logits),
+        WITH_STATS=with_stats, ACC=acc_tl, **tile_config(logits), **CONTRACTED,
     )  # fmt: skip
     return logprob, entropy, stats
 
@@ -298,5 +303,5 @@ def logprobs_backward(
         ignore_index, stats, entropy, grad_logprob, grad_entropy, vocab,
         HAS_GRAD_LOGPROB=grad_logprob is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
         PER_ROW_TEMP=per_row, ALIGN_BODY=not rows_aligned(logits) and same_row_alignment(logits, grad_out),
-        BLOCK_V=block, ACC=acc_tl, num_warps=num_warps,
+        BLOCK_V=block, ACC=acc_tl, num_warps=num_warps, **CONTRACTED,
     )  # fmt: skip

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from .kl import clamp_nan, kl_estimate
-from .logprobs import _acc_dtypes, float_scalar, float_scalar_arg
+from .logprobs import CONTRACTED, _acc_dtypes, float_scalar, float_scalar_arg
 
 # The statistics of chunk c of row b (stats[b, 8c : 8c + 8]), 8 float64 columns:
 #   policy_forward              n, sum l, sum kl, sum values, n clipped, n clipped lower, sum ppo_kl, mean u
@@ -590,11 +590,11 @@ def _count_args(value) -> tuple[torch.Tensor | None, int, int]:
 
 
 def _finalize_sizes(stats: torch.Tensor) -> tuple[int, dict]:
-    """(C, tile meta-parameters) of per-chunk statistics [B, C * 8] (C = 1: per-row
+    """(C, tile meta-parameters and launch flags) of per-chunk statistics [B, C * 8] (C = 1: per-row
     ones, what the API passes for rows of no tokens)."""
     n_chunks = stats.shape[1] // N_STATS
     c_block = min(triton.next_power_of_2(max(n_chunks, 1)), _FINALIZE_CHUNKS)
-    return n_chunks, {"BLOCK_B": _FINALIZE_TILE // c_block, "C_BLOCK": c_block, "num_warps": 8}
+    return n_chunks, {"BLOCK_B": _FINALIZE_TILE // c_block, "C_BLOCK": c_block, "num_warps": 8} | CONTRACTED
 
 
 def policy_finalize(
@@ -630,10 +630,10 @@ def rollout_finalize(stats: torch.Tensor, *, sequence: bool) -> torch.Tensor:
 
 
 def _launch(n_rows: int, length: int) -> tuple[dict, tuple[int, int]]:
-    """(the sizes' meta-parameters, grid) of a [B, L] kernel: programs (row, chunk) of 2 warps."""
+    """(the sizes' meta-parameters and launch flags, grid) of a [B, L] kernel: programs (row, chunk) of 2 warps."""
     chunk = _chunk(length)
     block = min(chunk, _BLOCK)
-    meta = {"CHUNK_L": chunk, "BLOCK_L": block, "num_warps": max(1, block // _TOKENS_PER_WARP)}
+    meta = {"CHUNK_L": chunk, "BLOCK_L": block, "num_warps": max(1, block // _TOKENS_PER_WARP)} | CONTRACTED
     return meta, (n_rows, _n_chunks(length))
 
 

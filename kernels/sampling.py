@@ -59,7 +59,7 @@ import triton.language as tl
 from fastrl import _backend
 from fastrl._rows import row_count, row_layout
 
-from .logprobs import float_scalar, float_scalar_arg, tile_config
+from .logprobs import CONTRACTED, float_scalar, float_scalar_arg, tile_config
 from .random import exponential_variate, philox4x32_10
 from .reduce import (exp2_scale, fold_lanes, lane_tile, log_sum, merge_lanes, row_start, slice_offsets,
                      softmax_stats, tile_lane_stats)
@@ -1156,7 +1156,7 @@ def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice
         )  # fmt: skip
     _split_compact_kernel[(n_rows, parts)](
         logits, *layout, vocab, workspace["records"], workspace["lists"], workspace["counters"], **tile_meta,
-        LIST_CAP=config["LIST_CAP"], num_warps=warps,
+        LIST_CAP=config["LIST_CAP"], num_warps=warps, **_EXACT,
     )  # fmt: skip
 
 
@@ -1255,5 +1255,5 @@ def truncated_backward(logits, labels, stats, grad_logprob, grad_out, *, tempera
     block = _row_block(vocab)
     _truncated_bwd_kernel[(n_rows,)](
         logits, *row_layout(logits), vocab, labels, stats, grad_logprob, grad_out, *row_layout(grad_out),
-        *args, **flags, ACC=acc_tl, BLOCK_V=block, num_warps=8 if block >= 2048 else 4,
+        *args, **flags, ACC=acc_tl, BLOCK_V=block, num_warps=8 if block >= 2048 else 4, **CONTRACTED,
     )  # fmt: skip

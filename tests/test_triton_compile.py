@@ -62,6 +62,7 @@ def test_every_triton_kernel_compiles_for_the_target_gpus(model):
     assert "_policy_fwd_kernel" in model["launched"]
     missed = set(model["triton_kernels"]) - set(model["launched"])
     assert not missed, f"never launched by fastrl.bench.sass_cases: {sorted(missed)}"
+    assert not model["fusion_unnamed"], f"launched without enable_fp_fusion: {model['fusion_unnamed']}"
 
 
 def test_the_capture_specialises_like_a_real_launch(model):

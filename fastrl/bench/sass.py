@@ -490,6 +490,10 @@ def run_model(archs: tuple[int, ...] = (90, 80), workers: int | None = None,
         "compile_failures": failures,
         "triton_kernels": triton_kernel_names(),
         "launched": sorted({v.name for v, _ in jobs}),
+        # Triton 3.9 warns at a launch that leaves the contraction to its default,
+        # which 3.10 turns off: every launcher names it (logprobs.CONTRACTED).
+        "fusion_unnamed": sorted({launch.fn.__name__ for launch in [*(c[2] for c in canonical), *coverage]
+                                  if "enable_fp_fusion" not in launch.kwargs}),  # fmt: skip
     }
     progress(f"model done in {time.time() - t0:.0f} s")
     return payload

@@ -25,8 +25,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
-
 
 @dataclasses.dataclass
 class Launch:
