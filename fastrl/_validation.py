@@ -59,6 +59,21 @@ def check_labels(labels: object, logits: torch.Tensor, ignore_index: object, nam
     """``labels`` must be integer ``[...]`` matching ``logits[..., V]``; on CPU
     (or under FASTRL_CHECKS=1) every label must be in [0, V) or equal
     ``ignore_index`` (None: no label is ignored)."""
+    return check_token_labels(labels, logits.shape[:-1], logits.shape[-1], logits.device, ignore_index, name)
+
+
+def check_token_labels(
+    labels: object,
+    token_shape: torch.Size,
+    vocab: int,
+    device: torch.device,
+    ignore_index: object,
+    name: str = "labels",
+    source: str = "logits",
+) -> torch.Tensor:
+    """:func:`check_labels` for tokens of shape ``token_shape`` over a vocabulary
+    of ``vocab`` on ``device``, which ``source`` names (``"hidden"``: the fused
+    LM head's tokens are hidden.shape[:-1], its vocabulary weight.shape[0])."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(labels).__name__}")
     if labels.dtype not in LABEL_DTYPES:
@@ -69,14 +84,11 @@ def check_labels(labels: object, logits: torch.Tensor, ignore_index: object, nam
         if not info.min <= ignore_index <= info.max:  # torch would wrap it in a comparison, the kernels not
             raise ValueError(f"ignore_index must fit the labels' dtype {labels.dtype} ([{info.min}, {info.max}]); "
                              f"got {ignore_index}")  # fmt: skip
-    if tuple(labels.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(
-            f"{name} must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}; got {tuple(labels.shape)}"
-        )
-    if labels.device != logits.device:
-        raise ValueError(f"{name} is on {labels.device} but logits is on {logits.device}; they must share a device")
+    if tuple(labels.shape) != tuple(token_shape):
+        raise ValueError(f"{name} must have shape {source}.shape[:-1] = {tuple(token_shape)}; got {tuple(labels.shape)}")
+    if labels.device != device:
+        raise ValueError(f"{name} is on {labels.device} but {source} is on {device}; they must share a device")
     if labels.numel() and host_checks(labels.device):
-        vocab = logits.shape[-1]
         bad = (labels < 0) | (labels >= vocab)
         if ignore_index is not None:
             bad &= labels != ignore_index

@@ -108,6 +108,53 @@ def logprobs_and_entropy(
     return _logprobs_of_scaled(z, labels, ignore_index), _entropy_of_scaled(z)
 
 
+# ---- fused LM head ---------------------------------------------------------------------------
+
+
+def lm_head_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """(hidden @ weight.T + bias) * logit_scale, then softcap * tanh(x / softcap)
+    when a softcap is given (Gemma's final-logit soft-capping), in the compute
+    dtype of ``hidden`` (float32 for bf16 / fp16: the GEMM's accumulators, never
+    rounded back to the input dtype). ``hidden`` [..., H], ``weight`` [V, H],
+    ``bias`` [V]; the result is [..., V]."""
+    acc = compute_dtype(hidden)
+    x = hidden.to(acc) @ weight.to(acc).T
+    if bias is not None:
+        x = x + bias.to(acc)
+    x = x * logit_scale
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    return x
+
+
+def linear_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    ignore_index: int = -100,
+    with_entropy: bool = True,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs, entropy or None) of the logits of :func:`lm_head_logits`, as
+    :func:`logprobs_and_entropy` gives them. Materialises the [..., V] logits:
+    the specification, not the way to run it."""
+    logits = lm_head_logits(hidden, weight, bias, logit_scale=logit_scale, softcap=softcap)
+    if with_entropy:
+        return logprobs_and_entropy(logits, labels, temperature=temperature, ignore_index=ignore_index)
+    return logprobs_from_logits(logits, labels, temperature=temperature, ignore_index=ignore_index), None
+
+
 # ---- sampling -------------------------------------------------------------------------------
 
 

@@ -1,0 +1,332 @@
+"""Log-probs and entropy straight from hidden states: the LM head fused in, the
+``[N, V]`` logits never held.
+
+    x        = (hidden @ weight.T + bias) * logit_scale      float32 sums (float64 for float64 input)
+    logits   = softcap * tanh(x / softcap)                    (softcap None: logits = x)
+    logprob, entropy = logprobs_and_entropy(logits, labels, temperature=T, ignore_index=...)
+
+How. Tokens go through in chunks of C rows. A chunk's logits are formed in a
+float32 [C, V] buffer, a slab of the weight's rows at a time, from the GEMM's
+float32 sums (never rounded to bf16: on CUDA cuBLAS writes float32 from bf16 /
+fp16 operands, ``torch.mm(out_dtype=)``; on CPU, where torch has no such GEMM,
+the slab's operands are widened), then read once by the same log-prob kernel
+``logprobs_and_entropy`` launches (native on CPU, Triton on CUDA). The forward
+keeps per token what that kernel's backward needs (max logit, log-normaliser,
+entropy). The backward forms each chunk's logits again (the one GEMM it adds
+to the unfused path: the price of not holding them), turns them into
+G = dL/dlogits with the log-prob backward kernel, applies the chain rule of
+the cap and the scale,
+
+    dlogits/dx = logit_scale * (1 - (logits / softcap)^2)      (= logit_scale without a softcap)
+
+and multiplies out, a weight slab s at a time,
+
+    dL/dhidden_c += G_c[:, s] @ weight[s]     dL/dweight[s] += G_c[:, s].T @ hidden_c     dL/dbias[s] += sum_t G_c[t, s]
+
+in float32 accumulators: a bf16 weight's gradient is rounded once, at the end,
+never per chunk (rounding each tile's product before summing biases training,
+as TRL's maintainers found). The gradient GEMMs take G rounded to the weight's
+dtype on CUDA (tensor cores take bf16 / fp16 operands: one unbiased rounding
+of each element, what every fused LM head does) and in float32 on CPU.
+
+Memory beyond inputs, outputs and gradients: the chunk's logits (C x V x 4
+bytes; twice that with a softcap, whose derivative is kept beside G), C chosen
+so that this fits ``chunk_bytes`` (or capped by ``chunk_size``); a slab's
+widened operands (at most ``_SLAB_BYTES``); and, for a bf16 / fp16 weight that
+needs a gradient, its float32 accumulator (V x H x 4 bytes).
+
+Rows are independent: a token's log-prob does not depend on the chunk it falls
+in as far as the GEMM's own result does not (cuBLAS and oneDNN may pick a
+different kernel, so a different summation order, for another number of rows).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _ops, _validation, reference
+from ._backend import select_backend
+from .logprobs import row_view
+
+__all__ = ["linear_logprobs_and_entropy"]
+
+# The chunk's logits buffers are sized to at most this by default: at V = 151936
+# a chunk of 441 tokens (220 with a softcap), large enough for the GEMM to run
+# at full speed, small against the 5 GB of a [16384, V] bf16 logits tensor.
+DEFAULT_CHUNK_BYTES = 256 << 20
+# A slab of weight rows whose widened (float32) copy is at most this.
+_SLAB_BYTES = 64 << 20
+
+
+def _slab_rows(hidden_size: int, acc: torch.dtype) -> int:
+    """Weight rows a slab holds: its float32 (or float64) copy within _SLAB_BYTES."""
+    return max(1, _SLAB_BYTES // max(1, hidden_size * torch.finfo(acc).bits // 8))
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """a @ b summed and returned in ``acc`` (float32 or float64). Operands of
+    another dtype: cuBLAS's float32-output GEMM on CUDA for bf16 / fp16, else
+    widened (the callers pass slabs, so the copies stay small). Never under
+    autocast, which would run a float32 GEMM in bf16 and round its output."""
+    if torch.is_autocast_enabled(a.device.type):
+        with torch.autocast(a.device.type, enabled=False):
+            return _mm(a, b, acc)
+    if a.dtype == b.dtype == acc:
+        return torch.mm(a, b)
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16) and acc == torch.float32:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.to(acc), b.to(acc))
+
+
+def _chunk_logits(hidden_c, weight, bias_acc, logit_scale, softcap, acc, slab):
+    """The float32 (float64) [C, V] logits of a chunk of hidden states (module
+    docstring), and with a softcap dlogits/dx = logit_scale * (1 - (logits /
+    softcap)^2) beside them, else None."""
+    vocab = weight.shape[0]
+    logits = torch.empty(hidden_c.shape[0], vocab, dtype=acc, device=hidden_c.device)
+    for v0 in range(0, vocab, slab):
+        logits[:, v0 : v0 + slab] = _mm(hidden_c, weight[v0 : v0 + slab].T, acc)
+    if bias_acc is not None:
+        logits += bias_acc
+    if logit_scale != 1.0:
+        logits *= logit_scale
+    if softcap is None:
+        return logits, None
+    logits.div_(softcap).tanh_()
+    slope = torch.square(logits).neg_().add_(1.0).mul_(logit_scale)
+    return logits.mul_(softcap), slope
+
+
+def _chunk_rows(n_tokens: int, vocab: int, acc: torch.dtype, softcap, chunk_bytes: int, chunk_size) -> int:
+    """Tokens a chunk holds: its logits buffers (two with a softcap) within chunk_bytes, at most chunk_size."""
+    per_token = vocab * (torch.finfo(acc).bits // 8) * (2 if softcap is not None else 1)
+    rows = max(1, chunk_bytes // per_token)
+    if chunk_size is not None:
+        rows = min(rows, chunk_size)
+    return max(1, min(rows, n_tokens))
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """Outputs: logprob [N], entropy [N] (empty when not asked for)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temps, temp_scalar, ignore_index, with_entropy,
+                logit_scale, softcap, rows, backend):  # fmt: skip
+        acc = reference.compute_dtype(hidden)
+        needs_grad = any(ctx.needs_input_grad[:3])
+        logprob, entropy, stats = _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index,
+                                           with_entropy, logit_scale, softcap, rows, backend, acc, needs_grad)  # fmt: skip
+        ctx.save_for_backward(hidden, weight, bias, labels, temps, stats, entropy if with_entropy else None)
+        ctx.temp_scalar, ctx.ignore_index, ctx.backend = temp_scalar, ignore_index, backend
+        ctx.logit_scale, ctx.softcap, ctx.rows, ctx.with_entropy = logit_scale, softcap, rows, with_entropy
+        ctx.set_materialize_grads(False)
+        return logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        _ops.refuse_double_backward()
+        hidden, weight, bias, labels, temps, stats, entropy = ctx.saved_tensors
+        if not ctx.with_entropy:
+            grad_entropy = None
+        if grad_logprob is None and grad_entropy is None:
+            return (None,) * 12
+        acc = stats.dtype
+        grad_logprob = None if grad_logprob is None else grad_logprob.to(acc).contiguous()
+        grad_entropy = None if grad_entropy is None else grad_entropy.to(acc).contiguous()
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        n_tokens, hidden_size = hidden.shape
+        vocab = weight.shape[0]
+        grad_hidden = torch.empty(n_tokens, hidden_size, dtype=acc, device=hidden.device) if want_hidden else None
+        grad_weight = torch.zeros(vocab, hidden_size, dtype=acc, device=weight.device) if want_weight else None
+        grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if want_bias else None
+        bias_acc = None if bias is None else bias.to(acc)
+        slab = _slab_rows(hidden_size, acc)
+        # The gradient GEMMs' operand dtype: the weight's on CUDA (tensor cores), acc on CPU.
+        operand = weight.dtype if weight.is_cuda else acc
+        for t0 in range(0, n_tokens, ctx.rows):
+            t1 = min(t0 + ctx.rows, n_tokens)
+            hidden_c = hidden[t0:t1]
+            logits, slope = _chunk_logits(hidden_c, weight, bias_acc, ctx.logit_scale, ctx.softcap, acc, slab)
+            rows = row_view(logits)
+            _ops.logprobs_backward(
+                rows, None if labels is None else labels[t0:t1], None if temps is None else temps[t0:t1],
+                ctx.temp_scalar, ctx.ignore_index, stats[t0:t1], None if entropy is None else entropy[t0:t1],
+                None if grad_logprob is None else grad_logprob[t0:t1],
+                None if grad_entropy is None else grad_entropy[t0:t1], rows, ctx.backend,
+            )  # fmt: skip
+            grad = logits  # now dL/dlogits, written over the logits
+            if slope is not None:
+                grad *= slope
+            elif ctx.logit_scale != 1.0:
+                grad *= ctx.logit_scale
+            if want_bias:
+                grad_bias += grad.sum(dim=0)
+            if want_hidden:
+                grad_hidden[t0:t1] = 0.0
+            hidden_op = hidden_c.to(operand) if want_weight else None
+            for v0 in range(0, vocab, slab):
+                grad_s = grad[:, v0 : v0 + slab].to(operand)
+                if want_hidden:
+                    grad_hidden[t0:t1] += _mm(grad_s, weight[v0 : v0 + slab], acc)
+                if want_weight:
+                    grad_weight[v0 : v0 + slab] += _mm(grad_s.T, hidden_op, acc)
+        return (
+            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            *(None,) * 9,
+        )
+
+
+def _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index, with_entropy, logit_scale, softcap,
+             rows, backend, acc, with_stats):  # fmt: skip
+    """(logprob [N], entropy [N] or empty, stats [N, 2] or empty), a chunk of ``rows`` tokens at a time."""
+    n_tokens = hidden.shape[0]
+    new = lambda *shape: torch.empty(shape, dtype=acc, device=hidden.device)  # noqa: E731
+    logprob = new(n_tokens) if labels is not None else new(0)
+    entropy = new(n_tokens) if with_entropy else new(0)
+    stats = new(n_tokens, 2) if with_stats else new(0)
+    bias_acc = None if bias is None else bias.to(acc)
+    slab = _slab_rows(hidden.shape[1], acc)
+    for t0 in range(0, n_tokens, rows):
+        t1 = min(t0 + rows, n_tokens)
+        logits, _ = _chunk_logits(hidden[t0:t1], weight, bias_acc, logit_scale, softcap, acc, slab)
+        lp, ent, st = _ops.logprobs_forward(
+            row_view(logits), None if labels is None else labels[t0:t1], None if temps is None else temps[t0:t1],
+            temp_scalar, ignore_index, with_entropy, with_stats, backend,
+        )  # fmt: skip
+        if labels is not None:
+            logprob[t0:t1] = lp
+        if with_entropy:
+            entropy[t0:t1] = ent
+        if with_stats:
+            stats[t0:t1] = st
+    return logprob, entropy, stats
+
+
+def _check_float(t: object, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype not in _validation.LOGIT_DTYPES:
+        raise TypeError(f"{name} must have a floating dtype (bfloat16, float16, float32, float64); got {t.dtype}")
+    return t
+
+
+def _check_head(hidden: object, weight: object, bias: object) -> None:
+    """hidden [..., H], weight [V, H] (V, H >= 1) and bias [V] or None, on one device."""
+    _check_float(hidden, "hidden")
+    _check_float(weight, "weight")
+    if hidden.dim() == 0 or hidden.shape[-1] == 0:
+        raise ValueError(f"hidden must have shape [..., H] with H >= 1; got {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[0] == 0 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must have shape [V, H] (the LM head's [vocab, hidden]) with V >= 1 and "
+                         f"H = hidden.shape[-1] = {hidden.shape[-1]}; got {tuple(weight.shape)}")  # fmt: skip
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}; they must share a device")
+    if bias is not None:
+        _check_float(bias, "bias")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must have shape [V] = ({weight.shape[0]},); got {tuple(bias.shape)}")
+        if bias.device != hidden.device:
+            raise ValueError(f"bias is on {bias.device} but hidden is on {hidden.device}; they must share a device")
+
+
+def _check_softcap(softcap: object) -> float | None:
+    if softcap is None:
+        return None
+    return _validation.check_scalar(softcap, "softcap", ok=lambda v: 0 < v < math.inf,
+                                    accepted="None (off) or a positive finite float")  # fmt: skip
+
+
+def _autocast(hidden, weight, bias):
+    """Under torch.autocast the LM head runs in the autocast dtype, as F.linear
+    would (float64 stays float64); then hidden and weight must share a dtype."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        cast = lambda t: t if t is None or t.dtype == torch.float64 else t.to(dtype)  # noqa: E731
+        hidden, weight, bias = cast(hidden), cast(weight), cast(bias)
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight must have hidden's dtype {hidden.dtype} (cast one, or run under torch.autocast); "
+                        f"got {weight.dtype}")  # fmt: skip
+    return hidden, weight, bias
+
+
+@_validation.keyword_only_options
+def linear_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    ignore_index: int = -100,
+    with_entropy: bool = True,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(logprobs, entropy)`` of the LM head's logits without holding them
+    (module docstring): equal to ``logprobs_and_entropy(lm_head(hidden), labels)``
+    with the logits in float32.
+
+    Args:
+        hidden: ``[..., H]`` bf16 / fp16 / fp32 (fp64 computed in fp64).
+        weight: ``[V, H]`` the LM head's weight, hidden's dtype (under
+            ``torch.autocast`` both run in the autocast dtype).
+        labels: ``[...]`` int32 / int64, in ``[0, V)`` or ``ignore_index``.
+        bias: ``[V]`` or None.
+        temperature: positive float, or per-token temperatures broadcastable to ``labels.shape``.
+        ignore_index: label whose log-prob is 0 and whose gradient is 0.
+        with_entropy: False skips the entropy (returned as None).
+        logit_scale: the logits are multiplied by it before the cap (Cohere's ``logit_scale``).
+        softcap: ``softcap * tanh(x / softcap)`` (Gemma's final-logit soft-capping), None: off.
+        chunk_size: at most this many tokens a chunk.
+        chunk_bytes: the chunk's logits buffers stay within this (default 256 MiB).
+
+    Returns:
+        float32 ``[...]`` log-probs and entropy (or None), differentiable w.r.t.
+        ``hidden``, ``weight`` and ``bias``; their gradients come back in their dtypes.
+    """
+    _check_head(hidden, weight, bias)
+    _validation.check_ignore_index(ignore_index)
+    token_shape = hidden.shape[:-1]
+    vocab = weight.shape[0]
+    _validation.check_token_labels(labels, token_shape, vocab, hidden.device, ignore_index, source="hidden")
+    _validation.check_bool(with_entropy, "with_entropy")
+    logit_scale = _validation.check_scalar(logit_scale, "logit_scale", ok=lambda v: 0 < v < math.inf,
+                                           accepted="a positive finite float")  # fmt: skip
+    softcap = _check_softcap(softcap)
+    if chunk_size is not None:
+        _validation.check_scalar(chunk_size, "chunk_size", integer=True, ok=lambda v: v >= 1,
+                                 accepted="None or a positive int")  # fmt: skip
+    _validation.check_scalar(chunk_bytes, "chunk_bytes", integer=True, ok=lambda v: v >= 1, accepted="a positive int")
+    hidden, weight, bias = _autocast(hidden, weight, bias)
+    acc = reference.compute_dtype(hidden)
+    temperature = _validation.check_temperature(temperature, token_shape, hidden.device, acc)
+
+    backend = select_backend(hidden.device)
+    if backend == "reference" or labels.numel() == 0:
+        logprob, entropy = reference.linear_logprobs_and_entropy(
+            hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
+            with_entropy=with_entropy, logit_scale=logit_scale, softcap=softcap,
+        )  # fmt: skip
+        return logprob, entropy
+
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1).contiguous()
+    temps, temp_scalar = _ops.split_row_param(_validation.flat_per_row(temperature, token_shape, acc))
+    rows = _chunk_rows(flat_hidden.shape[0], vocab, acc, softcap, chunk_bytes, chunk_size)
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if wants_grad:
+        logprob, entropy = _LinearLogprobs.apply(
+            flat_hidden, weight, bias, flat_labels, temps, temp_scalar, ignore_index, with_entropy,
+            float(logit_scale), softcap, rows, backend,
+        )  # fmt: skip
+    else:
+        logprob, entropy, _ = _forward(flat_hidden, weight, bias, flat_labels, temps, temp_scalar, ignore_index,
+                                       with_entropy, float(logit_scale), softcap, rows, backend, acc, False)  # fmt: skip
+    return logprob.view(token_shape), entropy.view(token_shape) if with_entropy else None

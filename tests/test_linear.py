@@ -1,0 +1,247 @@
+"""linear_logprobs_and_entropy (the fused LM head) against the float64 reference
+``reference.linear_logprobs_and_entropy``, on every backend available."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_close_to_reference, backend_params
+
+import fastrl
+from fastrl import _ops, reference
+from fastrl.linear import linear_logprobs_and_entropy
+
+BACKENDS = backend_params()
+KERNEL_BACKENDS = backend_params(include_reference=False)
+
+# Unit roundoff of the float32 arithmetic, and the rounding of a gradient returned
+# in each dtype (half an ulp at 1.0, times two).
+U32 = 2.0**-24
+OUT_RTOL = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float64: 1e-14}
+
+
+def _inputs(lead, hidden_size, vocab, dtype, device, bias=True):
+    """Hidden states and an LM head of realistic scale: logits of std ~3, one
+    token with a peaked row (a dominant logit), 10% ignored labels."""
+    hidden = torch.randn(*lead, hidden_size, dtype=torch.float64)
+    weight = torch.randn(vocab, hidden_size, dtype=torch.float64) * (3.0 / hidden_size**0.5)
+    flat = hidden.view(-1, hidden_size)
+    if flat.shape[0]:
+        flat[0] = weight[vocab // 2] * (10.0 * hidden_size**0.5 / weight[vocab // 2].norm())
+    b = torch.randn(vocab, dtype=torch.float64) if bias else None
+    labels = torch.randint(vocab, lead)
+    labels[torch.rand(lead) < 0.1] = -100
+    cast = lambda t: None if t is None else t.to(dtype).to(device)  # noqa: E731
+    return cast(hidden), cast(weight), cast(b), labels.to(device)
+
+
+def _reference(hidden, weight, bias, labels, temperature, logit_scale, softcap, g_lp, g_ent):
+    """Float64 outputs, gradients, and what the error bounds need: dL/dx at the
+    pre-cap logits x, the probabilities, the entropy, and max |x| per row."""
+    h, w = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    b = None if bias is None else bias.detach().double().requires_grad_()
+    t = temperature.double() if isinstance(temperature, torch.Tensor) else temperature
+    x = h @ w.T + (0 if b is None else b)
+    x.retain_grad()
+    logits = x * logit_scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    lp, ent = reference.logprobs_and_entropy(logits, labels, temperature=t)
+    ((lp * g_lp.double()).sum() + (ent * g_ent.double()).sum()).backward()
+    with torch.no_grad():
+        temps = t if isinstance(t, torch.Tensor) else torch.full(lp.shape, t, dtype=torch.float64)
+        p = torch.softmax(logits / temps.unsqueeze(-1), dim=-1)
+        magnitude = h.abs() @ w.abs().T + (0 if b is None else b.abs())
+    return {"lp": lp.detach(), "ent": ent.detach(), "h": h.grad, "w": w.grad, "b": None if b is None else b.grad,
+            "gx": x.grad, "p": p, "temps": temps, "magnitude": magnitude}  # fmt: skip
+
+
+def _bounds(ref, hidden, weight, logit_scale, g_lp, g_ent, operand_u):
+    """Error bounds of the fused op (float32 arithmetic) against the float64 truth.
+
+    Logits: a float32 GEMM of H terms, the bias, the scale and the cap:
+        |dz| <= (H + 4) u (|h| @ |w|.T + |b|) logit_scale            (tanh is 1-Lipschitz)
+    log-prob and entropy move at most 2 max|dz| / T and 2 (1 + H_ent + max|log p|) max|dz| / T,
+    plus the log-prob kernel's own 1e-5 (DESIGN.md).
+    G = dL/dx: p moves by at most p 2 max|dz| / T, so
+        |dG| <= 2 max|dz| / T p (|g_lp| + |g_ent| (|log p| + H_ent + 2)) logit_scale / T + 8 u |G|
+    and each gradient GEMM adds its length times u (operand_u for G rounded to the
+    operand dtype) of the sum of |terms|."""
+    hidden_size = hidden.shape[-1]
+    dz = (hidden_size + 4) * U32 * ref["magnitude"] * logit_scale
+    dz_row = dz.amax(dim=-1) / ref["temps"]
+    log_p = torch.where(ref["p"] > 0, ref["p"].log(), 0.0)
+    lp_tol = 2 * dz_row + 1e-5 * (1 + ref["lp"].abs())
+    ent_tol = 2 * dz_row * (1 + ref["ent"] + log_p.abs().amax(dim=-1)) + 1e-5 * (1 + ref["ent"])
+    weight_g = g_lp.double().abs().unsqueeze(-1) + g_ent.double().abs().unsqueeze(-1) * (
+        log_p.abs() + ref["ent"].unsqueeze(-1) + 2
+    )
+    dg = (2 * dz_row / ref["temps"]).unsqueeze(-1) * ref["p"] * weight_g * logit_scale + 8 * U32 * ref["gx"].abs()
+    gx = ref["gx"].abs()
+    n_tokens, vocab = gx.reshape(-1, gx.shape[-1]).shape
+    h_abs = hidden.double().abs().reshape(n_tokens, hidden_size)
+    dg, gx = dg.reshape(n_tokens, vocab), gx.reshape(n_tokens, vocab)
+    w_abs = weight.double().abs()
+    grad_h = dg @ w_abs + (vocab * U32 + operand_u) * (gx @ w_abs)
+    grad_w = dg.T @ h_abs + (n_tokens * U32 + operand_u) * (gx.T @ h_abs)
+    grad_b = dg.sum(0) + n_tokens * U32 * gx.sum(0)
+    return lp_tol, ent_tol, grad_h.reshape(hidden.shape), grad_w, grad_b
+
+
+def _check(actual, expected, tol, rtol, what):
+    """|a - e| <= tol + rtol |e| elementwise (tol a tensor of per-element bounds)."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    assert torch.isfinite(a).all(), f"{what}: not finite"
+    err, bound = (a - e).abs(), tol.cpu() + rtol * e.abs() + 1e-300
+    worst = int((err - bound).flatten().argmax())
+    assert bool((err <= bound).all()), (
+        f"{what}: error {err.flatten()[worst]:.3g} at {e.flatten()[worst]:.5g} exceeds its bound {bound.flatten()[worst]:.3g}"
+    )
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0], ids=["nocap", "softcap"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_values_and_gradients_match_float64_reference(device, backend, dtype, softcap):
+    """Three chunks of 7 tokens (the last one short), a [3, 6] batch, per-row
+    temperatures, a bias, a logit scale: outputs and the three gradients."""
+    lead, hidden_size, vocab = (3, 6), 48, 1031
+    hidden, weight, bias, labels = _inputs(lead, hidden_size, vocab, dtype, device)
+    temperature = (torch.rand(lead, dtype=torch.float64) * 1.5 + 0.4).to(device)
+    logit_scale = 1.25
+    g_lp, g_ent = torch.randn(lead, device=device), torch.randn(lead, device=device)
+    ref = _reference(hidden, weight, bias, labels, temperature, logit_scale, softcap, g_lp, g_ent)
+
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    with fastrl.use_backend(backend):
+        lp, ent = linear_logprobs_and_entropy(*leaves[:2], labels, bias=leaves[2], temperature=temperature,
+                                              logit_scale=logit_scale, softcap=softcap, chunk_size=7)  # fmt: skip
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    assert lp.dtype == ent.dtype == torch.float32 and lp.shape == ent.shape == lead
+    operand_u = 2.0**-8 if (device == "cuda" and dtype != torch.float32) else 0.0  # G rounded to bf16 / fp16
+    lp_tol, ent_tol, h_tol, w_tol, b_tol = _bounds(ref, hidden, weight, logit_scale, g_lp, g_ent, operand_u)
+    _check(lp, ref["lp"], lp_tol, 0.0, "logprob")
+    _check(ent, ref["ent"], ent_tol, 0.0, "entropy")
+    # Returned in the inputs' dtype: rounded relative to each element, or in fp16's
+    # subnormal range by half its spacing (the smallest subnormal bounds that).
+    rtol, subnormal = OUT_RTOL[dtype], torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+    for leaf, tol, name in zip(leaves, (h_tol, w_tol, b_tol), ("h", "w", "b")):
+        assert leaf.grad.dtype == dtype and leaf.grad.shape == leaf.shape
+        _check(leaf.grad, ref[name], tol + subnormal, rtol, f"grad {name}")
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_gradcheck_float64(device, backend):
+    """Finite differences in float64 through every input: the cap, the scale,
+    per-row temperatures, an ignored label, chunks of 2 tokens."""
+    hidden, weight, bias, labels = _inputs((5,), 4, 9, torch.float64, device)
+    labels[1] = -100
+    temperature = (torch.rand(5, dtype=torch.float64) + 0.5).to(device)
+
+    def f(h, w, b):
+        lp, ent = linear_logprobs_and_entropy(h, w, labels, bias=b, temperature=temperature, logit_scale=0.8,
+                                              softcap=5.0, chunk_size=2)  # fmt: skip
+        return lp, ent
+
+    leaves = tuple(t.clone().requires_grad_() for t in (hidden, weight, bias))
+    with fastrl.use_backend(backend):
+        assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_chunks_hold_the_memory_bound_and_cover_every_token(device, backend, monkeypatch):
+    """No launch sees more rows than a chunk; chunk_bytes picks the chunk; the
+    outputs do not depend on it (each token's logits are its own GEMM row)."""
+    hidden, weight, _, labels = _inputs((23,), 16, 300, torch.float32, device, bias=False)
+    seen = []
+    forward = _ops.logprobs_forward
+
+    def spy(logits, *args):
+        seen.append(logits.shape[0] * logits.shape[1])
+        return forward(logits, *args)
+
+    monkeypatch.setattr(_ops, "logprobs_forward", spy)
+    with fastrl.use_backend(backend):
+        whole = linear_logprobs_and_entropy(hidden, weight, labels)
+        assert seen == [23]
+        seen.clear()
+        by_bytes = linear_logprobs_and_entropy(hidden, weight, labels, chunk_bytes=300 * 4 * 5)
+        assert seen == [5, 5, 5, 5, 3]
+        seen.clear()
+        by_size = linear_logprobs_and_entropy(hidden, weight, labels, chunk_size=4, with_entropy=False)
+        assert seen == [4] * 5 + [3] and by_size[1] is None
+    for a, b in zip(whole, by_bytes):
+        assert_close_to_reference(a, b.double(), 1e-6)
+    assert_close_to_reference(by_size[0], whole[0].double(), 1e-6)
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_only_the_inputs_that_need_it_get_a_gradient(device, backend):
+    hidden, weight, bias, labels = _inputs((6,), 8, 50, torch.float32, device)
+    h = hidden.clone().requires_grad_()
+    with fastrl.use_backend(backend):
+        lp, ent = linear_logprobs_and_entropy(h, weight, labels, bias=bias)
+        lp.sum().backward()
+        ref_lp, _ = reference.linear_logprobs_and_entropy(h.detach().double(), weight.double(), labels,
+                                                          bias=bias.double())  # fmt: skip
+        assert_close_to_reference(lp, ref_lp, 1e-4)
+        with torch.no_grad():
+            lp2, _ = linear_logprobs_and_entropy(h, weight, labels, bias=bias)
+    assert h.grad is not None and not lp2.requires_grad
+    assert torch.equal(lp.detach(), lp2)
+
+
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_autocast_runs_the_head_in_the_autocast_dtype(device, backend):
+    """An fp32 weight under bf16 autocast: computed from the bf16 casts (as
+    F.linear would), the weight's gradient back in float32."""
+    hidden, weight, _, labels = _inputs((4, 3), 16, 200, torch.float32, device, bias=False)
+    w = weight.clone().requires_grad_()
+    with fastrl.use_backend(backend), torch.autocast(device, dtype=torch.bfloat16):
+        lp, _ = linear_logprobs_and_entropy(hidden, w, labels)
+    lp.sum().backward()
+    ref_lp, _ = reference.linear_logprobs_and_entropy(hidden.bfloat16().double(), weight.bfloat16().double(), labels)
+    assert_close_to_reference(lp, ref_lp, 1e-4)
+    assert w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all()
+
+
+def test_edge_inputs():
+    """Empty batches, one token, NaN hidden states (NaN rows, the others exact)."""
+    hidden, weight, bias, labels = _inputs((0, 3), 8, 11, torch.float32, "cpu")
+    lp, ent = linear_logprobs_and_entropy(hidden, weight, labels, bias=bias)
+    assert lp.shape == ent.shape == (0, 3)
+    hidden, weight, bias, labels = _inputs((4,), 8, 11, torch.float32, "cpu")
+    hidden[2, 0] = float("nan")
+    labels[2] = 3
+    lp, ent = linear_logprobs_and_entropy(hidden, weight, labels, bias=bias)
+    assert lp[2].isnan() and ent[2].isnan() and torch.isfinite(lp[[0, 1, 3]]).all()
+
+
+def test_bad_arguments_raise_naming_them():
+    hidden, weight, bias, labels = _inputs((4,), 8, 11, torch.float32, "cpu")
+    cases = [
+        (dict(hidden=hidden.long()), TypeError, "hidden"),
+        (dict(weight=weight[:, :5]), ValueError, "weight"),
+        (dict(weight=weight[0]), ValueError, "weight"),
+        (dict(weight=weight[:0], bias=None), ValueError, "weight"),
+        (dict(hidden=hidden[:, :0], weight=weight[:, :0]), ValueError, "hidden"),
+        (dict(weight=weight.double()), TypeError, "weight"),
+        (dict(bias=bias[:5]), ValueError, "bias"),
+        (dict(labels=labels[:3]), ValueError, "labels"),
+        (dict(labels=labels.float()), TypeError, "labels"),
+        (dict(labels=labels + 11), ValueError, "labels"),
+        (dict(softcap=0.0), ValueError, "softcap"),
+        (dict(softcap=float("inf")), ValueError, "softcap"),
+        (dict(logit_scale=-1.0), ValueError, "logit_scale"),
+        (dict(chunk_size=0), ValueError, "chunk_size"),
+        (dict(chunk_bytes=0), ValueError, "chunk_bytes"),
+        (dict(temperature=0.0), ValueError, "temperature"),
+        (dict(with_entropy=1), TypeError, "with_entropy"),
+    ]
+    for change, error, name in cases:
+        args = dict(hidden=hidden, weight=weight, labels=labels, bias=bias) | change
+        with pytest.raises(error, match=name):
+            linear_logprobs_and_entropy(args.pop("hidden"), args.pop("weight"), args.pop("labels"), **args)
+    with pytest.raises(TypeError, match="keyword"):
+        linear_logprobs_and_entropy(hidden, weight, labels, bias)
