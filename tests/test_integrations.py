@@ -746,6 +746,97 @@ def test_trl_grpo_delta_is_fastrl_dual_clip(trl, device, backend):
         assert delta is None or bool(capped.any()), "no token reaches the cap: the test would prove nothing"
 
 
+def _tiny_causal_lm(kind: str):
+    """A two-layer model built from a config (no download): Llama, or Gemma-2
+    with a final-logit softcap small enough to bend most logits."""
+    transformers = importlib.import_module("transformers")
+    sizes = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)  # fmt: skip
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
+    config = transformers.Gemma2Config(**sizes, final_logit_softcapping=2.0, attn_implementation="eager")
+    return transformers.Gemma2ForCausalLM(config)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2-softcap"])
+def test_trl_fused_lm_head(trl, kind):
+    """TRL's add_fused_lm_head, as GRPOTrainer installs it (temperature, log-probs
+    and entropy), on a tiny model: the per-token log-probs, entropy, loss and the
+    gradients of the LM head and the first layer, patched and unpatched."""
+    model = _tiny_causal_lm(kind)
+    trl.utils.add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    ids = torch.randint(300, (3, 11))
+    labels = ids.clone()
+    labels[:, :4] = -100  # the prompt
+    entropy_weight = torch.randn(3, 10)
+    params = [model.lm_head.weight, model.model.layers[0].mlp.up_proj.weight]
+
+    def step():
+        model.zero_grad()
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        (out.loss + (out.entropy * entropy_weight).sum()).backward()
+        return out.log_probs.detach(), out.entropy.detach(), out.loss.detach(), [p.grad.clone() for p in params]
+
+    trl.integration.unpatch()
+    before = step()
+    trl.integration.patch()
+    assert hasattr(trl.utils._ChunkedLogProbFunction, "__fastrl_apply__")
+    after = step()
+    assert not integrations.fallbacks, dict(integrations.fallbacks)
+    for what, a, b in zip(("log-probs", "entropy", "loss"), after, before):
+        _close(a, b, f"{kind} {what}")
+    for a, b in zip(after[3], before[3]):
+        _close(a, b, f"{kind} gradient")
+
+
+def _word_tokenizer(size: int):
+    """A word-level tokenizer built in memory (no download): "w0".."w{size-4}", pad, eos, unk."""
+    transformers = importlib.import_module("transformers")
+    tokenizers = importlib.import_module("tokenizers")
+    vocab = {"[PAD]": 0, "[EOS]": 1, "[UNK]": 2} | {f"w{i}": i + 3 for i in range(size - 3)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+                                                eos_token="[EOS]")  # fmt: skip
+
+
+def test_trl_grpo_trainer_step(trl, tmp_path, monkeypatch):
+    """A real GRPOTrainer step (generation, rewards, the fused LM head's log-probs
+    and entropy, the loss, backward, an optimizer step at lr 0.1) on a tiny Llama,
+    unpatched and patched from the same seed: the same metrics (grad norm,
+    entropy) and the same updated LM head, to float32 rounding, with fastrl
+    scoring every token."""
+    datasets, grpo = importlib.import_module("datasets"), importlib.import_module("trl.trainer.grpo_trainer")
+    calls = collections.Counter()
+    fused = fastrl.linear_logprobs_and_entropy
+    counted = lambda *a, **k: calls.update(["fastrl"]) or fused(*a, **k)  # noqa: E731
+    monkeypatch.setattr(fastrl, "linear_logprobs_and_entropy", counted)
+
+    def train():
+        torch.manual_seed(0)
+        model = _tiny_causal_lm("llama")
+        model.config.pad_token_id, model.config.eos_token_id = 0, 1
+        args = grpo.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                               max_completion_length=6, max_steps=1, learning_rate=0.1, optim="sgd", report_to=[],
+                               logging_steps=1,
+                               use_cpu=True, bf16=False, seed=0, save_strategy="no", beta=0.0)  # fmt: skip
+        data = datasets.Dataset.from_dict({"prompt": ["w1 w2 w3", "w4 w5", "w6 w7 w8 w9", "w10"]})
+        trainer = grpo.GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+                                   args=args, train_dataset=data, processing_class=_word_tokenizer(300))  # fmt: skip
+        trainer.train()
+        return trainer.state.log_history[0], model.lm_head.weight.detach().clone()
+
+    trl.integration.unpatch()
+    before = train()
+    assert not calls
+    trl.integration.patch()
+    after = train()
+    assert calls["fastrl"] >= 1 and not integrations.fallbacks, (calls, dict(integrations.fallbacks))
+    for key in ("grad_norm", "entropy", "loss", "reward"):
+        _close(torch.tensor(after[0][key]), torch.tensor(before[0][key]), f"GRPOTrainer {key}")
+    _close(after[1], before[1], "GRPOTrainer's updated LM head")
+
+
 def test_trl_fallbacks(trl):
     get = lambda: trl.utils.selective_log_softmax  # noqa: E731
     broadcast = {"logits": _logits((3, 17, 100)), "index": torch.randint(100, (1, 17))}  # TRL broadcasts the index
@@ -754,6 +845,14 @@ def test_trl_fallbacks(trl):
     trl.integration.patch()
     with pytest.warns(FallbackWarning, match="temperature"), pytest.raises(ValueError, match="must be positive"):
         trl.utils.selective_log_softmax(_logits(), torch.randint(1000, (3, 17)), temperature=0.0)  # TRL's own error
+    # The fused head's outputs fastrl does not compute run TRL's own function, whole.
+    hidden, weight, targets = torch.randn(9, 16), torch.randn(50, 16), torch.randint(50, (9,))
+    outputs = ("log_probs", "is_top1")
+    before = trl.utils._ChunkedLogProbFunction.__fastrl_original__.apply(hidden, weight, None, targets, 1.0, 16, None,
+                                                                         1.0, outputs)  # fmt: skip
+    with pytest.warns(FallbackWarning, match="is_top1"):
+        after = trl.utils._ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, 16, None, 1.0, outputs)
+    assert torch.equal(after[0], before[0]) and torch.equal(after[4], before[4])
 
 
 # ----------------------------------------------------------------------------- OpenRLHF

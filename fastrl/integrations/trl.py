@@ -8,15 +8,22 @@ chooses; ``unpatch()`` restores TRL's.
 | ``logprobs`` | ``selective_log_softmax(logits, index, temperature=1.0, row_mask=None)`` | ``logprobs_from_logits`` |
 | ``entropy`` | ``entropy_from_logits(logits, chunk_size=128)`` | ``entropy_from_logits`` |
 | ``logprobs_and_entropy`` | ``selective_log_softmax_and_entropy(logits, index, entropy_requires_grad=True, temperature=1.0, row_mask=None)`` | ``logprobs_and_entropy`` |
+| ``fused_lm_head`` | ``_ChunkedLogProbFunction`` (``add_fused_lm_head``'s ``ChunkedLogProbFunction.apply``) | ``linear_logprobs_and_entropy`` |
 
 Each is replaced in ``trl.trainer.utils`` and in every loaded module that imported
 it by name (in TRL 1.16 the trainers that call them: ``trl.experimental.cpo``,
 ``orpo``, ``sdpo``, ``sdft``, ``a2po``, ``tpo``); modules imported later take the
-replacement from ``trl.trainer.utils``. TRL 1.16's ``GRPOTrainer`` no longer calls
-these: it scores tokens with its own fused LM head (``add_fused_lm_head``), which
-never materialises the logits, and computes its loss and KL inline, so there is no
-TRL policy-loss or KL function to replace (README: how TRL's loss types map onto
-``fastrl.policy_loss``).
+replacement from ``trl.trainer.utils``. TRL 1.16's ``GRPOTrainer`` scores tokens
+with its own fused LM head (``add_fused_lm_head``, which never materialises the
+logits): its ``_ChunkedLogProbFunction`` is replaced by a subclass whose ``apply``
+runs ``fastrl.linear_logprobs_and_entropy`` for the outputs it asks for (log-probs,
+entropy); the others (``log_sum_sq_probs``, ``mean_logits``, ``is_top1``), a
+DeepSpeed ZeRO-3 head and a non-positive temperature run TRL's own. TRL forms each
+tile's logits in the compute dtype (bf16 under bf16 autocast), fastrl in float32
+from the GEMM's sums, so under bf16 the patched log-probs are the more exact ones;
+in float32 the two agree to float32 rounding. GRPOTrainer computes its loss and KL
+inline, so there is no TRL policy-loss or KL function to replace (README: how TRL's
+loss types map onto ``fastrl.policy_loss``).
 
 TRL's conventions kept:
 
@@ -57,6 +64,7 @@ reject (TRL then raises its own error, or computes).
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 
@@ -64,7 +72,7 @@ import torch
 
 import fastrl
 
-from . import Framework, Target, delegate, first_reason, tensor_reason
+from . import Framework, Target, UnsupportedVersionError, delegate, first_reason, tensor_reason
 from . import patch as _patch
 from . import patched as _patched
 from . import unpatch as _unpatch
@@ -181,6 +189,46 @@ def _selective_log_softmax_and_entropy(original):
     return selective_log_softmax_and_entropy
 
 
+_FUSED_OUTPUTS = ("log_probs", "entropy")
+
+
+def _fused_lm_head(original):
+    """``trl.trainer.utils._ChunkedLogProbFunction`` (TRL's fused LM head, which
+    ``add_fused_lm_head`` and so GRPOTrainer call) as a subclass whose ``apply``
+    runs ``fastrl.linear_logprobs_and_entropy``: the same 5-tuple (log-probs,
+    entropy or None, and None for the three outputs fastrl does not compute)."""
+    original_outputs = inspect.signature(original.forward).parameters["outputs"].default
+
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
+              logit_scale=1.0, outputs=original_outputs):  # fmt: skip
+        args = (hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs)
+        reason = first_reason(tensor_reason(hidden=hidden, weight=weight, bias=bias), _temperature_reason(temperature))
+        if reason is None and not set(outputs) <= set(_FUSED_OUTPUTS):
+            reason = f"outputs {sorted(set(outputs) - set(_FUSED_OUTPUTS))} are not computed by fastrl"
+        if reason is None and hasattr(weight, "ds_id"):
+            reason = "the LM head is a DeepSpeed ZeRO-3 parameter (TRL gathers it again in its backward)"
+
+        def compute():
+            logp, entropy = fastrl.linear_logprobs_and_entropy(
+                hidden, weight, targets, bias=bias, temperature=float(temperature), with_entropy="entropy" in outputs,
+                logit_scale=logit_scale, softcap=final_logit_softcapping,
+            )  # fmt: skip
+            return logp, entropy, None, None, None
+
+        return delegate(_NAME, "ChunkedLogProbFunction.apply", original.apply, args, {}, compute, reason)
+
+    # patch() compares a replacement's parameters with the original's; a class's are
+    # (*args, **kwargs), so compare apply with TRL's forward (less ctx) here.
+    theirs = list(inspect.signature(original.forward).parameters.items())[1:]
+    ours = list(inspect.signature(apply).parameters.items())
+    if [(n, p.default) for n, p in theirs] != [(n, p.default) for n, p in ours]:
+        raise UnsupportedVersionError(
+            f"fastrl.integrations.trl: TRL's ChunkedLogProbFunction.forward takes {[n for n, _ in theirs]}; "
+            f"fastrl's replacement takes {[n for n, _ in ours]} (fastrl patches {FRAMEWORK.supported_text})"
+        )
+    return type(original.__name__, (original,), {"apply": staticmethod(apply), "__fastrl_apply__": apply})
+
+
 FRAMEWORK = Framework(
     name=_NAME,
     display="TRL",
@@ -191,6 +239,7 @@ FRAMEWORK = Framework(
         Target("logprobs", _UTILS, "selective_log_softmax", _selective_log_softmax),
         Target("entropy", _UTILS, "entropy_from_logits", _entropy_from_logits),
         Target("logprobs_and_entropy", _UTILS, "selective_log_softmax_and_entropy", _selective_log_softmax_and_entropy),
+        Target("fused_lm_head", _UTILS, "_ChunkedLogProbFunction", _fused_lm_head),
     ),
 )
 OPS = FRAMEWORK.ops
