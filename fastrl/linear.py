@@ -282,7 +282,8 @@ def linear_logprobs_and_entropy(
         temperature: positive float, or per-token temperatures broadcastable to ``labels.shape``.
         ignore_index: label whose log-prob is 0 and whose gradient is 0.
         with_entropy: False skips the entropy (returned as None).
-        logit_scale: the logits are multiplied by it before the cap (Cohere's ``logit_scale``).
+        logit_scale: the logits are multiplied by it before the cap (Cohere's ``logit_scale``,
+            Granite's ``1 / logits_scaling``); any finite float.
         softcap: ``softcap * tanh(x / softcap)`` (Gemma's final-logit soft-capping), None: off.
         chunk_size: at most this many tokens a chunk.
         chunk_bytes: the chunk's logits buffers stay within this (default 256 MiB).
@@ -297,8 +298,8 @@ def linear_logprobs_and_entropy(
     vocab = weight.shape[0]
     _validation.check_token_labels(labels, token_shape, vocab, hidden.device, ignore_index, source="hidden")
     _validation.check_bool(with_entropy, "with_entropy")
-    logit_scale = _validation.check_scalar(logit_scale, "logit_scale", ok=lambda v: 0 < v < math.inf,
-                                           accepted="a positive finite float")  # fmt: skip
+    logit_scale = _validation.check_scalar(logit_scale, "logit_scale", ok=lambda v: -math.inf < v < math.inf,
+                                           accepted="a finite float")  # fmt: skip
     softcap = _check_softcap(softcap)
     if chunk_size is not None:
         _validation.check_scalar(chunk_size, "chunk_size", integer=True, ok=lambda v: v >= 1,

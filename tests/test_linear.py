@@ -233,7 +233,7 @@ def test_bad_arguments_raise_naming_them():
         (dict(labels=labels + 11), ValueError, "labels"),
         (dict(softcap=0.0), ValueError, "softcap"),
         (dict(softcap=float("inf")), ValueError, "softcap"),
-        (dict(logit_scale=-1.0), ValueError, "logit_scale"),
+        (dict(logit_scale=float("nan")), ValueError, "logit_scale"),
         (dict(chunk_size=0), ValueError, "chunk_size"),
         (dict(chunk_bytes=0), ValueError, "chunk_bytes"),
         (dict(temperature=0.0), ValueError, "temperature"),
