@@ -606,6 +606,41 @@ def test_verl_fallbacks(verl):
         verl.F.entropy_from_logits_with_chunking(_logits((2, 3, 50)), 4)
 
 
+@pytest.mark.parametrize("lead", [(2, 9), (13,)], ids=["3-D", "2-D"])
+def test_verl_fused_linear_for_ppo(verl, lead):
+    """veRL's torch fused LM head (use_fused_kernels): float32 log-probs, the
+    entropy in the hidden states' dtype, gradients of hidden states and weight."""
+    module = importlib.import_module("verl.utils.experimental.torch_functional")
+    inputs = {"hidden": torch.randn(*lead, 32), "weight": torch.randn(300, 32) * 0.4}
+    ids = torch.randint(300, lead)
+
+    def call(fn, hidden, weight):
+        return fn(module.FusedLinearForPPO(chunk_size=5), hidden, weight, ids, 0.7)
+
+    logits = (inputs["hidden"] @ inputs["weight"].T) / 0.7
+    _parity(verl.integration, lambda: module.FusedLinearForPPO.forward, call, inputs, ["hidden", "weight"],
+            "FusedLinearForPPO", rtol=_entropy_tolerance(logits))  # fmt: skip
+
+
+def test_verl_linear_cross_entropy(verl):
+    """veRL's Triton fused head (use_fused_kernels, GPU only in veRL): per-token
+    float32 log-probs and entropy, flattened, against fastrl's reference; a summed
+    reduction runs veRL's own."""
+    module = importlib.import_module("verl.utils.kernel.linear_cross_entropy")
+    hidden, weight, ids = torch.randn(2, 7, 16), torch.randn(100, 16) * 0.5, torch.randint(100, (2, 7))
+    verl.integration.patch()
+    logp, entropy = module.linear_cross_entropy(hidden, weight, ids, 0.8, "none")
+    ref_logp, ref_entropy = fastrl.reference.linear_logprobs_and_entropy(hidden.double(), weight.double(), ids,
+                                                                         temperature=0.8)  # fmt: skip
+    assert logp.shape == entropy.shape == (14,) and logp.dtype == entropy.dtype == torch.float32
+    _close(logp.double(), ref_logp.reshape(-1), "linear_cross_entropy log-probs")
+    _close(entropy.double(), ref_entropy.reshape(-1), "linear_cross_entropy entropy")
+    assert not integrations.fallbacks
+    # (veRL's own needs CUDA: on a CPU build its NVTX range raises.)
+    with pytest.warns(FallbackWarning, match="reduction 'sum'"), pytest.raises(RuntimeError, match="CUDA|cuda|NVTX"):
+        module.linear_cross_entropy(hidden, weight, ids, 0.8, "sum")
+
+
 # ---------------------------------------------------------------------------------- TRL
 
 

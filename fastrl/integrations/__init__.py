@@ -44,6 +44,7 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
+import math
 import numbers
 import re
 import sys
@@ -484,6 +485,16 @@ def mask_reason(mask: Any, name: str = "mask") -> str | None:
         return None
     if not bool(((mask == 0) | (mask == 1)).all()):
         return f"{name} holds values other than 0 and 1 (a weighted mask)"
+    return None
+
+
+def temperature_reason(temperature: Any) -> str | None:
+    """None when ``temperature`` is a positive finite Python number (what the
+    frameworks' fused heads and log-prob helpers take)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        return "temperature is not a number"
+    if not (0 < temperature < math.inf):
+        return "temperature is not positive and finite"
     return None
 
 

@@ -65,14 +65,12 @@ reject (TRL then raises its own error, or computes).
 from __future__ import annotations
 
 import inspect
-import math
-import numbers
 
 import torch
 
 import fastrl
 
-from . import Framework, Target, UnsupportedVersionError, delegate, first_reason, tensor_reason
+from . import Framework, Target, UnsupportedVersionError, delegate, first_reason, temperature_reason, tensor_reason
 from . import patch as _patch
 from . import patched as _patched
 from . import unpatch as _unpatch
@@ -89,14 +87,6 @@ def _fp32_kernel(env, logits, index=None, row_mask=None) -> bool:
     if kernel_available is None or supported is None:
         return False
     return bool(kernel_available()) and bool(supported(logits, index, row_mask))
-
-
-def _temperature_reason(temperature) -> str | None:
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        return "temperature is not a number"
-    if not (0 < temperature < math.inf):
-        return "temperature is not positive and finite"
-    return None
 
 
 def _index_reason(logits, index, row_mask, *, allow_k: bool) -> str | None:
@@ -122,7 +112,7 @@ def _selective_log_softmax(original):
 
     def selective_log_softmax(logits, index, temperature=1.0, row_mask=None):
         args = (logits, index, temperature, row_mask)
-        reason = first_reason(tensor_reason(logits=logits), _temperature_reason(temperature))
+        reason = first_reason(tensor_reason(logits=logits), temperature_reason(temperature))
         if reason is None:
             reason = _index_reason(logits, index, row_mask, allow_k=True)
 
@@ -171,7 +161,7 @@ def _selective_log_softmax_and_entropy(original):
 
     def selective_log_softmax_and_entropy(logits, index, entropy_requires_grad=True, temperature=1.0, row_mask=None):
         args = (logits, index, entropy_requires_grad, temperature, row_mask)
-        reason = first_reason(tensor_reason(logits=logits), _temperature_reason(temperature))
+        reason = first_reason(tensor_reason(logits=logits), temperature_reason(temperature))
         if reason is None:
             reason = _index_reason(logits, index, row_mask, allow_k=False)
 
@@ -202,7 +192,7 @@ def _fused_lm_head(original):
     def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
               logit_scale=1.0, outputs=original_outputs):  # fmt: skip
         args = (hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs)
-        reason = first_reason(tensor_reason(hidden=hidden, weight=weight, bias=bias), _temperature_reason(temperature))
+        reason = first_reason(tensor_reason(hidden=hidden, weight=weight, bias=bias), temperature_reason(temperature))
         if reason is None and not set(outputs) <= set(_FUSED_OUTPUTS):
             reason = f"outputs {sorted(set(outputs) - set(_FUSED_OUTPUTS))} are not computed by fastrl"
         if reason is None and hasattr(weight, "ds_id"):

@@ -9,6 +9,7 @@ run the fastrl op. ``patch(ops=[...])`` chooses; ``unpatch()`` restores veRL's.
 | ``kl`` | ``verl.trainer.ppo.core_algos.kl_penalty(logprob, ref_logprob, kl_penalty)`` | ``kl_penalty`` |
 | ``agg_loss`` | ``verl.trainer.ppo.core_algos.agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)`` | ``agg_loss`` |
 | ``policy_loss`` | ``core_algos.compute_policy_loss_vanilla`` and ``compute_policy_loss_gspo``, and their ``POLICY_LOSS_REGISTRY`` entries ``"vanilla"`` / ``"gspo"`` (what ``get_policy_loss_fn`` returns) | ``policy_loss`` |
+| ``fused_lm_head`` | ``verl.utils.experimental.torch_functional.FusedLinearForPPO.forward`` and ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (``use_fused_kernels``: the torch and Triton backends of the models' ``forward``) | ``linear_logprobs_and_entropy`` |
 
 Each is replaced in its own module and in every loaded module that imported it by
 name (``verl.workers.utils.losses``, ``verl.workers.rollout.naive.naive_rollout``,
@@ -73,6 +74,7 @@ full-vocabulary KL.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -93,6 +95,7 @@ from . import (
     result_dtype,
     same_shape_reason,
     stand_in,
+    temperature_reason,
     tensor_reason,
 )
 from . import patch as _patch
@@ -300,6 +303,65 @@ def _policy_loss(original, *, gspo: bool):
 
 _REGISTRY = (f"{_CORE}:POLICY_LOSS_REGISTRY",)
 
+_EXPERIMENTAL = "verl.utils.experimental.torch_functional"
+_LINEAR_CE = "verl.utils.kernel.linear_cross_entropy"
+
+
+def _head_reason(hidden, weight, temperature) -> str | None:
+    reason = first_reason(tensor_reason(hidden=hidden, weight=weight), temperature_reason(temperature))
+    if reason is None and hidden.dim() not in (2, 3):
+        reason = "hidden_states is not 2-D or 3-D"
+    return reason
+
+
+def _fused_linear_for_ppo(original):
+    """``FusedLinearForPPO.forward`` (veRL's fused LM head with
+    ``use_fused_kernels`` and the torch backend): float32 log-probs, the entropy in
+    the hidden states' dtype, shaped like the labels."""
+
+    def forward(self, hidden_states, vocab_weights, input_ids, temperature=1.0):
+        args = (self, hidden_states, vocab_weights, input_ids, temperature)
+
+        def compute():
+            logp, entropy = fastrl.linear_logprobs_and_entropy(
+                hidden_states, vocab_weights, input_ids.long(), temperature=float(temperature)
+            )
+            return logp, entropy.to(hidden_states.dtype)
+
+        reason = _head_reason(hidden_states, vocab_weights, temperature)
+        return delegate(_NAME, "FusedLinearForPPO.forward", original, args, {}, compute, reason)
+
+    return forward
+
+
+def _linear_cross_entropy(original):
+    """``linear_cross_entropy`` (``LinearCrossEntropy.apply``, veRL's fused LM head
+    with the Triton backend): float32 log-probs and entropy, one per token
+    (flattened), for ``reduction="none"`` without a process group; the summed and
+    averaged reductions and the vocabulary-parallel group run veRL's own."""
+    names = list(inspect.signature(original.__self__.forward).parameters)[1:]
+
+    def linear_cross_entropy(*args, **kwargs):
+        bound = dict(zip(names, args)) | kwargs
+        hidden, weight = bound.get("hidden"), bound.get("weight")
+        temperature, reduction = bound.get("temperature", 1.0), bound.get("reduction", "none")
+        reason = _head_reason(hidden, weight, temperature)
+        if reason is None and reduction != "none":
+            reason = f"reduction {reduction!r} (fastrl returns per-token values)"
+        if reason is None and bound.get("dist_process_group") is not None:
+            reason = "a vocabulary-parallel process group"
+
+        def compute():
+            logp, entropy = fastrl.linear_logprobs_and_entropy(
+                hidden, weight, bound["labels"].long(), temperature=float(temperature)
+            )
+            return logp.reshape(-1), entropy.reshape(-1)
+
+        return delegate(_NAME, "linear_cross_entropy", original, args, kwargs, compute, reason)
+
+    return linear_cross_entropy
+
+
 FRAMEWORK = Framework(
     name=_NAME,
     display="veRL",
@@ -314,6 +376,8 @@ FRAMEWORK = Framework(
         Target("agg_loss", _CORE, "agg_loss", _agg_loss),
         Target("policy_loss", _CORE, "compute_policy_loss_vanilla", lambda f: _policy_loss(f, gspo=False), _REGISTRY),
         Target("policy_loss", _CORE, "compute_policy_loss_gspo", lambda f: _policy_loss(f, gspo=True), _REGISTRY),
+        Target("fused_lm_head", _EXPERIMENTAL, "FusedLinearForPPO.forward", _fused_linear_for_ppo),
+        Target("fused_lm_head", _LINEAR_CE, "linear_cross_entropy", _linear_cross_entropy),
     ),
 )
 OPS = FRAMEWORK.ops
