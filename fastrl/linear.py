@@ -60,24 +60,40 @@ DEFAULT_CHUNK_BYTES = 256 << 20
 _SLAB_BYTES = 64 << 20
 
 
-def _slab_rows(hidden_size: int, acc: torch.dtype) -> int:
-    """Weight rows a slab holds: its float32 (or float64) copy within _SLAB_BYTES."""
+def _slab_rows(weight: torch.Tensor, acc: torch.dtype) -> int:
+    """Weight rows a GEMM takes at once: all of them where no operand is widened
+    (float32 / float64 weights, and bf16 / fp16 on CUDA), else as many as keep
+    the widened copy within _SLAB_BYTES."""
+    vocab, hidden_size = weight.shape
+    if weight.dtype == acc or (weight.is_cuda and acc == torch.float32):
+        return vocab
     return max(1, _SLAB_BYTES // max(1, hidden_size * torch.finfo(acc).bits // 8))
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """a @ b summed and returned in ``acc`` (float32 or float64). Operands of
-    another dtype: cuBLAS's float32-output GEMM on CUDA for bf16 / fp16, else
-    widened (the callers pass slabs, so the copies stay small). Never under
-    autocast, which would run a float32 GEMM in bf16 and round its output."""
+def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
+    """out = a @ b, or out += a @ b, summed in out's dtype (float32 or float64)
+    and written into it in place. Operands of another dtype: cuBLAS's
+    float32-output GEMM on CUDA for bf16 / fp16 (torch >= 2.8), else widened (the
+    callers pass slabs, so the copies stay small). Never under autocast, which
+    would run a float32 GEMM in bf16 and round its output."""
     if torch.is_autocast_enabled(a.device.type):
         with torch.autocast(a.device.type, enabled=False):
-            return _mm(a, b, acc)
-    if a.dtype == b.dtype == acc:
-        return torch.mm(a, b)
+            return _mm(a, b, out, accumulate)
+    acc = out.dtype
     if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16) and acc == torch.float32:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.to(acc), b.to(acc))
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        else:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+        return None
+    a, b = a.to(acc), b.to(acc)
+    if accumulate:
+        out.addmm_(a, b)
+    elif out.is_contiguous():
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a, b))
+    return None
 
 
 def _chunk_logits(hidden_c, weight, bias_acc, logit_scale, softcap, acc, slab):
@@ -87,7 +103,7 @@ def _chunk_logits(hidden_c, weight, bias_acc, logit_scale, softcap, acc, slab):
     vocab = weight.shape[0]
     logits = torch.empty(hidden_c.shape[0], vocab, dtype=acc, device=hidden_c.device)
     for v0 in range(0, vocab, slab):
-        logits[:, v0 : v0 + slab] = _mm(hidden_c, weight[v0 : v0 + slab].T, acc)
+        _mm(hidden_c, weight[v0 : v0 + slab].T, logits[:, v0 : v0 + slab])
     if bias_acc is not None:
         logits += bias_acc
     if logit_scale != 1.0:
@@ -142,7 +158,7 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros(vocab, hidden_size, dtype=acc, device=weight.device) if want_weight else None
         grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if want_bias else None
         bias_acc = None if bias is None else bias.to(acc)
-        slab = _slab_rows(hidden_size, acc)
+        slab = _slab_rows(weight, acc)
         # The gradient GEMMs' operand dtype: the weight's on CUDA (tensor cores), acc on CPU.
         operand = weight.dtype if weight.is_cuda else acc
         for t0 in range(0, n_tokens, ctx.rows):
@@ -163,15 +179,13 @@ class _LinearLogprobs(torch.autograd.Function):
                 grad *= ctx.logit_scale
             if want_bias:
                 grad_bias += grad.sum(dim=0)
-            if want_hidden:
-                grad_hidden[t0:t1] = 0.0
             hidden_op = hidden_c.to(operand) if want_weight else None
             for v0 in range(0, vocab, slab):
                 grad_s = grad[:, v0 : v0 + slab].to(operand)
                 if want_hidden:
-                    grad_hidden[t0:t1] += _mm(grad_s, weight[v0 : v0 + slab], acc)
+                    _mm(grad_s, weight[v0 : v0 + slab], grad_hidden[t0:t1], accumulate=v0 > 0)
                 if want_weight:
-                    grad_weight[v0 : v0 + slab] += _mm(grad_s.T, hidden_op, acc)
+                    _mm(grad_s.T, hidden_op, grad_weight[v0 : v0 + slab], accumulate=True)
         return (
             None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             None if grad_weight is None else grad_weight.to(weight.dtype),
@@ -189,7 +203,7 @@ def _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index, wit
     entropy = new(n_tokens) if with_entropy else new(0)
     stats = new(n_tokens, 2) if with_stats else new(0)
     bias_acc = None if bias is None else bias.to(acc)
-    slab = _slab_rows(hidden.shape[1], acc)
+    slab = _slab_rows(weight, acc)
     for t0 in range(0, n_tokens, rows):
         t1 = min(t0 + rows, n_tokens)
         logits, _ = _chunk_logits(hidden[t0:t1], weight, bias_acc, logit_scale, softcap, acc, slab)

@@ -31,11 +31,13 @@ from . import (
     write_json,
 )
 from . import kl as kl_cases
+from . import linear as linear_cases
 from . import logprobs as logprobs_cases
 from . import policy as policy_cases
 from . import sampling as sampling_cases
 
-OPS = {"logprobs": logprobs_cases, "sampling": sampling_cases, "policy": policy_cases, "kl": kl_cases}
+OPS = {"logprobs": logprobs_cases, "sampling": sampling_cases, "policy": policy_cases, "kl": kl_cases,
+       "linear": linear_cases}  # fmt: skip
 MAX_REFERENCE_ERROR = 1e-4
 
 
