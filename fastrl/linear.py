@@ -46,11 +46,11 @@ import math
 
 import torch
 
-from . import _ops, _validation, reference
+from . import _ops, _validation, policy, reference
 from ._backend import select_backend
 from .logprobs import row_view
 
-__all__ = ["linear_logprobs_and_entropy"]
+__all__ = ["linear_logprobs_and_entropy", "policy_loss_from_hidden"]
 
 # The chunk's logits buffers are sized to at most this by default: at V = 151936
 # a chunk of 441 tokens (220 with a softcap), large enough for the GEMM to run
@@ -345,3 +345,44 @@ def linear_logprobs_and_entropy(
         logprob, entropy, _ = _forward(flat_hidden, weight, bias, flat_labels, temps, temp_scalar, ignore_index,
                                        with_entropy, float(logit_scale), softcap, rows, backend, acc, False)  # fmt: skip
     return logprob.view(token_shape), entropy.view(token_shape) if with_entropy else None
+
+
+@_validation.keyword_only_options
+def policy_loss_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    ignore_index: int = -100,
+    with_entropy: bool | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    **options,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`fastrl.policy_loss` straight from the hidden states ``[..., L, H]`` and
+    the LM head (Liger's fused-linear GRPO loss, with veRL's loss options): the
+    log-probs (and the entropy, when ``entropy_coef != 0`` or ``with_entropy=True``)
+    come from :func:`linear_logprobs_and_entropy`, so the ``[..., L, V]`` logits are
+    never held; gradients reach ``hidden``, ``weight`` and ``bias``. ``options`` are
+    :func:`fastrl.policy_loss`'s keyword arguments (not ``entropy``). Returns
+    ``(loss, metrics)`` as :func:`fastrl.policy_loss`."""
+    if "entropy" in options:
+        raise TypeError("policy_loss_from_hidden computes the entropy from the hidden states; pass with_entropy=True")
+    _check_head(hidden, weight, bias)
+    _validation.check_per_token(old_log_probs, "old_log_probs")
+    policy.check_current_policy(hidden if hidden.requires_grad else weight, "hidden states and LM head", old_log_probs)
+    if with_entropy is None:
+        with_entropy = options.get("entropy_coef", 0.0) != 0
+    log_probs, entropy = linear_logprobs_and_entropy(
+        hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
+        with_entropy=with_entropy, logit_scale=logit_scale, softcap=softcap, chunk_size=chunk_size,
+        chunk_bytes=chunk_bytes,
+    )  # fmt: skip
+    return policy.policy_loss(log_probs, old_log_probs, advantages, response_mask, entropy=entropy, **options)

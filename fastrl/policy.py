@@ -80,7 +80,7 @@ def _mask_rows(mask: torch.Tensor) -> torch.Tensor:
     return rows.contiguous().view(torch.uint8)
 
 
-def _check_order(current: torch.Tensor, current_name: str, old_log_probs: torch.Tensor) -> None:
+def check_current_policy(current: torch.Tensor, current_name: str, old_log_probs: torch.Tensor) -> None:
     """Refuses the fingerprint of the current and old log-probs passed in each
     other's place (veRL's ``compute_policy_loss_vanilla(old_log_prob, log_prob, ...)``
     takes the old ones first): with grad enabled, ``old_log_probs`` requires grad
@@ -99,8 +99,8 @@ def _check_order(current: torch.Tensor, current_name: str, old_log_probs: torch.
         )
     else:
         fix = (
-            "policy_loss_from_logits(logits, labels, old_log_probs, ...) differentiates through the current policy's "
-            "logits only: pass logits that require grad"
+            f"the loss differentiates through the current policy's {current_name} only: pass {current_name} that "
+            "require grad"
         )
     raise ValueError(
         f"old_log_probs requires grad but {current_name} does not, so the loss would have no gradient; {fix}. "
@@ -258,7 +258,7 @@ def policy_loss(
     _validation.check_per_token(log_probs, "log_probs")
     for name, t in (("old_log_probs", old_log_probs), ("advantages", advantages)):
         _validation.check_per_token(t, name, like=log_probs)
-    _check_order(log_probs, "log_probs", old_log_probs)
+    check_current_policy(log_probs, "log_probs", old_log_probs)
     _validation.check_mask(response_mask, "response_mask", log_probs)
     for name, t in (("rollout_is_weights", rollout_is_weights), ("ref_log_probs", ref_log_probs), ("entropy", entropy)):
         if t is not None:
@@ -339,7 +339,7 @@ def policy_loss_from_logits(
         raise TypeError("policy_loss_from_logits computes the entropy from the logits; pass with_entropy=True instead")
     _validation.check_logits(logits)
     _validation.check_per_token(old_log_probs, "old_log_probs")
-    _check_order(logits, "logits", old_log_probs)
+    check_current_policy(logits, "logits", old_log_probs)
     if with_entropy is None:
         with_entropy = options.get("entropy_coef", 0.0) != 0
     _validation.check_bool(with_entropy, "with_entropy")

@@ -155,6 +155,28 @@ def linear_logprobs_and_entropy(
     return logprobs_from_logits(logits, labels, temperature=temperature, ignore_index=ignore_index), None
 
 
+def policy_loss_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    ignore_index: int = -100,
+    with_entropy: bool | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    **options,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`policy_loss_from_logits` on the logits of :func:`lm_head_logits`."""
+    logits = lm_head_logits(hidden, weight, bias, logit_scale=logit_scale, softcap=softcap)
+    return policy_loss_from_logits(logits, labels, old_log_probs, advantages, response_mask, temperature=temperature,
+                                   ignore_index=ignore_index, with_entropy=with_entropy, **options)  # fmt: skip
+
+
 # ---- sampling -------------------------------------------------------------------------------
 
 

@@ -245,3 +245,60 @@ def test_bad_arguments_raise_naming_them():
             linear_logprobs_and_entropy(args.pop("hidden"), args.pop("weight"), args.pop("labels"), **args)
     with pytest.raises(TypeError, match="keyword"):
         linear_logprobs_and_entropy(hidden, weight, labels, bias)
+
+
+def _policy_inputs(device, dtype):
+    """[2, 9] tokens of hidden states, the head, and the per-token policy inputs
+    (old log-probs near the current ones, so that the clip binds on some tokens)."""
+    hidden, weight, bias, labels = _inputs((2, 9), 12, 70, dtype, device)
+    with torch.no_grad():
+        current, _ = reference.linear_logprobs_and_entropy(hidden.double(), weight.double(), labels, bias=bias.double())
+    old = (current + 0.3 * torch.randn(2, 9, dtype=torch.float64, device=device)).float()
+    advantages = torch.randn(2, 9, device=device)
+    mask = torch.rand(2, 9, device=device) > 0.2
+    return hidden, weight, bias, labels, old, advantages, mask
+
+
+@pytest.mark.parametrize("options", [
+    dict(),
+    dict(loss_agg_mode="seq-mean-token-sum", clip_ratio_c=3.0, entropy_coef=0.01),
+    dict(ratio_level="sequence", loss_agg_mode="seq-mean-token-mean"),
+], ids=["ppo", "dual-clip-entropy", "gspo"])  # fmt: skip
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_policy_loss_from_hidden_matches_reference_in_float64(device, backend, options):
+    """The loss, its metrics and the three gradients of policy_loss_from_hidden
+    against reference.policy_loss_from_hidden, float64 throughout (the kernels
+    compute float64 in float64): the composition is exact up to float64 rounding."""
+    hidden, weight, bias, labels, old, advantages, mask = _policy_inputs(device, torch.float64)
+    labels[0, 2] = -100
+    common = dict(bias=None, temperature=0.9, softcap=4.0, **options)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    truth = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    with fastrl.use_backend(backend):
+        loss, metrics = fastrl.policy_loss_from_hidden(*leaves[:2], labels, old.double(), advantages.double(), mask,
+                                                       **common | {"bias": leaves[2]}, chunk_size=4)  # fmt: skip
+        loss.backward()
+    ref_loss, ref_metrics = reference.policy_loss_from_hidden(*truth[:2], labels, old.double(), advantages.double(),
+                                                              mask, **common | {"bias": truth[2]})  # fmt: skip
+    ref_loss.backward()
+    assert_close_to_reference(loss, ref_loss.detach(), 1e-10)
+    for name, value in ref_metrics.items():
+        assert_close_to_reference(metrics[name], value.detach(), 1e-10, what=name)
+    for leaf, ref in zip(leaves, truth):
+        assert_close_to_reference(leaf.grad, ref.grad, 1e-9, what="grad")
+
+
+def test_policy_loss_from_hidden_float32_and_misuse():
+    """float32: within 1e-4 of the float64 loss (its log-probs are within the
+    bounds of test_values_and_gradients_match_float64_reference, ~1e-5 here,
+    and the loss is a weighted mean of exp(logp - old) A); the entropy argument
+    and swapped old log-probs are refused, naming the fix."""
+    hidden, weight, bias, labels, old, advantages, mask = _policy_inputs("cpu", torch.float32)
+    loss, _ = fastrl.policy_loss_from_hidden(hidden, weight, labels, old, advantages, mask, bias=bias)
+    ref, _ = reference.policy_loss_from_hidden(hidden.double(), weight.double(), labels, old.double(),
+                                               advantages.double(), mask, bias=bias.double())  # fmt: skip
+    assert_close_to_reference(loss, ref, 1e-4)
+    with pytest.raises(TypeError, match="with_entropy"):
+        fastrl.policy_loss_from_hidden(hidden, weight, labels, old, advantages, mask, entropy=old)
+    with pytest.raises(ValueError, match="hidden states and LM head"):
+        fastrl.policy_loss_from_hidden(hidden, weight, labels, old.requires_grad_(), advantages, mask)
