@@ -70,6 +70,14 @@ def from_logits_program(logits, labels, old, advantages, mask):
     return loss, metrics["pg_loss"], metrics["entropy"]
 
 
+def from_hidden_program(hidden, weight, labels, old, advantages, mask):
+    # Chunks of 4 tokens: the chunk loop and the GEMMs trace into the graph.
+    logprob, entropy = fastrl.linear_logprobs_and_entropy(hidden, weight, labels, softcap=5.0, chunk_size=4)
+    loss, metrics = fastrl.policy_loss_from_hidden(hidden, weight, labels, old, advantages, mask, temperature=0.8,
+                                                   entropy_coef=0.01, chunk_size=4)  # fmt: skip
+    return loss + logprob.mean() + entropy.mean(), metrics["pg_loss"], logprob, entropy
+
+
 def _inputs(name: str, device: str, shape=(B, L)):
     """Fresh inputs of program ``name``; the floating leaves require grad."""
     dev = torch.device(device)
@@ -88,6 +96,9 @@ def _inputs(name: str, device: str, shape=(B, L)):
                 per_token(), mask, log_probs(), log_probs())  # fmt: skip
     if name == "full_kl":
         return logits().requires_grad_(), logits(), torch.rand(*shape, device=dev) + 0.5
+    if name == "from_hidden":
+        hidden, weight = torch.randn(*shape, 16, device=dev), torch.randn(V, 16, device=dev) * 0.5
+        return hidden.requires_grad_(), weight.requires_grad_(), labels, log_probs(), per_token(), mask
     return logits().requires_grad_(), labels, log_probs(), per_token(), mask
 
 
@@ -97,6 +108,7 @@ PROGRAMS = {
     "policy": policy_program,
     "full_kl": full_kl_program,
     "from_logits": from_logits_program,
+    "from_hidden": from_hidden_program,
 }
 
 
