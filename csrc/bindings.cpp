@@ -107,11 +107,12 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t labels, int label_dtype, int64_t ignore_index, std::uintptr_t temps,
          double temp_scalar, std::uintptr_t stats, std::uintptr_t entropy,
          std::uintptr_t grad_logprob, std::uintptr_t grad_entropy, std::uintptr_t grad_out,
-         const RowsTuple& grad_rows) {
+         const RowsTuple& grad_rows, int64_t label_base, int64_t label_vocab) {
         fastrl::logprobs_backward(logprobs_args(logits, dtype, n_rows, vocab, rows, labels,
                                                 label_dtype, ignore_index, temps, temp_scalar),
                                   cptr(stats), cptr(entropy), cptr(grad_logprob),
-                                  cptr(grad_entropy), mptr(grad_out), row_layout(grad_rows));
+                                  cptr(grad_entropy), mptr(grad_out), row_layout(grad_rows),
+                                  label_base, label_vocab);
       },
       py::call_guard<py::gil_scoped_release>());
 

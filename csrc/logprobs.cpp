@@ -106,7 +106,7 @@ void forward_impl(const LogprobsArgs& a, void* out_logprob, void* out_entropy, v
 template <typename In, typename Acc>
 void backward_impl(const LogprobsArgs& a, const void* stats_in, const void* entropy_in,
                    const void* grad_logprob, const void* grad_entropy, void* grad_out,
-                   RowLayout grad_rows) {
+                   RowLayout grad_rows, int64_t label_base, int64_t label_vocab) {
   const In* logits = static_cast<const In*>(a.logits);
   In* grad = static_cast<In*>(grad_out);
   const Acc* stats = static_cast<const Acc*>(stats_in);
@@ -123,11 +123,12 @@ void backward_impl(const LogprobsArgs& a, const void* stats_in, const void* entr
       label = load_label(a.labels, a.label_dtype, r);
       if (label == a.ignore_index) {
         label = -1;
-      } else if (label < 0 || label >= a.vocab) {
+      } else if (label < 0 || label >= label_vocab) {
         label = -1;
         g = quiet_nan<Acc>();  // the forward marked this row NaN; so does its gradient
       } else {
         g = g_lp[r];
+        label -= label_base;  // outside [0, vocab): no column of this block
       }
     }
     row_grad<In, Acc>(logits + a.rows.offset(r), grad + grad_rows.offset(r), a.vocab, inv_t,
@@ -151,20 +152,20 @@ void logprobs_forward(const LogprobsArgs& a, void* out_logprob, void* out_entrop
 
 void logprobs_backward(const LogprobsArgs& a, const void* stats, const void* entropy,
                        const void* grad_logprob, const void* grad_entropy, void* grad_out,
-                       RowLayout grad_rows) {
+                       RowLayout grad_rows, int64_t label_base, int64_t label_vocab) {
   switch (a.dtype) {
     case kFloat32:
       return backward_impl<float, float>(a, stats, entropy, grad_logprob, grad_entropy, grad_out,
-                                         grad_rows);
+                                         grad_rows, label_base, label_vocab);
     case kFloat16:
       return backward_impl<F16, float>(a, stats, entropy, grad_logprob, grad_entropy, grad_out,
-                                       grad_rows);
+                                       grad_rows, label_base, label_vocab);
     case kBFloat16:
       return backward_impl<BF16, float>(a, stats, entropy, grad_logprob, grad_entropy, grad_out,
-                                        grad_rows);
+                                        grad_rows, label_base, label_vocab);
     case kFloat64:
       return backward_impl<double, double>(a, stats, entropy, grad_logprob, grad_entropy, grad_out,
-                                           grad_rows);
+                                           grad_rows, label_base, label_vocab);
     default: fail("logprobs_backward: unsupported logits dtype code " + std::to_string(a.dtype));
   }
 }

@@ -33,9 +33,13 @@ void logprobs_forward(const LogprobsArgs& args, void* out_logprob, void* out_ent
 
 // Writes dL/dlogits (logits' dtype, rows laid out by grad_rows; may alias the
 // logits) from the saved stats / entropy and the incoming gradients. A null
-// grad_logprob or grad_entropy means that output's gradient is zero.
+// grad_logprob or grad_entropy means that output's gradient is zero. The rows
+// may be a block of columns [label_base, label_base + vocab) of rows of
+// label_vocab entries (the fused LM head's vocabulary slabs): a label is valid
+// in [0, label_vocab), its one-hot term lands on column label - label_base when
+// that is in the block. A whole row: label_base 0, label_vocab = vocab.
 void logprobs_backward(const LogprobsArgs& args, const void* stats, const void* entropy,
                        const void* grad_logprob, const void* grad_entropy, void* grad_out,
-                       RowLayout grad_rows);
+                       RowLayout grad_rows, int64_t label_base, int64_t label_vocab);
 
 }  // namespace fastrl

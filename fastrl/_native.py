@@ -84,6 +84,8 @@ def logprobs_backward(
     grad_logprob: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
     grad_out: torch.Tensor,
+    label_base: int = 0,
+    label_vocab: int | None = None,
 ) -> None:
     """The contract of ``fastrl.kernels.logprobs.logprobs_backward``, on the C++ kernels."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
@@ -92,7 +94,8 @@ def logprobs_backward(
         logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, row_layout(logits),
         _ptr(labels), DTYPE_CODES[labels.dtype] if labels is not None else -1, ignore_index,
         temps_ptr, temp_scalar, stats.data_ptr(), _ptr(entropy), _ptr(grad_logprob),
-        _ptr(grad_entropy), grad_out.data_ptr(), row_layout(grad_out),
+        _ptr(grad_entropy), grad_out.data_ptr(), row_layout(grad_out), label_base,
+        vocab if label_vocab is None else label_vocab,
     )  # fmt: skip
 
 

@@ -161,16 +161,19 @@ logprobs_forward = _define(
 
 
 def _logprobs_backward(logits, labels, temperature_rows, temperature, ignore_index, stats, entropy, grad_logprob,
-                       grad_entropy, grad_out, backend):  # fmt: skip
+                       grad_entropy, grad_out, backend, label_base=0, label_vocab=-1):  # fmt: skip
     launchers(backend, "logprobs").logprobs_backward(
         logits, labels, row_param(temperature_rows, temperature), ignore_index, stats, entropy, grad_logprob,
-        grad_entropy, grad_out,
+        grad_entropy, grad_out, label_base, label_vocab if label_vocab >= 0 else None,
     )  # fmt: skip
 
 
+# label_base / label_vocab: the rows are columns [label_base, label_base + V) of rows
+# of label_vocab entries (-1: V, a whole row); the fused LM head's vocabulary slabs.
 logprobs_backward = _define(
     "logprobs_backward(Tensor logits, Tensor? labels, " + _TEMPERATURE + ", int ignore_index, Tensor stats, "
-    "Tensor? entropy, Tensor? grad_logprob, Tensor? grad_entropy, Tensor(a!) grad_out, str backend) -> ()",
+    "Tensor? entropy, Tensor? grad_logprob, Tensor? grad_entropy, Tensor(a!) grad_out, str backend, "
+    "int label_base=0, int label_vocab=-1) -> ()",
     _logprobs_backward, _no_output,
 )  # fmt: skip
 

@@ -12,28 +12,34 @@ fp16 operands, ``torch.mm(out_dtype=)``; on CPU, where torch has no such GEMM,
 the slab's operands are widened), then read once by the same log-prob kernel
 ``logprobs_and_entropy`` launches (native on CPU, Triton on CUDA). The forward
 keeps per token what that kernel's backward needs (max logit, log-normaliser,
-entropy). The backward forms each chunk's logits again (the one GEMM it adds
-to the unfused path: the price of not holding them), turns them into
-G = dL/dlogits with the log-prob backward kernel, applies the chain rule of
-the cap and the scale,
+entropy). The backward needs no whole row: given those, dL/dlogits is
+elementwise, so it runs on blocks of B tokens x S vocabulary entries, a
+vocabulary slab s at a time and within it every token block b. It forms the
+block's logits again (the one GEMM it adds to the unfused path: the price of
+not holding them), turns them into G = dL/dlogits with the log-prob backward
+kernel (told that the block's columns start at s's first entry), applies the
+chain rule of the cap and the scale,
 
     dlogits/dx = logit_scale * (1 - (logits / softcap)^2)      (= logit_scale without a softcap)
 
-and multiplies out, a weight slab s at a time,
+and multiplies out
 
-    dL/dhidden_c += G_c[:, s] @ weight[s]     dL/dweight[s] += G_c[:, s].T @ hidden_c     dL/dbias[s] += sum_t G_c[t, s]
+    dL/dhidden[b] += G @ weight[s]     dL/dweight[s] += G.T @ hidden[b]     dL/dbias[s] += sum over b's tokens of G
 
-in float32 accumulators: a bf16 weight's gradient is rounded once, at the end,
-never per chunk (rounding each tile's product before summing biases training,
-as TRL's maintainers found). The gradient GEMMs take G rounded to the weight's
-dtype on CUDA (tensor cores take bf16 / fp16 operands: one unbiased rounding
-of each element, what every fused LM head does) and in float32 on CPU.
+in float32 accumulators: a slab's weight gradient is summed over every token
+and rounded to a bf16 weight's dtype once, never per token block (rounding each
+tile's product before summing biases training, as TRL's maintainers found), and
+no [V, H] float32 accumulator is held. The gradient GEMMs take G rounded to the
+weight's dtype on CUDA (tensor cores take bf16 / fp16 operands: one unbiased
+rounding of each element, what every fused LM head does) and float32 on CPU.
 
-Memory beyond inputs, outputs and gradients: the chunk's logits (C x V x 4
-bytes; twice that with a softcap, whose derivative is kept beside G), C chosen
-so that this fits ``chunk_bytes`` (or capped by ``chunk_size``); a slab's
-widened operands (at most ``_SLAB_BYTES``); and, for a bf16 / fp16 weight that
-needs a gradient, its float32 accumulator (V x H x 4 bytes).
+Memory beyond inputs, outputs and gradients: the forward chunk's logits (C x V x
+4 bytes; twice that with a softcap, whose slope is kept beside G), C chosen so
+that this fits ``chunk_bytes`` (or capped by ``chunk_size``); a backward block
+within the same budget (S = 16384 entries, or fewer, and as many tokens as fit);
+a slab's widened operands on CPU (at most ``_SLAB_BYTES``); for bf16 / fp16 hidden
+states that need a gradient, its float32 accumulator (N x H x 4 bytes), and a
+slab's float32 weight-gradient accumulator (S x H x 4 bytes).
 
 Rows are independent: a token's log-prob does not depend on the chunk it falls
 in as far as the GEMM's own result does not (cuBLAS and oneDNN may pick a
@@ -96,14 +102,10 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = 
     return None
 
 
-def _chunk_logits(hidden_c, weight, bias_acc, logit_scale, softcap, acc, slab):
-    """The float32 (float64) [C, V] logits of a chunk of hidden states (module
-    docstring), and with a softcap dlogits/dx = logit_scale * (1 - (logits /
-    softcap)^2) beside them, else None."""
-    vocab = weight.shape[0]
-    logits = torch.empty(hidden_c.shape[0], vocab, dtype=acc, device=hidden_c.device)
-    for v0 in range(0, vocab, slab):
-        _mm(hidden_c, weight[v0 : v0 + slab].T, logits[:, v0 : v0 + slab])
+def _epilogue(logits, bias_acc, logit_scale, softcap):
+    """Bias, scale and cap applied in place to GEMM output ``logits``; returns
+    (logits, dlogits/dx = logit_scale * (1 - (logits / softcap)^2)) with a
+    softcap, else (logits, None)."""
     if bias_acc is not None:
         logits += bias_acc
     if logit_scale != 1.0:
@@ -115,8 +117,19 @@ def _chunk_logits(hidden_c, weight, bias_acc, logit_scale, softcap, acc, slab):
     return logits.mul_(softcap), slope
 
 
+def _chunk_logits(hidden_c, weight, bias_acc, logit_scale, softcap, acc, slab):
+    """The float32 (float64) [C, V] logits of a chunk of hidden states, whole
+    rows (the forward kernel reads a row at once), a slab of weight rows a GEMM."""
+    vocab = weight.shape[0]
+    logits = torch.empty(hidden_c.shape[0], vocab, dtype=acc, device=hidden_c.device)
+    for v0 in range(0, vocab, slab):
+        _mm(hidden_c, weight[v0 : v0 + slab].T, logits[:, v0 : v0 + slab])
+    return _epilogue(logits, bias_acc, logit_scale, softcap)
+
+
 def _chunk_rows(n_tokens: int, vocab: int, acc: torch.dtype, softcap, chunk_bytes: int, chunk_size) -> int:
-    """Tokens a chunk holds: its logits buffers (two with a softcap) within chunk_bytes, at most chunk_size."""
+    """Tokens a forward chunk holds: its logits buffers (two with a softcap)
+    within chunk_bytes, at most chunk_size."""
     per_token = vocab * (torch.finfo(acc).bits // 8) * (2 if softcap is not None else 1)
     rows = max(1, chunk_bytes // per_token)
     if chunk_size is not None:
@@ -124,73 +137,111 @@ def _chunk_rows(n_tokens: int, vocab: int, acc: torch.dtype, softcap, chunk_byte
     return max(1, min(rows, n_tokens))
 
 
+# The backward's blocks span at most this many vocabulary entries: wide enough for
+# the GEMMs, narrow enough to leave tokens to the block at a 256 MiB budget.
+_BACKWARD_COLS = 16384
+
+
+def _backward_block(n_tokens: int, weight: torch.Tensor, acc: torch.dtype, operand: torch.dtype, softcap,
+                    chunk_bytes: int, chunk_size) -> tuple[int, int]:  # fmt: skip
+    """(tokens, vocabulary entries) of a backward block: its float32 logits /
+    gradient (with a softcap also its slope, and on CUDA its copy in the operand
+    dtype) within chunk_bytes; the widened weight slab within _SLAB_BYTES."""
+    cols = min(weight.shape[0], _BACKWARD_COLS, _slab_rows(weight, acc))
+    acc_bytes = torch.finfo(acc).bits // 8
+    per_entry = acc_bytes * (2 if softcap is not None else 1) + (
+        torch.finfo(operand).bits // 8 if operand != acc else 0
+    )
+    rows = max(1, chunk_bytes // (cols * per_entry))
+    if chunk_size is not None:
+        rows = min(rows, chunk_size)
+    return max(1, min(rows, n_tokens)), cols
+
+
 class _LinearLogprobs(torch.autograd.Function):
     """Outputs: logprob [N], entropy [N] (empty when not asked for)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temps, temp_scalar, ignore_index, with_entropy,
-                logit_scale, softcap, rows, backend):  # fmt: skip
+                logit_scale, softcap, chunk_bytes, chunk_size, backend):  # fmt: skip
         acc = reference.compute_dtype(hidden)
         needs_grad = any(ctx.needs_input_grad[:3])
+        rows = _chunk_rows(hidden.shape[0], weight.shape[0], acc, softcap, chunk_bytes, chunk_size)
         logprob, entropy, stats = _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index,
                                            with_entropy, logit_scale, softcap, rows, backend, acc, needs_grad)  # fmt: skip
         ctx.save_for_backward(hidden, weight, bias, labels, temps, stats, entropy if with_entropy else None)
         ctx.temp_scalar, ctx.ignore_index, ctx.backend = temp_scalar, ignore_index, backend
-        ctx.logit_scale, ctx.softcap, ctx.rows, ctx.with_entropy = logit_scale, softcap, rows, with_entropy
+        ctx.logit_scale, ctx.softcap, ctx.with_entropy = logit_scale, softcap, with_entropy
+        ctx.chunk_bytes, ctx.chunk_size = chunk_bytes, chunk_size
         ctx.set_materialize_grads(False)
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
+        """Vocabulary slab by slab, and within a slab token block by token block
+        (module docstring): each slab's weight gradient is summed in float32 over
+        every token and written once, so no [V, H] float32 accumulator is held."""
         _ops.refuse_double_backward()
         hidden, weight, bias, labels, temps, stats, entropy = ctx.saved_tensors
         if not ctx.with_entropy:
             grad_entropy = None
         if grad_logprob is None and grad_entropy is None:
-            return (None,) * 12
+            return (None,) * 13
         acc = stats.dtype
         grad_logprob = None if grad_logprob is None else grad_logprob.to(acc).contiguous()
         grad_entropy = None if grad_entropy is None else grad_entropy.to(acc).contiguous()
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         n_tokens, hidden_size = hidden.shape
         vocab = weight.shape[0]
-        grad_hidden = torch.empty(n_tokens, hidden_size, dtype=acc, device=hidden.device) if want_hidden else None
-        grad_weight = torch.zeros(vocab, hidden_size, dtype=acc, device=weight.device) if want_weight else None
-        grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if want_bias else None
-        bias_acc = None if bias is None else bias.to(acc)
-        slab = _slab_rows(weight, acc)
         # The gradient GEMMs' operand dtype: the weight's on CUDA (tensor cores), acc on CPU.
         operand = weight.dtype if weight.is_cuda else acc
-        for t0 in range(0, n_tokens, ctx.rows):
-            t1 = min(t0 + ctx.rows, n_tokens)
-            hidden_c = hidden[t0:t1]
-            logits, slope = _chunk_logits(hidden_c, weight, bias_acc, ctx.logit_scale, ctx.softcap, acc, slab)
-            rows = row_view(logits)
-            _ops.logprobs_backward(
-                rows, None if labels is None else labels[t0:t1], None if temps is None else temps[t0:t1],
-                ctx.temp_scalar, ctx.ignore_index, stats[t0:t1], None if entropy is None else entropy[t0:t1],
-                None if grad_logprob is None else grad_logprob[t0:t1],
-                None if grad_entropy is None else grad_entropy[t0:t1], rows, ctx.backend,
-            )  # fmt: skip
-            grad = logits  # now dL/dlogits, written over the logits
-            if slope is not None:
-                grad *= slope
-            elif ctx.logit_scale != 1.0:
-                grad *= ctx.logit_scale
-            if want_bias:
-                grad_bias += grad.sum(dim=0)
-            hidden_op = hidden_c.to(operand) if want_weight else None
-            for v0 in range(0, vocab, slab):
-                grad_s = grad[:, v0 : v0 + slab].to(operand)
+        rows, cols = _backward_block(n_tokens, weight, acc, operand, ctx.softcap, ctx.chunk_bytes, ctx.chunk_size)
+        grad_hidden = torch.zeros(n_tokens, hidden_size, dtype=acc, device=hidden.device) if want_hidden else None
+        grad_weight = torch.empty_like(weight) if want_weight else None
+        grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if want_bias else None
+        bias_acc = None if bias is None else bias.to(acc)
+        pick = lambda t, t0, t1: None if t is None else t[t0:t1]  # noqa: E731
+        for v0 in range(0, vocab, cols):
+            v1 = min(v0 + cols, vocab)
+            weight_op = weight[v0:v1].to(operand)
+            grad_weight_s = None
+            if want_weight:  # summed in acc: the output itself when it is acc
+                grad_weight_s = (
+                    grad_weight[v0:v1]
+                    if weight.dtype == acc
+                    else torch.empty(v1 - v0, hidden_size, dtype=acc, device=weight.device)
+                )
+                grad_weight_s.zero_()
+            for t0 in range(0, n_tokens, rows):
+                t1 = min(t0 + rows, n_tokens)
+                logits = torch.empty(t1 - t0, v1 - v0, dtype=acc, device=hidden.device)
+                _mm(hidden[t0:t1], weight_op.T, logits)
+                logits, slope = _epilogue(logits, pick(bias_acc, v0, v1), ctx.logit_scale, ctx.softcap)
+                block = row_view(logits)
+                _ops.logprobs_backward(
+                    block, pick(labels, t0, t1), pick(temps, t0, t1), ctx.temp_scalar, ctx.ignore_index,
+                    stats[t0:t1], pick(entropy, t0, t1), pick(grad_logprob, t0, t1), pick(grad_entropy, t0, t1),
+                    block, ctx.backend, v0, vocab,
+                )  # fmt: skip
+                grad = logits  # now dL/dlogits, written over the logits
+                if slope is not None:
+                    grad *= slope
+                elif ctx.logit_scale != 1.0:
+                    grad *= ctx.logit_scale
+                if want_bias:
+                    grad_bias[v0:v1] += grad.sum(dim=0)
+                grad_op = grad.to(operand)
                 if want_hidden:
-                    _mm(grad_s, weight[v0 : v0 + slab], grad_hidden[t0:t1], accumulate=v0 > 0)
+                    _mm(grad_op, weight_op, grad_hidden[t0:t1], accumulate=True)
                 if want_weight:
-                    _mm(grad_s.T, hidden_op, grad_weight[v0 : v0 + slab], accumulate=True)
+                    _mm(grad_op.T, hidden[t0:t1].to(operand), grad_weight_s, accumulate=True)
+            if want_weight and weight.dtype != acc:
+                grad_weight[v0:v1] = grad_weight_s
         return (
             None if grad_hidden is None else grad_hidden.to(hidden.dtype),
-            None if grad_weight is None else grad_weight.to(weight.dtype),
+            grad_weight,
             None if grad_bias is None else grad_bias.to(bias.dtype),
-            *(None,) * 9,
+            *(None,) * 10,
         )
 
 
@@ -334,14 +385,14 @@ def linear_logprobs_and_entropy(
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1).contiguous()
     temps, temp_scalar = _ops.split_row_param(_validation.flat_per_row(temperature, token_shape, acc))
-    rows = _chunk_rows(flat_hidden.shape[0], vocab, acc, softcap, chunk_bytes, chunk_size)
     wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if wants_grad:
         logprob, entropy = _LinearLogprobs.apply(
             flat_hidden, weight, bias, flat_labels, temps, temp_scalar, ignore_index, with_entropy,
-            float(logit_scale), softcap, rows, backend,
+            float(logit_scale), softcap, chunk_bytes, chunk_size, backend,
         )  # fmt: skip
     else:
+        rows = _chunk_rows(flat_hidden.shape[0], vocab, acc, softcap, chunk_bytes, chunk_size)
         logprob, entropy, _ = _forward(flat_hidden, weight, bias, flat_labels, temps, temp_scalar, ignore_index,
                                        with_entropy, float(logit_scale), softcap, rows, backend, acc, False)  # fmt: skip
     return logprob.view(token_shape), entropy.view(token_shape) if with_entropy else None

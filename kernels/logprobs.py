@@ -16,6 +16,12 @@ where a term with p_j = 0 (a -inf logit, or (x_j - m) / T beyond the float
 range) contributes 0. The entropy term is compiled out
 when entropy's gradient is not needed. The gradient may be written over the
 logits (inplace_backward): each block is loaded before it is stored.
+
+The backward is elementwise given the row's (m, log s, entropy), so it also runs
+on a block of columns of the rows (the fused LM head's vocabulary slabs): the
+columns are [label_base, label_base + V) of rows of label_vocab entries; a label
+is valid in [0, label_vocab) and its [j == label] term lands on column
+label - label_base when that lies in the block.
 """
 
 from __future__ import annotations
@@ -178,7 +184,7 @@ def _logprobs_fwd_kernel(
 def _logprobs_bwd_kernel(
     logits_ptr, inner, outer_stride, inner_stride, grad_ptr, grad_inner, grad_outer_stride, grad_inner_stride,
     labels_ptr, temps_ptr, temp_scalar,
-    ignore_index, stats_ptr, entropy_ptr, grad_logprob_ptr, grad_entropy_ptr, V,
+    ignore_index, stats_ptr, entropy_ptr, grad_logprob_ptr, grad_entropy_ptr, V, label_base, label_vocab,
     HAS_GRAD_LOGPROB: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr, PER_ROW_TEMP: tl.constexpr,
     ALIGN_BODY: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
@@ -193,11 +199,11 @@ def _logprobs_bwd_kernel(
     if HAS_GRAD_LOGPROB:
         label = tl.load(labels_ptr + row).to(tl.int64)
         ignored = label == ignore_index
-        in_range = (label >= 0) & (label < V)
-        # A label outside [0, V) made the forward NaN; its gradient is NaN too.
+        in_range = (label >= 0) & (label < label_vocab)
+        # A label outside [0, label_vocab) made the forward NaN; its gradient is NaN too.
         g = tl.where(in_range, tl.load(grad_logprob_ptr + row).to(ACC), float("nan"))
         g = tl.where(ignored, 0.0, g).to(ACC)
-        label = tl.where(in_range & ~ignored, label, -1)
+        label = tl.where(in_range & ~ignored, label - label_base, -1)  # -1: no column of the block
     h = tl.zeros([], ACC)
     entropy = tl.zeros([], ACC)
     if HAS_GRAD_ENTROPY:
@@ -290,17 +296,22 @@ def logprobs_backward(
     grad_logprob: torch.Tensor | None,
     grad_entropy: torch.Tensor | None,
     grad_out: torch.Tensor,
+    label_base: int = 0,
+    label_vocab: int | None = None,
 ) -> None:
     """Writes dL/dlogits into ``grad_out`` (logits' dtype, its own [outer', inner', V]
     layout of the same rows; it may be the logits themselves). A None
-    incoming gradient counts as zero and skips its term."""
+    incoming gradient counts as zero and skips its term. ``label_base`` /
+    ``label_vocab`` (default 0 / V): the rows are columns [label_base,
+    label_base + V) of rows of label_vocab entries (module docstring)."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
+    label_vocab = vocab if label_vocab is None else label_vocab
     _, acc_tl = _acc_dtypes(logits)
     temps, temp_scalar, per_row = _temperature_args(temperature)
     block, num_warps = _launch_config(vocab)
     _logprobs_bwd_kernel[(n_rows,)](
         logits, *row_layout(logits), grad_out, *row_layout(grad_out), labels, temps, temp_scalar,
-        ignore_index, stats, entropy, grad_logprob, grad_entropy, vocab,
+        ignore_index, stats, entropy, grad_logprob, grad_entropy, vocab, label_base, label_vocab,
         HAS_GRAD_LOGPROB=grad_logprob is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
         PER_ROW_TEMP=per_row, ALIGN_BODY=not rows_aligned(logits) and same_row_alignment(logits, grad_out),
         BLOCK_V=block, ACC=acc_tl, num_warps=num_warps, **CONTRACTED,

@@ -8,7 +8,7 @@ import torch
 from conftest import assert_close_to_reference, backend_params
 
 import fastrl
-from fastrl import _ops, reference
+from fastrl import _ops, linear, reference
 from fastrl.linear import linear_logprobs_and_entropy
 
 BACKENDS = backend_params()
@@ -103,9 +103,12 @@ def _check(actual, expected, tol, rtol, what):
 @pytest.mark.parametrize("softcap", [None, 20.0], ids=["nocap", "softcap"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
-def test_values_and_gradients_match_float64_reference(device, backend, dtype, softcap):
+def test_values_and_gradients_match_float64_reference(device, backend, dtype, softcap, monkeypatch):
     """Three chunks of 7 tokens (the last one short), a [3, 6] batch, per-row
-    temperatures, a bias, a logit scale: outputs and the three gradients."""
+    temperatures, a bias, a logit scale: outputs and the three gradients. The
+    backward's vocabulary slabs are 256 wide (the last one short), so labels land
+    in every slab."""
+    monkeypatch.setattr(linear, "_BACKWARD_COLS", 256)
     lead, hidden_size, vocab = (3, 6), 48, 1031
     hidden, weight, bias, labels = _inputs(lead, hidden_size, vocab, dtype, device)
     temperature = (torch.rand(lead, dtype=torch.float64) * 1.5 + 0.4).to(device)
@@ -132,9 +135,10 @@ def test_values_and_gradients_match_float64_reference(device, backend, dtype, so
 
 
 @pytest.mark.parametrize("device,backend", BACKENDS)
-def test_gradcheck_float64(device, backend):
+def test_gradcheck_float64(device, backend, monkeypatch):
     """Finite differences in float64 through every input: the cap, the scale,
-    per-row temperatures, an ignored label, chunks of 2 tokens."""
+    per-row temperatures, an ignored label, chunks of 2 tokens, vocabulary slabs of 4."""
+    monkeypatch.setattr(linear, "_BACKWARD_COLS", 4)
     hidden, weight, bias, labels = _inputs((5,), 4, 9, torch.float64, device)
     labels[1] = -100
     temperature = (torch.rand(5, dtype=torch.float64) + 0.5).to(device)
@@ -174,6 +178,23 @@ def test_chunks_hold_the_memory_bound_and_cover_every_token(device, backend, mon
     for a, b in zip(whole, by_bytes):
         assert_close_to_reference(a, b.double(), 1e-6)
     assert_close_to_reference(by_size[0], whole[0].double(), 1e-6)
+
+    # The backward: blocks of tokens x vocabulary slabs within the same budget, covering every logit once.
+    blocks = []
+    backward = _ops.logprobs_backward
+
+    def spy_backward(logits, *args):
+        blocks.append((logits.shape[1], logits.shape[2]))
+        return backward(logits, *args)
+
+    monkeypatch.setattr(_ops, "logprobs_backward", spy_backward)
+    monkeypatch.setattr(linear, "_BACKWARD_COLS", 128)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with fastrl.use_backend(backend):
+        logp, _ = linear_logprobs_and_entropy(h, w, labels, chunk_bytes=300 * 4 * 5)
+        logp.sum().backward()
+    assert max(rows * cols * 4 for rows, cols in blocks) <= 300 * 4 * 5
+    assert sum(rows * cols for rows, cols in blocks) == 23 * 300 and {cols for _, cols in blocks} == {128, 44}
 
 
 @pytest.mark.parametrize("device,backend", BACKENDS)
