@@ -16,7 +16,8 @@ entropy). The backward needs no whole row: given those, dL/dlogits is
 elementwise, so it runs on blocks of B tokens x S vocabulary entries, a
 vocabulary slab s at a time and within it every token block b. It forms the
 block's logits again (the one GEMM it adds to the unfused path: the price of
-not holding them), turns them into G = dL/dlogits with the log-prob backward
+not holding them; when one forward chunk held every token, that chunk's logits,
+within ``chunk_bytes`` anyway, are kept for the backward instead), turns them into G = dL/dlogits with the log-prob backward
 kernel (told that the block's columns start at s's first entry), applies the
 chain rule of the cap and the scale,
 
@@ -167,9 +168,16 @@ class _LinearLogprobs(torch.autograd.Function):
         acc = reference.compute_dtype(hidden)
         needs_grad = any(ctx.needs_input_grad[:3])
         rows = _chunk_rows(hidden.shape[0], weight.shape[0], acc, softcap, chunk_bytes, chunk_size)
-        logprob, entropy, stats = _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index,
-                                           with_entropy, logit_scale, softcap, rows, backend, acc, needs_grad)  # fmt: skip
-        ctx.save_for_backward(hidden, weight, bias, labels, temps, stats, entropy if with_entropy else None)
+        logprob, entropy, stats, (logits, slope) = _forward(
+            hidden, weight, bias, labels, temps, temp_scalar, ignore_index, with_entropy, logit_scale, softcap, rows,
+            backend, acc, needs_grad,
+        )  # fmt: skip
+        # One chunk held every token: its logits (within chunk_bytes) are kept for the
+        # backward, which then forms none again (one GEMM fewer). Otherwise none are kept.
+        if not (needs_grad and rows >= hidden.shape[0]):
+            logits = slope = None
+        ctx.save_for_backward(hidden, weight, bias, labels, temps, stats, entropy if with_entropy else None, logits,
+                              slope)  # fmt: skip
         ctx.temp_scalar, ctx.ignore_index, ctx.backend = temp_scalar, ignore_index, backend
         ctx.logit_scale, ctx.softcap, ctx.with_entropy = logit_scale, softcap, with_entropy
         ctx.chunk_bytes, ctx.chunk_size = chunk_bytes, chunk_size
@@ -182,7 +190,7 @@ class _LinearLogprobs(torch.autograd.Function):
         (module docstring): each slab's weight gradient is summed in float32 over
         every token and written once, so no [V, H] float32 accumulator is held."""
         _ops.refuse_double_backward()
-        hidden, weight, bias, labels, temps, stats, entropy = ctx.saved_tensors
+        hidden, weight, bias, labels, temps, stats, entropy, kept_logits, kept_slope = ctx.saved_tensors
         if not ctx.with_entropy:
             grad_entropy = None
         if grad_logprob is None and grad_entropy is None:
@@ -214,16 +222,20 @@ class _LinearLogprobs(torch.autograd.Function):
                 grad_weight_s.zero_()
             for t0 in range(0, n_tokens, rows):
                 t1 = min(t0 + rows, n_tokens)
-                logits = torch.empty(t1 - t0, v1 - v0, dtype=acc, device=hidden.device)
-                _mm(hidden[t0:t1], weight_op.T, logits)
-                logits, slope = _epilogue(logits, pick(bias_acc, v0, v1), ctx.logit_scale, ctx.softcap)
-                block = row_view(logits)
+                if kept_logits is not None:  # the forward's, read in place; the gradient goes to a new block
+                    logits = kept_logits[t0:t1, v0:v1]
+                    slope = None if kept_slope is None else kept_slope[t0:t1, v0:v1]
+                    grad = torch.empty(t1 - t0, v1 - v0, dtype=acc, device=hidden.device)
+                else:  # formed again, and the gradient written over them
+                    logits = torch.empty(t1 - t0, v1 - v0, dtype=acc, device=hidden.device)
+                    _mm(hidden[t0:t1], weight_op.T, logits)
+                    logits, slope = _epilogue(logits, pick(bias_acc, v0, v1), ctx.logit_scale, ctx.softcap)
+                    grad = logits
                 _ops.logprobs_backward(
-                    block, pick(labels, t0, t1), pick(temps, t0, t1), ctx.temp_scalar, ctx.ignore_index,
+                    row_view(logits), pick(labels, t0, t1), pick(temps, t0, t1), ctx.temp_scalar, ctx.ignore_index,
                     stats[t0:t1], pick(entropy, t0, t1), pick(grad_logprob, t0, t1), pick(grad_entropy, t0, t1),
-                    block, ctx.backend, v0, vocab,
+                    row_view(grad), ctx.backend, v0, vocab,
                 )  # fmt: skip
-                grad = logits  # now dL/dlogits, written over the logits
                 if slope is not None:
                     grad *= slope
                 elif ctx.logit_scale != 1.0:
@@ -247,7 +259,8 @@ class _LinearLogprobs(torch.autograd.Function):
 
 def _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index, with_entropy, logit_scale, softcap,
              rows, backend, acc, with_stats):  # fmt: skip
-    """(logprob [N], entropy [N] or empty, stats [N, 2] or empty), a chunk of ``rows`` tokens at a time."""
+    """(logprob [N], entropy [N] or empty, stats [N, 2] or empty, (logits, slope)
+    of the last chunk), a chunk of ``rows`` tokens at a time."""
     n_tokens = hidden.shape[0]
     new = lambda *shape: torch.empty(shape, dtype=acc, device=hidden.device)  # noqa: E731
     logprob = new(n_tokens) if labels is not None else new(0)
@@ -257,7 +270,7 @@ def _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index, wit
     slab = _slab_rows(weight, acc)
     for t0 in range(0, n_tokens, rows):
         t1 = min(t0 + rows, n_tokens)
-        logits, _ = _chunk_logits(hidden[t0:t1], weight, bias_acc, logit_scale, softcap, acc, slab)
+        logits, slope = _chunk_logits(hidden[t0:t1], weight, bias_acc, logit_scale, softcap, acc, slab)
         lp, ent, st = _ops.logprobs_forward(
             row_view(logits), None if labels is None else labels[t0:t1], None if temps is None else temps[t0:t1],
             temp_scalar, ignore_index, with_entropy, with_stats, backend,
@@ -268,7 +281,7 @@ def _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index, wit
             entropy[t0:t1] = ent
         if with_stats:
             stats[t0:t1] = st
-    return logprob, entropy, stats
+    return logprob, entropy, stats, (logits, slope) if n_tokens else (None, None)
 
 
 def _check_float(t: object, name: str) -> torch.Tensor:
@@ -393,8 +406,8 @@ def linear_logprobs_and_entropy(
         )  # fmt: skip
     else:
         rows = _chunk_rows(flat_hidden.shape[0], vocab, acc, softcap, chunk_bytes, chunk_size)
-        logprob, entropy, _ = _forward(flat_hidden, weight, bias, flat_labels, temps, temp_scalar, ignore_index,
-                                       with_entropy, float(logit_scale), softcap, rows, backend, acc, False)  # fmt: skip
+        logprob, entropy, _, _ = _forward(flat_hidden, weight, bias, flat_labels, temps, temp_scalar, ignore_index,
+                                          with_entropy, float(logit_scale), softcap, rows, backend, acc, False)  # fmt: skip
     return logprob.view(token_shape), entropy.view(token_shape) if with_entropy else None
 
 

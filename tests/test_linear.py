@@ -100,11 +100,13 @@ def _check(actual, expected, tol, rtol, what):
     )
 
 
+@pytest.mark.parametrize("chunk_size", [7, None], ids=["chunks", "one-chunk"])
 @pytest.mark.parametrize("softcap", [None, 20.0], ids=["nocap", "softcap"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
-def test_values_and_gradients_match_float64_reference(device, backend, dtype, softcap, monkeypatch):
-    """Three chunks of 7 tokens (the last one short), a [3, 6] batch, per-row
+def test_values_and_gradients_match_float64_reference(device, backend, dtype, softcap, chunk_size, monkeypatch):
+    """A [3, 6] batch in three chunks of 7 tokens (the last one short; the backward
+    forms the logits again), or in one (the backward reads the forward's), per-row
     temperatures, a bias, a logit scale: outputs and the three gradients. The
     backward's vocabulary slabs are 256 wide (the last one short), so labels land
     in every slab."""
@@ -119,7 +121,7 @@ def test_values_and_gradients_match_float64_reference(device, backend, dtype, so
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     with fastrl.use_backend(backend):
         lp, ent = linear_logprobs_and_entropy(*leaves[:2], labels, bias=leaves[2], temperature=temperature,
-                                              logit_scale=logit_scale, softcap=softcap, chunk_size=7)  # fmt: skip
+                                              logit_scale=logit_scale, softcap=softcap, chunk_size=chunk_size)  # fmt: skip
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     assert lp.dtype == ent.dtype == torch.float32 and lp.shape == ent.shape == lead
     operand_u = 2.0**-8 if (device == "cuda" and dtype != torch.float32) else 0.0  # G rounded to bf16 / fp16
@@ -195,6 +197,21 @@ def test_chunks_hold_the_memory_bound_and_cover_every_token(device, backend, mon
         logp.sum().backward()
     assert max(rows * cols * 4 for rows, cols in blocks) <= 300 * 4 * 5
     assert sum(rows * cols for rows, cols in blocks) == 23 * 300 and {cols for _, cols in blocks} == {128, 44}
+
+
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_a_second_backward_gives_the_same_gradients(device, backend):
+    """retain_graph: the backward never writes over what it saved (one chunk keeps
+    the forward's logits, several form them again)."""
+    hidden, weight, bias, labels = _inputs((9,), 8, 40, torch.float32, device)
+    for chunk_size in (None, 4):
+        h = hidden.clone().requires_grad_()
+        with fastrl.use_backend(backend):
+            lp, ent = linear_logprobs_and_entropy(h, weight, labels, bias=bias, softcap=3.0, chunk_size=chunk_size)
+            total = lp.sum() + ent.sum()
+            first = torch.autograd.grad(total, h, retain_graph=True)[0]
+            second = torch.autograd.grad(total, h)[0]
+        assert torch.equal(first, second), chunk_size
 
 
 @pytest.mark.parametrize("device,backend", BACKENDS)
