@@ -161,7 +161,7 @@ logprobs_forward = _define(
 
 
 def _logprobs_backward(logits, labels, temperature_rows, temperature, ignore_index, stats, entropy, grad_logprob,
-                       grad_entropy, grad_out, backend, label_base=0, label_vocab=-1):  # fmt: skip
+                       grad_entropy, grad_out, label_base, label_vocab, backend):  # fmt: skip
     launchers(backend, "logprobs").logprobs_backward(
         logits, labels, row_param(temperature_rows, temperature), ignore_index, stats, entropy, grad_logprob,
         grad_entropy, grad_out, label_base, label_vocab if label_vocab >= 0 else None,
@@ -169,11 +169,11 @@ def _logprobs_backward(logits, labels, temperature_rows, temperature, ignore_ind
 
 
 # label_base / label_vocab: the rows are columns [label_base, label_base + V) of rows
-# of label_vocab entries (-1: V, a whole row); the fused LM head's vocabulary slabs.
+# of label_vocab entries (0 / -1: a whole row); the fused LM head's vocabulary slabs.
 logprobs_backward = _define(
     "logprobs_backward(Tensor logits, Tensor? labels, " + _TEMPERATURE + ", int ignore_index, Tensor stats, "
-    "Tensor? entropy, Tensor? grad_logprob, Tensor? grad_entropy, Tensor(a!) grad_out, str backend, "
-    "int label_base=0, int label_vocab=-1) -> ()",
+    "Tensor? entropy, Tensor? grad_logprob, Tensor? grad_entropy, Tensor(a!) grad_out, int label_base, "
+    "int label_vocab, str backend) -> ()",
     _logprobs_backward, _no_output,
 )  # fmt: skip
 

@@ -204,7 +204,8 @@ class _LinearLogprobs(torch.autograd.Function):
         # The gradient GEMMs' operand dtype: the weight's on CUDA (tensor cores), acc on CPU.
         operand = weight.dtype if weight.is_cuda else acc
         rows, cols = _backward_block(n_tokens, weight, acc, operand, ctx.softcap, ctx.chunk_bytes, ctx.chunk_size)
-        grad_hidden = torch.zeros(n_tokens, hidden_size, dtype=acc, device=hidden.device) if want_hidden else None
+        # Accumulators are written by their first GEMM (no zero-filling pass over fresh memory).
+        grad_hidden = torch.empty(n_tokens, hidden_size, dtype=acc, device=hidden.device) if want_hidden else None
         grad_weight = torch.empty_like(weight) if want_weight else None
         grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if want_bias else None
         bias_acc = None if bias is None else bias.to(acc)
@@ -219,7 +220,6 @@ class _LinearLogprobs(torch.autograd.Function):
                     if weight.dtype == acc
                     else torch.empty(v1 - v0, hidden_size, dtype=acc, device=weight.device)
                 )
-                grad_weight_s.zero_()
             for t0 in range(0, n_tokens, rows):
                 t1 = min(t0 + rows, n_tokens)
                 if kept_logits is not None:  # the forward's, read in place; the gradient goes to a new block
@@ -234,7 +234,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 _ops.logprobs_backward(
                     row_view(logits), pick(labels, t0, t1), pick(temps, t0, t1), ctx.temp_scalar, ctx.ignore_index,
                     stats[t0:t1], pick(entropy, t0, t1), pick(grad_logprob, t0, t1), pick(grad_entropy, t0, t1),
-                    row_view(grad), ctx.backend, v0, vocab,
+                    row_view(grad), v0, vocab, ctx.backend,
                 )  # fmt: skip
                 if slope is not None:
                     grad *= slope
@@ -244,9 +244,9 @@ class _LinearLogprobs(torch.autograd.Function):
                     grad_bias[v0:v1] += grad.sum(dim=0)
                 grad_op = grad.to(operand)
                 if want_hidden:
-                    _mm(grad_op, weight_op, grad_hidden[t0:t1], accumulate=True)
+                    _mm(grad_op, weight_op, grad_hidden[t0:t1], accumulate=v0 > 0)
                 if want_weight:
-                    _mm(grad_op.T, hidden[t0:t1].to(operand), grad_weight_s, accumulate=True)
+                    _mm(grad_op.T, hidden[t0:t1].to(operand), grad_weight_s, accumulate=t0 > 0)
             if want_weight and weight.dtype != acc:
                 grad_weight[v0:v1] = grad_weight_s
         return (

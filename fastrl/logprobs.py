@@ -115,7 +115,7 @@ class _LogprobsEntropy(torch.autograd.Function):
         grad_rows = rows if ctx.inplace_backward else torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
         _ops.logprobs_backward(
             rows, labels, temps, ctx.temp_scalar, ctx.ignore_index, stats, entropy, grad_logprob, grad_entropy,
-            grad_rows, ctx.backend,
+            grad_rows, 0, -1, ctx.backend,
         )  # fmt: skip
         if ctx.inplace_backward and not torch.compiler.is_compiling():
             # The kernel wrote through a raw pointer: tell autograd, so that any node
