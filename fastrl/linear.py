@@ -292,6 +292,23 @@ def _check_float(t: object, name: str) -> torch.Tensor:
     return t
 
 
+def _gather_sharded(*tensors):
+    """The tensors with every DTensor all-gathered into a plain tensor.
+
+    FSDP2 (``fully_shard``) leaves a module's parameters sharded DTensors outside
+    its forward, and a fused head reads ``lm_head.weight`` without calling the
+    module, so the weight (or a sequence-parallel ``hidden``) may arrive sharded;
+    it is gathered as TRL's fused head gathers it. ``full_tensor()`` is
+    differentiable: its gradient is taken as replicated, so each rank's shard
+    receives its slice of that rank's own gradient (summing over data-parallel
+    ranks stays the trainer's job, as after TRL's gather)."""
+    if not torch.distributed.is_available():
+        return tensors
+    from torch.distributed.tensor import DTensor
+
+    return tuple(t.full_tensor() if isinstance(t, DTensor) else t for t in tensors)
+
+
 def _check_head(hidden: object, weight: object, bias: object) -> None:
     """hidden [..., H], weight [V, H] (V, H >= 1) and bias [V] or None, on one device."""
     _check_float(hidden, "hidden")
@@ -354,7 +371,8 @@ def linear_logprobs_and_entropy(
     Args:
         hidden: ``[..., H]`` bf16 / fp16 / fp32 (fp64 computed in fp64).
         weight: ``[V, H]`` the LM head's weight, hidden's dtype (under
-            ``torch.autocast`` both run in the autocast dtype).
+            ``torch.autocast`` both run in the autocast dtype). A DTensor
+            (FSDP2's sharded parameter) is all-gathered first, as TRL does.
         labels: ``[...]`` int32 / int64, in ``[0, V)`` or ``ignore_index``.
         bias: ``[V]`` or None.
         temperature: positive float, or per-token temperatures broadcastable to ``labels.shape``.
@@ -371,6 +389,7 @@ def linear_logprobs_and_entropy(
         ``hidden``, ``weight`` and ``bias``; their gradients come back in their dtypes.
     """
     _check_head(hidden, weight, bias)
+    hidden, weight, bias = _gather_sharded(hidden, weight, bias)
     _validation.check_ignore_index(ignore_index)
     token_shape = hidden.shape[:-1]
     vocab = weight.shape[0]
@@ -440,6 +459,7 @@ def policy_loss_from_hidden(
     if "entropy" in options:
         raise TypeError("policy_loss_from_hidden computes the entropy from the hidden states; pass with_entropy=True")
     _check_head(hidden, weight, bias)
+    hidden, weight, bias = _gather_sharded(hidden, weight, bias)
     _validation.check_per_token(old_log_probs, "old_log_probs")
     policy.check_current_policy(hidden if hidden.requires_grad else weight, "hidden states and LM head", old_log_probs)
     if with_entropy is None:

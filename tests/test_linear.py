@@ -340,3 +340,46 @@ def test_policy_loss_from_hidden_float32_and_misuse():
         fastrl.policy_loss_from_hidden(hidden, weight, labels, old, advantages, mask, entropy=old)
     with pytest.raises(ValueError, match="hidden states and LM head"):
         fastrl.policy_loss_from_hidden(hidden, weight, labels, old.requires_grad_(), advantages, mask)
+
+
+def _sharded_head_worker(rank: int, world_size: int, init_file: str, seed: int) -> None:
+    """One rank of test_fsdp2_sharded_head_is_gathered (module level: spawn imports it)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        torch.manual_seed(seed)  # every rank draws the same full tensors
+        hidden, weight, bias, labels = _inputs((7,), 16, 37, torch.float32, "cpu")  # 37 rows: uneven shards
+        g_lp, g_ent = torch.randn(7), torch.randn(7)
+
+        def run(h, w, b):
+            lp, ent = linear_logprobs_and_entropy(h, w, labels, bias=b, temperature=0.8)
+            ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+            return lp, ent
+
+        full = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        sharded = [distribute_tensor(t.clone(), mesh, [Shard(0)]).requires_grad_() for t in (hidden, weight, bias)]
+        lp, ent = run(*full)
+        lp_s, ent_s = run(*sharded)
+        # The gathered tensors are the full ones bit for bit, so is everything computed from them.
+        assert type(lp_s) is torch.Tensor and torch.equal(lp_s, lp) and torch.equal(ent_s, ent)
+        for name, f, s in zip(("hidden", "weight", "bias"), full, sharded, strict=True):
+            local = s.grad.to_local()
+            start = 0 if rank == 0 else f.shape[0] - local.shape[0]  # rank 0 holds the first, larger half
+            assert torch.equal(local, f.grad[start : start + local.shape[0]]), name
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+def test_fsdp2_sharded_head_is_gathered(tmp_path):
+    """FSDP2 leaves lm_head.weight a DTensor sharded over its rows outside the
+    module's forward: two gloo ranks with the hidden states, weight and bias
+    sharded (unevenly) get the unsharded op's outputs bitwise, and each shard
+    the slice of the gradient it holds."""
+    import torch.multiprocessing as mp
+
+    seed = int(torch.randint(2**31, ()))
+    mp.spawn(_sharded_head_worker, args=(2, str(tmp_path / "store"), seed), nprocs=2)
