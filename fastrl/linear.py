@@ -49,6 +49,7 @@ different kernel, so a different summation order, for another number of rows).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -63,6 +64,9 @@ __all__ = ["linear_logprobs_and_entropy", "policy_loss_from_hidden"]
 # a chunk of 441 tokens (220 with a softcap), large enough for the GEMM to run
 # at full speed, small against the 5 GB of a [16384, V] bf16 logits tensor.
 DEFAULT_CHUNK_BYTES = 256 << 20
+# policy_loss_from_hidden's default where it forms the gradients in the forward on a
+# GPU (its docstring): chunks of ~1760 tokens at V = 151936.
+_GPU_GRADIENT_CHUNK_BYTES = 1 << 30
 # A slab of weight rows whose widened (float32) copy is at most this.
 _SLAB_BYTES = 64 << 20
 
@@ -349,6 +353,62 @@ def _autocast(hidden, weight, bias):
     return hidden, weight, bias
 
 
+@dataclasses.dataclass
+class _Head:
+    """A fused-head call's checked arguments: hidden states flattened to [N, H]
+    tokens (after autocast), labels to [N], temperatures to per-token rows or a
+    scalar."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    labels: torch.Tensor
+    temperature: float | torch.Tensor  # checked, for the reference
+    temps: torch.Tensor | None
+    temp_scalar: float
+    token_shape: torch.Size
+    logit_scale: float
+    softcap: float | None
+    acc: torch.dtype
+    backend: str
+
+    @property
+    def inputs(self) -> tuple:
+        return self.hidden, self.weight, self.bias
+
+
+def _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale, softcap, chunk_size,
+             chunk_bytes) -> _Head:  # fmt: skip
+    _check_head(hidden, weight, bias)
+    hidden, weight, bias = _gather_sharded(hidden, weight, bias)
+    _validation.check_ignore_index(ignore_index)
+    token_shape = hidden.shape[:-1]
+    _validation.check_token_labels(labels, token_shape, weight.shape[0], hidden.device, ignore_index, source="hidden")
+    _validation.check_bool(with_entropy, "with_entropy")
+    logit_scale = _validation.check_scalar(logit_scale, "logit_scale", ok=lambda v: -math.inf < v < math.inf,
+                                           accepted="a finite float")  # fmt: skip
+    softcap = _check_softcap(softcap)
+    if chunk_size is not None:
+        _validation.check_scalar(chunk_size, "chunk_size", integer=True, ok=lambda v: v >= 1,
+                                 accepted="None or a positive int")  # fmt: skip
+    _validation.check_scalar(chunk_bytes, "chunk_bytes", integer=True, ok=lambda v: v >= 1, accepted="a positive int")
+    hidden, weight, bias = _autocast(hidden, weight, bias)
+    acc = reference.compute_dtype(hidden)
+    temperature = _validation.check_temperature(temperature, token_shape, hidden.device, acc)
+    temps, temp_scalar = _ops.split_row_param(_validation.flat_per_row(temperature, token_shape, acc))
+    return _Head(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1).contiguous(), temperature, temps,
+        temp_scalar, token_shape, float(logit_scale), softcap, acc, select_backend(hidden.device),
+    )  # fmt: skip
+
+
+def _reference(head: _Head, labels: torch.Tensor, ignore_index: int, with_entropy: bool):
+    return reference.linear_logprobs_and_entropy(
+        head.hidden.reshape(*head.token_shape, head.hidden.shape[-1]), head.weight, labels, bias=head.bias, temperature=head.temperature,
+        ignore_index=ignore_index, with_entropy=with_entropy, logit_scale=head.logit_scale, softcap=head.softcap,
+    )  # fmt: skip
+
+
 @_validation.keyword_only_options
 def linear_logprobs_and_entropy(
     hidden: torch.Tensor,
@@ -388,46 +448,114 @@ def linear_logprobs_and_entropy(
         float32 ``[...]`` log-probs and entropy (or None), differentiable w.r.t.
         ``hidden``, ``weight`` and ``bias``; their gradients come back in their dtypes.
     """
-    _check_head(hidden, weight, bias)
-    hidden, weight, bias = _gather_sharded(hidden, weight, bias)
-    _validation.check_ignore_index(ignore_index)
-    token_shape = hidden.shape[:-1]
-    vocab = weight.shape[0]
-    _validation.check_token_labels(labels, token_shape, vocab, hidden.device, ignore_index, source="hidden")
-    _validation.check_bool(with_entropy, "with_entropy")
-    logit_scale = _validation.check_scalar(logit_scale, "logit_scale", ok=lambda v: -math.inf < v < math.inf,
-                                           accepted="a finite float")  # fmt: skip
-    softcap = _check_softcap(softcap)
-    if chunk_size is not None:
-        _validation.check_scalar(chunk_size, "chunk_size", integer=True, ok=lambda v: v >= 1,
-                                 accepted="None or a positive int")  # fmt: skip
-    _validation.check_scalar(chunk_bytes, "chunk_bytes", integer=True, ok=lambda v: v >= 1, accepted="a positive int")
-    hidden, weight, bias = _autocast(hidden, weight, bias)
-    acc = reference.compute_dtype(hidden)
-    temperature = _validation.check_temperature(temperature, token_shape, hidden.device, acc)
-
-    backend = select_backend(hidden.device)
-    if backend == "reference" or labels.numel() == 0:
-        logprob, entropy = reference.linear_logprobs_and_entropy(
-            hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
-            with_entropy=with_entropy, logit_scale=logit_scale, softcap=softcap,
-        )  # fmt: skip
-        return logprob, entropy
-
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    flat_labels = labels.reshape(-1).contiguous()
-    temps, temp_scalar = _ops.split_row_param(_validation.flat_per_row(temperature, token_shape, acc))
-    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    head = _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale, softcap,
+                    chunk_size, chunk_bytes)  # fmt: skip
+    if head.backend == "reference" or labels.numel() == 0:
+        return _reference(head, labels, ignore_index, with_entropy)
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in head.inputs)
     if wants_grad:
         logprob, entropy = _LinearLogprobs.apply(
-            flat_hidden, weight, bias, flat_labels, temps, temp_scalar, ignore_index, with_entropy,
-            float(logit_scale), softcap, chunk_bytes, chunk_size, backend,
+            *head.inputs, head.labels, head.temps, head.temp_scalar, ignore_index, with_entropy, head.logit_scale,
+            head.softcap, chunk_bytes, chunk_size, head.backend,
         )  # fmt: skip
     else:
-        rows = _chunk_rows(flat_hidden.shape[0], vocab, acc, softcap, chunk_bytes, chunk_size)
-        logprob, entropy, _, _ = _forward(flat_hidden, weight, bias, flat_labels, temps, temp_scalar, ignore_index,
-                                          with_entropy, float(logit_scale), softcap, rows, backend, acc, False)  # fmt: skip
-    return logprob.view(token_shape), entropy.view(token_shape) if with_entropy else None
+        rows = _chunk_rows(head.hidden.shape[0], head.weight.shape[0], head.acc, head.softcap, chunk_bytes, chunk_size)
+        logprob, entropy, _, _ = _forward(*head.inputs, head.labels, head.temps, head.temp_scalar, ignore_index,
+                                          with_entropy, head.logit_scale, head.softcap, rows, head.backend, head.acc,
+                                          False)  # fmt: skip
+    return logprob.view(head.token_shape), entropy.view(head.token_shape) if with_entropy else None
+
+
+def _forward_with_gradients(head: _Head, ignore_index, with_entropy, rows, token_gradients, wants):
+    """The forward of a loss L whose gradient w.r.t. each token's (log-prob,
+    entropy) depends on that token alone (and on constants): L's gradients
+    w.r.t. hidden, weight and bias at an upstream gradient of 1, formed chunk by
+    chunk while the chunk's logits are at hand, so no GEMM forms them again: the
+    unfused path's three GEMMs (Liger's fused-linear losses do the same).
+
+    ``token_gradients(t0, t1, logprob, entropy)`` gives (dL/dlogprob,
+    dL/dentropy or None) of tokens [t0, t1). Returns (logprob [N], entropy [N] or
+    empty, grad_hidden [N, H], grad_weight [V, H], grad_bias [V], each None when
+    not wanted), gradients in float32 (float64): the weight's is summed over every
+    chunk there, a [V, H] float32 accumulator for a bf16 / fp16 head (the price
+    of the GEMM saved; the per-token outputs' backward holds none)."""
+    hidden, weight, acc = head.hidden, head.weight, head.acc
+    (n_tokens, hidden_size), vocab = hidden.shape, weight.shape[0]
+    new = lambda *shape: torch.empty(shape, dtype=acc, device=hidden.device)  # noqa: E731
+    want_hidden, want_weight, want_bias = wants
+    logprob, entropy = new(n_tokens), new(n_tokens) if with_entropy else new(0)
+    # Written by their first GEMM (no zero-filling pass).
+    grad_hidden = new(n_tokens, hidden_size) if want_hidden else None
+    grad_weight = new(vocab, hidden_size) if want_weight else None
+    grad_bias = torch.zeros(vocab, dtype=acc, device=hidden.device) if want_bias else None
+    bias_acc = None if head.bias is None else head.bias.to(acc)
+    slab = _slab_rows(weight, acc)
+    # The gradient GEMMs' operand dtype (as in the backward), a block of columns at a time.
+    operand = weight.dtype if weight.is_cuda else acc
+    cols = min(slab, _BACKWARD_COLS)
+    for t0 in range(0, n_tokens, rows):
+        t1 = min(t0 + rows, n_tokens)
+        pick = lambda t: None if t is None else t[t0:t1]  # noqa: E731
+        logits, slope = _chunk_logits(hidden[t0:t1], weight, bias_acc, head.logit_scale, head.softcap, acc, slab)
+        lp, ent, stats = _ops.logprobs_forward(
+            row_view(logits), head.labels[t0:t1], pick(head.temps), head.temp_scalar, ignore_index, with_entropy, True,
+            head.backend,
+        )  # fmt: skip
+        logprob[t0:t1] = lp
+        if with_entropy:
+            entropy[t0:t1] = ent
+        grad_logprob, grad_entropy = token_gradients(t0, t1, lp, ent if with_entropy else None)
+        grad = logits  # dL/dlogits written over them
+        _ops.logprobs_backward(
+            row_view(logits), head.labels[t0:t1], pick(head.temps), head.temp_scalar, ignore_index, stats,
+            ent if grad_entropy is not None else None, grad_logprob, grad_entropy, row_view(grad), 0, vocab,
+            head.backend,
+        )  # fmt: skip
+        if slope is not None:
+            grad *= slope
+        elif head.logit_scale != 1.0:
+            grad *= head.logit_scale
+        if want_bias:
+            grad_bias += grad.sum(dim=0)
+        hidden_op = hidden[t0:t1].to(operand) if want_weight else None
+        for v0 in range(0, vocab, cols):
+            v1 = min(v0 + cols, vocab)
+            grad_op = grad[:, v0:v1].to(operand)
+            if want_hidden:
+                _mm(grad_op, weight[v0:v1].to(operand), grad_hidden[t0:t1], accumulate=v0 > 0)
+            if want_weight:
+                _mm(grad_op.T, hidden_op, grad_weight[v0:v1], accumulate=t0 > 0)
+    return logprob, entropy, grad_hidden, grad_weight, grad_bias
+
+
+class _GradientsFromForward(torch.autograd.Function):
+    """A loss whose gradients w.r.t. (hidden, weight, bias) its forward formed
+    at an upstream gradient of 1 (float32 / float64): the backward scales them
+    by the upstream gradient and rounds them to the inputs' dtypes, a slab of
+    rows at a time (no full-size float32 temporary); never in place, so a
+    second backward (retain_graph) finds them unchanged."""
+
+    @staticmethod
+    def forward(ctx, loss, hidden, weight, bias, grad_hidden, grad_weight, grad_bias):
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        _ops.refuse_double_backward()
+
+        def scaled(grad, dtype):
+            if grad is None or dtype == grad.dtype:
+                return None if grad is None else grad * grad_loss.to(grad.dtype)
+            out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+            step = max(1, _SLAB_BYTES // max(1, grad[0].numel() * grad.element_size()))
+            for r0 in range(0, grad.shape[0], step):
+                out[r0 : r0 + step] = grad[r0 : r0 + step] * grad_loss.to(grad.dtype)
+            return out
+
+        grads = [scaled(g, dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True)]
+        return None, *grads, None, None, None
 
 
 @_validation.keyword_only_options
@@ -446,27 +574,92 @@ def policy_loss_from_hidden(
     logit_scale: float = 1.0,
     softcap: float | None = None,
     chunk_size: int | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`fastrl.policy_loss` straight from the hidden states ``[..., L, H]`` and
     the LM head (Liger's fused-linear GRPO loss, with veRL's loss options): the
     log-probs (and the entropy, when ``entropy_coef != 0`` or ``with_entropy=True``)
-    come from :func:`linear_logprobs_and_entropy`, so the ``[..., L, V]`` logits are
+    of :func:`linear_logprobs_and_entropy`, so the ``[..., L, V]`` logits are
     never held; gradients reach ``hidden``, ``weight`` and ``bias``. ``options`` are
     :func:`fastrl.policy_loss`'s keyword arguments (not ``entropy``). Returns
-    ``(loss, metrics)`` as :func:`fastrl.policy_loss`."""
+    ``(loss, metrics)`` as :func:`fastrl.policy_loss`.
+
+    With token-level ratios (``ratio_level="token"``, every mode but GSPO) a
+    token's loss gradient depends on that token alone, so the gradients are
+    formed in the forward while each chunk's logits are at hand: three GEMMs in
+    all, as the unfused path, where the log-probs' own backward forms the logits
+    again (four). The weight's gradient is then summed over the chunks in a
+    float32 [V, H] accumulator, held until the backward (for a bf16 / fp16 head:
+    twice the head's size). GSPO's sequence ratio, ``torch.compile``, no
+    gradient and a bf16 / fp16 head on CPU (whose GEMMs widen it a slab at a
+    time: the widening a chunk would cost more than the GEMM saved) take the
+    composition ``policy_loss(linear_logprobs_and_entropy(...))``.
+
+    ``chunk_bytes=None`` is 256 MiB, or 1 GiB when the gradients are formed in the
+    forward on a GPU: each chunk of C tokens then reads and writes the float32
+    accumulator (8 V H bytes) for the 2 C V H flops of its weight-gradient GEMM,
+    which stays compute-bound on an H100 (~300 flops a byte) from C ~ 1200 on; at
+    441 tokens (256 MiB at V = 151936) that traffic would cost about the GEMM
+    saved (a static estimate, not yet measured on a GPU).
+    """
     if "entropy" in options:
         raise TypeError("policy_loss_from_hidden computes the entropy from the hidden states; pass with_entropy=True")
     _check_head(hidden, weight, bias)
-    hidden, weight, bias = _gather_sharded(hidden, weight, bias)
     _validation.check_per_token(old_log_probs, "old_log_probs")
     policy.check_current_policy(hidden if hidden.requires_grad else weight, "hidden states and LM head", old_log_probs)
     if with_entropy is None:
         with_entropy = options.get("entropy_coef", 0.0) != 0
-    log_probs, entropy = linear_logprobs_and_entropy(
-        hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
-        with_entropy=with_entropy, logit_scale=logit_scale, softcap=softcap, chunk_size=chunk_size,
-        chunk_bytes=chunk_bytes,
+    head = _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale, softcap,
+                    chunk_size, DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes)  # fmt: skip
+    wants = tuple(t is not None and t.requires_grad for t in head.inputs)
+    forms_gradients = (
+        torch.is_grad_enabled() and any(wants) and options.get("ratio_level", "token") == "token"
+        and head.backend != "reference" and labels.numel() and not torch.compiler.is_compiling()
+        # A head whose GEMMs widen it (bf16 / fp16 on CPU) would be widened once more a
+        # chunk for dL/dhidden: more than the GEMM saved costs there (measured).
+        and _slab_rows(head.weight, head.acc) >= head.weight.shape[0]
     )  # fmt: skip
-    return policy.policy_loss(log_probs, old_log_probs, advantages, response_mask, entropy=entropy, **options)
+    if chunk_bytes is None:
+        chunk_bytes = _GPU_GRADIENT_CHUNK_BYTES if forms_gradients and head.hidden.is_cuda else DEFAULT_CHUNK_BYTES
+    if not forms_gradients:
+        log_probs, entropy = linear_logprobs_and_entropy(
+            hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
+            with_entropy=with_entropy, logit_scale=logit_scale, softcap=softcap, chunk_size=chunk_size,
+            chunk_bytes=chunk_bytes,
+        )  # fmt: skip
+        return policy.policy_loss(log_probs, old_log_probs, advantages, response_mask, entropy=entropy, **options)
+
+    def loss_of(log_probs, entropy):
+        return policy.policy_loss(log_probs.view(head.token_shape), old_log_probs, advantages, response_mask,
+                                  entropy=None if entropy is None else entropy.view(head.token_shape), **options)  # fmt: skip
+
+    # Every argument checked (by policy_loss itself) before any GEMM; these
+    # per-token tensors then stand in for the tokens not formed yet, whose values
+    # do not reach a formed token's gradient.
+    acc = head.acc
+    log_probs = old_log_probs.detach().to(acc).reshape(-1).clone()
+    entropy = torch.zeros_like(log_probs) if with_entropy else None
+    with torch.no_grad():
+        loss_of(log_probs, entropy)
+    entropy_term = options.get("entropy_coef", 0.0) != 0
+
+    def token_gradients(t0, t1, lp, ent):
+        log_probs[t0:t1] = lp
+        if entropy is not None:
+            entropy[t0:t1] = ent
+        with torch.enable_grad():
+            leaves = [log_probs.detach().requires_grad_()]
+            if entropy_term:
+                leaves.append(entropy.detach().requires_grad_())
+            loss, _ = loss_of(leaves[0], leaves[1] if entropy_term else entropy)
+            grads = torch.autograd.grad(loss, leaves)
+        return grads[0][t0:t1].contiguous(), grads[1][t0:t1].contiguous() if entropy_term else None
+
+    rows = _chunk_rows(head.hidden.shape[0], head.weight.shape[0], acc, head.softcap, chunk_bytes, chunk_size)
+    with torch.no_grad():
+        log_probs_out, entropy_out, *grads = _forward_with_gradients(
+            head, ignore_index, with_entropy, rows, token_gradients, wants
+        )
+        loss, metrics = loss_of(log_probs_out, entropy_out if with_entropy else None)
+    return _GradientsFromForward.apply(loss, *head.inputs, *grads), metrics

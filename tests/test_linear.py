@@ -326,6 +326,77 @@ def test_policy_loss_from_hidden_matches_reference_in_float64(device, backend, o
         assert_close_to_reference(leaf.grad, ref.grad, 1e-9, what="grad")
 
 
+@pytest.mark.parametrize("options", [
+    dict(loss_agg_mode="seq-mean-token-mean", kl_coef=0.1, kl_estimator="k3", entropy_coef=-0.02),
+    dict(loss_agg_mode="token-mean", dp_size=2, batch_num_tokens=40, clip_ratio_low=0.1, clip_ratio_high=0.28),
+    dict(loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=7.0, with_entropy=True),
+], ids=["kl-entropy", "dp", "sum-norm"])  # fmt: skip
+@pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
+def test_policy_loss_gradients_formed_in_the_forward(device, backend, options, monkeypatch):
+    """Token-level losses form their gradients in the forward, chunk by chunk
+    (the log-probs' own backward, which forms the logits again, never runs):
+    float64 against the reference with several chunks, per-token temperatures,
+    a logit scale and rollout weights; an upstream gradient of 2.5 scales them;
+    a second backward (retain_graph) gives them again. Float64 throughout, so
+    the bounds are those of test_policy_loss_from_hidden_matches_reference_in_float64."""
+    hidden, weight, bias, labels, old, advantages, mask = _policy_inputs(device, torch.float64)
+    extra = dict(rollout_is_weights=torch.rand(2, 9, dtype=torch.float64, device=device) + 0.5,
+                 ref_log_probs=old.double() - 0.1) if "kl_coef" in options else {}  # fmt: skip
+    common = dict(temperature=torch.rand(2, 9, dtype=torch.float64, device=device) + 0.5, logit_scale=0.7,
+                  **options, **extra)  # fmt: skip
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    truth = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+
+    def refuse(*args):
+        raise AssertionError("the per-token outputs' backward ran: gradients were not formed in the forward")
+
+    monkeypatch.setattr(linear._LinearLogprobs, "apply", refuse)
+    with fastrl.use_backend(backend):
+        loss, metrics = fastrl.policy_loss_from_hidden(*leaves[:2], labels, old.double(), advantages.double(), mask,
+                                                       bias=leaves[2], chunk_size=4, **common)  # fmt: skip
+    ref_loss, ref_metrics = reference.policy_loss_from_hidden(*truth[:2], labels, old.double(), advantages.double(),
+                                                              mask, bias=truth[2], **common)  # fmt: skip
+    (loss * 2.5).backward(retain_graph=True)
+    (ref_loss * 2.5).backward()
+    assert_close_to_reference(loss, ref_loss.detach(), 1e-10)
+    for name, value in ref_metrics.items():
+        assert_close_to_reference(metrics[name], value.detach(), 1e-10, what=name)
+    first = [leaf.grad.clone() for leaf in leaves]
+    for leaf, ref in zip(leaves, truth):
+        assert_close_to_reference(leaf.grad, ref.grad, 1e-9, what="grad")
+        leaf.grad = None
+    (loss * 2.5).backward()
+    for leaf, grad in zip(leaves, first):
+        assert torch.equal(leaf.grad, grad)
+
+
+def test_policy_loss_gradients_formed_in_the_forward_match_the_composition_in_bf16(monkeypatch):
+    """bf16 head, several chunks: the gradients formed in the forward (weight's
+    summed in float32 over the chunks, rounded once) against the composition's
+    backward (summed in float32 over token blocks, rounded once): the same
+    float32 sums in another order, so within one bf16 rounding of each other
+    (2^-8 relative, and 2^-8 of the largest entry for entries near zero). On CPU
+    a bf16 head takes the composition (it is widened a slab at a time); one slab
+    of all rows, as on CUDA, lets the test reach the path a GPU takes."""
+    monkeypatch.setattr(linear, "_slab_rows", lambda weight, acc: weight.shape[0])
+    hidden, weight, bias, labels, old, advantages, mask = _policy_inputs("cpu", torch.bfloat16)
+    results = []
+    for ratio_level in ("token", "sequence"):  # the sequence level takes the composition
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        # GSPO with one token a sequence is the token-level loss: L = 1 here.
+        loss, _ = fastrl.policy_loss_from_hidden(
+            leaves[0][:, :1].reshape(2, 1, -1), leaves[1], labels[:, :1], old[:, :1], advantages[:, :1],
+            mask[:, :1] | True, bias=leaves[2], ratio_level=ratio_level, loss_agg_mode="seq-mean-token-mean",
+            chunk_size=1, entropy_coef=0.05,
+        )  # fmt: skip
+        loss.backward()
+        results.append((loss.detach(), [leaf.grad.float() for leaf in leaves]))
+    (loss_token, grads_token), (loss_seq, grads_seq) = results
+    torch.testing.assert_close(loss_token, loss_seq, rtol=1e-6, atol=1e-7)
+    for a, b in zip(grads_token, grads_seq):
+        torch.testing.assert_close(a, b, rtol=2.0**-8, atol=2.0**-8 * float(b.abs().max()))
+
+
 def test_policy_loss_from_hidden_float32_and_misuse():
     """float32: within 1e-4 of the float64 loss (its log-probs are within the
     bounds of test_values_and_gradients_match_float64_reference, ~1e-5 here,
