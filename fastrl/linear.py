@@ -122,6 +122,15 @@ def _epilogue(logits, bias_acc, logit_scale, softcap):
     return logits.mul_(softcap), slope
 
 
+def _through_cap(grad, slope, logit_scale) -> None:
+    """dL/dlogits -> dL/dx in place: times the cap's slope (which holds the
+    scale, see _epilogue), or the scale alone without a cap."""
+    if slope is not None:
+        grad *= slope
+    elif logit_scale != 1.0:
+        grad *= logit_scale
+
+
 def _chunk_logits(hidden_c, weight, bias_acc, logit_scale, softcap, acc, slab):
     """The float32 (float64) [C, V] logits of a chunk of hidden states, whole
     rows (the forward kernel reads a row at once), a slab of weight rows a GEMM."""
@@ -240,10 +249,7 @@ class _LinearLogprobs(torch.autograd.Function):
                     stats[t0:t1], pick(entropy, t0, t1), pick(grad_logprob, t0, t1), pick(grad_entropy, t0, t1),
                     row_view(grad), v0, vocab, ctx.backend,
                 )  # fmt: skip
-                if slope is not None:
-                    grad *= slope
-                elif ctx.logit_scale != 1.0:
-                    grad *= ctx.logit_scale
+                _through_cap(grad, slope, ctx.logit_scale)
                 if want_bias:
                     grad_bias[v0:v1] += grad.sum(dim=0)
                 grad_op = grad.to(operand)
@@ -511,10 +517,7 @@ def _forward_with_gradients(head: _Head, ignore_index, with_entropy, rows, token
             ent if grad_entropy is not None else None, grad_logprob, grad_entropy, row_view(grad), 0, vocab,
             head.backend,
         )  # fmt: skip
-        if slope is not None:
-            grad *= slope
-        elif head.logit_scale != 1.0:
-            grad *= head.logit_scale
+        _through_cap(grad, slope, head.logit_scale)
         if want_bias:
             grad_bias += grad.sum(dim=0)
         hidden_op = hidden[t0:t1].to(operand) if want_weight else None
