@@ -409,9 +409,10 @@ def _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entro
 
 
 def _reference(head: _Head, labels: torch.Tensor, ignore_index: int, with_entropy: bool):
+    hidden = head.hidden.reshape(*head.token_shape, head.hidden.shape[-1])
     return reference.linear_logprobs_and_entropy(
-        head.hidden.reshape(*head.token_shape, head.hidden.shape[-1]), head.weight, labels, bias=head.bias, temperature=head.temperature,
-        ignore_index=ignore_index, with_entropy=with_entropy, logit_scale=head.logit_scale, softcap=head.softcap,
+        hidden, head.weight, labels, bias=head.bias, temperature=head.temperature, ignore_index=ignore_index,
+        with_entropy=with_entropy, logit_scale=head.logit_scale, softcap=head.softcap,
     )  # fmt: skip
 
 
@@ -456,6 +457,11 @@ def linear_logprobs_and_entropy(
     """
     head = _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale, softcap,
                     chunk_size, chunk_bytes)  # fmt: skip
+    return _logprobs_of(head, labels, ignore_index, with_entropy, chunk_bytes, chunk_size)
+
+
+def _logprobs_of(head: _Head, labels, ignore_index, with_entropy, chunk_bytes, chunk_size):
+    """linear_logprobs_and_entropy on checked arguments."""
     if head.backend == "reference" or labels.numel() == 0:
         return _reference(head, labels, ignore_index, with_entropy)
     wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in head.inputs)
@@ -608,13 +614,13 @@ def policy_loss_from_hidden(
     """
     if "entropy" in options:
         raise TypeError("policy_loss_from_hidden computes the entropy from the hidden states; pass with_entropy=True")
-    _check_head(hidden, weight, bias)
-    _validation.check_per_token(old_log_probs, "old_log_probs")
-    policy.check_current_policy(hidden if hidden.requires_grad else weight, "hidden states and LM head", old_log_probs)
     if with_entropy is None:
         with_entropy = options.get("entropy_coef", 0.0) != 0
     head = _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale, softcap,
                     chunk_size, DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes)  # fmt: skip
+    _validation.check_per_token(old_log_probs, "old_log_probs")
+    current = head.hidden if head.hidden.requires_grad else head.weight
+    policy.check_current_policy(current, "hidden states and LM head", old_log_probs)
     wants = tuple(t is not None and t.requires_grad for t in head.inputs)
     forms_gradients = (
         torch.is_grad_enabled() and any(wants) and options.get("ratio_level", "token") == "token"
@@ -626,11 +632,7 @@ def policy_loss_from_hidden(
     if chunk_bytes is None:
         chunk_bytes = _GPU_GRADIENT_CHUNK_BYTES if forms_gradients and head.hidden.is_cuda else DEFAULT_CHUNK_BYTES
     if not forms_gradients:
-        log_probs, entropy = linear_logprobs_and_entropy(
-            hidden, weight, labels, bias=bias, temperature=temperature, ignore_index=ignore_index,
-            with_entropy=with_entropy, logit_scale=logit_scale, softcap=softcap, chunk_size=chunk_size,
-            chunk_bytes=chunk_bytes,
-        )  # fmt: skip
+        log_probs, entropy = _logprobs_of(head, labels, ignore_index, with_entropy, chunk_bytes, chunk_size)
         return policy.policy_loss(log_probs, old_log_probs, advantages, response_mask, entropy=entropy, **options)
 
     def loss_of(log_probs, entropy):
