@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "common.h"
+#include "gemm.h"
 #include "kl.h"
 #include "logprobs.h"
 #include "philox.h"
@@ -88,6 +89,17 @@ const char* cpu_isa() {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fastrl native kernels (CPU)";
+
+  m.def("gemm_bf16_supported", &fastrl::gemm_bf16_supported);
+  m.def(
+      "gemm_bf16",
+      [](std::uintptr_t a, int a_dtype, int64_t a_row, int64_t a_k, std::uintptr_t b, int b_dtype, int64_t b_row,
+         int64_t b_k, std::uintptr_t c, int64_t c_row, int64_t c_col, int64_t m, int64_t n, int64_t k,
+         bool accumulate) {
+        fastrl::gemm_bf16({cptr(a), a_dtype, a_row, a_k}, {cptr(b), b_dtype, b_row, b_k},
+                          static_cast<float*>(mptr(c)), c_row, c_col, m, n, k, accumulate);
+      },
+      py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "logprobs_forward",
@@ -263,6 +275,7 @@ PYBIND11_MODULE(_C, m) {
     d["openmp_threads"] = 0;  // built without OpenMP: one thread
 #endif
     d["cpu_isa"] = cpu_isa();
+    d["bf16_gemm"] = fastrl::gemm_bf16_supported();
     return d;
   });
 }

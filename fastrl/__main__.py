@@ -31,6 +31,9 @@ def info_lines() -> list[str]:
         "backends:",
         "  native CPU:         "
         + (yes_no(True) + f" ({build['cpu_isa']}, {build['openmp_threads']} OpenMP threads)" if build else yes_no(False, "fastrl._C not built")),
+        "  LM head bf16 GEMM:  "
+        + ("native AVX512-BF16 (float32 sums)" if build and build["bf16_gemm"]
+           else f"torch float32 on widened bf16 ({'no AVX512-BF16' if build else 'fastrl._C not built'})"),
         "  Triton compiled:    " + yes_no(triton_ok and cuda, "no CUDA device" if triton_ok else "triton not installed")
         + (f" (sampler: window histogram, triton < {'.'.join(map(str, _backend.FAST_HISTOGRAM_TRITON))})"
            if triton_ok and cuda and _backend.triton_histogram_is_slow() else ""),

@@ -8,6 +8,8 @@ API layer picks a backend by picking a module.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._backend import native_module
@@ -45,6 +47,28 @@ def _optional_count(value: float | torch.Tensor | None) -> tuple[int, float, boo
     if value is None:
         return 0, 0.0, False
     return (*_row_param(value), True)
+
+
+@functools.cache
+def gemm_bf16_supported() -> bool:
+    """Whether the extension is built and the CPU has AVX512-BF16 (csrc/gemm.h)."""
+    module = native_module()
+    return module is not None and module.gemm_bf16_supported()
+
+
+def gemm_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """out = a @ b (+= with accumulate) for bf16 CPU matrices a [M, K], b [K, N]
+    and float32 out [M, N], any strides: float32 sums of the exact bf16 products."""
+    if b.shape[1] > a.shape[0]:
+        # The GEMM packs B whole and streams A through in blocks: B is the smaller
+        # side (C.T = B.T A.T; the logits' chunk of tokens rather than the head).
+        a, b, out = b.T, a.T, out.T
+    (m, k), n = a.shape, b.shape[1]
+    native_module().gemm_bf16(
+        a.data_ptr(), DTYPE_CODES[a.dtype], a.stride(0), a.stride(1),
+        b.data_ptr(), DTYPE_CODES[b.dtype], b.stride(1), b.stride(0),
+        out.data_ptr(), out.stride(0), out.stride(1), m, n, k, accumulate,
+    )  # fmt: skip
 
 
 def logprobs_forward(

@@ -9,7 +9,9 @@ How. Tokens go through in chunks of C rows. A chunk's logits are formed in a
 float32 [C, V] buffer, a slab of the weight's rows at a time, from the GEMM's
 float32 sums (never rounded to bf16: on CUDA cuBLAS writes float32 from bf16 /
 fp16 operands, ``torch.mm(out_dtype=)``; on CPU, where torch has no such GEMM,
-the slab's operands are widened), then read once by the same log-prob kernel
+fastrl's own for bf16 on AVX512-BF16 (csrc/gemm.h: at the speed of oneDNN's
+bf16 GEMM, twice that of float32), else the slab's operands are widened), then
+read once by the same log-prob kernel
 ``logprobs_and_entropy`` launches (native on CPU, Triton on CUDA). The forward
 keeps per token what that kernel's backward needs (max logit, log-normaliser,
 entropy). The backward needs no whole row: given those, dL/dlogits is
@@ -31,14 +33,17 @@ in float32 accumulators: a slab's weight gradient is summed over every token
 and rounded to a bf16 weight's dtype once, never per token block (rounding each
 tile's product before summing biases training, as TRL's maintainers found), and
 no [V, H] float32 accumulator is held. The gradient GEMMs take G rounded to the
-weight's dtype on CUDA (tensor cores take bf16 / fp16 operands: one unbiased
-rounding of each element, what every fused LM head does) and float32 on CPU.
+weight's dtype where the GEMM takes that dtype with float32 sums (tensor cores on
+CUDA, the native bf16 GEMM on CPU: one unbiased rounding of each element, what
+every fused LM head does), float32 elsewhere.
 
 Memory beyond inputs, outputs and gradients: the forward chunk's logits (C x V x
 4 bytes; twice that with a softcap, whose slope is kept beside G), C chosen so
 that this fits ``chunk_bytes`` (or capped by ``chunk_size``); a backward block
 within the same budget (S = 16384 entries, or fewer, and as many tokens as fit);
-a slab's widened operands on CPU (at most ``_SLAB_BYTES``); for bf16 / fp16 hidden
+a slab's widened operands where the GEMM widens them (fp16 on CPU, bf16 without
+AVX512-BF16; at most ``_SLAB_BYTES``), or the native bf16 GEMM's packed copy of
+its smaller operand (the chunk's hidden states, the slab); for bf16 / fp16 hidden
 states that need a gradient, its float32 accumulator (N x H x 4 bytes), and a
 slab's float32 weight-gradient accumulator (S x H x 4 bytes).
 
@@ -54,7 +59,7 @@ import math
 
 import torch
 
-from . import _ops, _validation, policy, reference
+from . import _native, _ops, _validation, policy, reference
 from ._backend import select_backend
 from .logprobs import row_view
 
@@ -71,12 +76,38 @@ _GPU_GRADIENT_CHUNK_BYTES = 1 << 30
 _SLAB_BYTES = 64 << 20
 
 
+def _native_bf16_gemm(t: torch.Tensor) -> bool:
+    """Whether the native float32-output bf16 GEMM (csrc/gemm.h) takes CPU
+    tensor ``t``'s dtype: bf16, on a CPU with AVX512-BF16."""
+    return t.device.type == "cpu" and t.dtype == torch.bfloat16 and _native.gemm_bf16_supported()
+
+
+def _sums_operand(weight: torch.Tensor) -> bool:
+    """Whether a GEMM takes ``weight``'s bf16 / fp16 as they are and returns
+    float32 sums: cuBLAS on CUDA, the native GEMM for bf16 on CPU."""
+    return (weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)) or _native_bf16_gemm(weight)
+
+
+def _operand_dtype(weight: torch.Tensor, acc: torch.dtype) -> torch.dtype:
+    """The gradient GEMMs' operand dtype: the weight's where a GEMM takes it with
+    float32 sums (G rounded to it once, as every fused LM head does), else acc."""
+    return weight.dtype if _sums_operand(weight) else acc
+
+
+def _as_operand(grad: torch.Tensor, operand: torch.dtype) -> torch.Tensor:
+    """G for the gradient GEMMs: rounded to ``operand``, by the native GEMM as it
+    packs G (no copy) where that GEMM runs, else by a copy."""
+    if operand == torch.bfloat16 and grad.device.type == "cpu" and _native.gemm_bf16_supported():
+        return grad
+    return grad.to(operand)
+
+
 def _slab_rows(weight: torch.Tensor, acc: torch.dtype) -> int:
     """Weight rows a GEMM takes at once: all of them where no operand is widened
-    (float32 / float64 weights, and bf16 / fp16 on CUDA), else as many as keep
-    the widened copy within _SLAB_BYTES."""
+    (float32 / float64 weights, and those of _sums_operand), else as many as
+    keep the widened copy within _SLAB_BYTES."""
     vocab, hidden_size = weight.shape
-    if weight.dtype == acc or (weight.is_cuda and acc == torch.float32):
+    if weight.dtype == acc or (acc == torch.float32 and _sums_operand(weight)):
         return vocab
     return max(1, _SLAB_BYTES // max(1, hidden_size * torch.finfo(acc).bits // 8))
 
@@ -84,9 +115,11 @@ def _slab_rows(weight: torch.Tensor, acc: torch.dtype) -> int:
 def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
     """out = a @ b, or out += a @ b, summed in out's dtype (float32 or float64)
     and written into it in place. Operands of another dtype: cuBLAS's
-    float32-output GEMM on CUDA for bf16 / fp16 (torch >= 2.8), else widened (the
-    callers pass slabs, so the copies stay small). Never under autocast, which
-    would run a float32 GEMM in bf16 and round its output."""
+    float32-output GEMM on CUDA for bf16 / fp16 (torch >= 2.8), the native one
+    (csrc/gemm.h) for bf16 on an AVX512-BF16 CPU, which rounds a float32 operand
+    beside a bf16 one to bf16 (G from _as_operand), else widened (the callers
+    pass slabs, so the copies stay small). Never under autocast, which would run
+    a float32 GEMM in bf16 and round its output."""
     if torch.is_autocast_enabled(a.device.type):
         with torch.autocast(a.device.type, enabled=False):
             return _mm(a, b, out, accumulate)
@@ -97,6 +130,9 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = 
         else:
             torch.mm(a, b, out_dtype=torch.float32, out=out)
         return None
+    if acc == torch.float32 and (_native_bf16_gemm(a) or _native_bf16_gemm(b)) and {a.dtype, b.dtype} <= _BF16_F32:
+        _native.gemm_bf16(a, b, out, accumulate)
+        return None
     a, b = a.to(acc), b.to(acc)
     if accumulate:
         out.addmm_(a, b)
@@ -105,6 +141,9 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = 
     else:
         out.copy_(torch.mm(a, b))
     return None
+
+
+_BF16_F32 = {torch.bfloat16, torch.float32}
 
 
 def _epilogue(logits, bias_acc, logit_scale, softcap):
@@ -131,11 +170,19 @@ def _through_cap(grad, slope, logit_scale) -> None:
         grad *= logit_scale
 
 
-def _chunk_logits(hidden_c, weight, bias_acc, logit_scale, softcap, acc, slab):
-    """The float32 (float64) [C, V] logits of a chunk of hidden states, whole
-    rows (the forward kernel reads a row at once), a slab of weight rows a GEMM."""
+def _block(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A contiguous [rows, cols] block at the start of flat ``buffer``: one buffer
+    serves every chunk / block of a pass, so the pass does not fault in fresh
+    pages for each (~10% of a float32 GEMM's time on CPU, measured)."""
+    return buffer[: rows * cols].view(rows, cols)
+
+
+def _chunk_logits(hidden_c, weight, bias_acc, logit_scale, softcap, slab, buffer):
+    """The float32 (float64) [C, V] logits of a chunk of hidden states in
+    ``buffer`` (_block), whole rows (the forward kernel reads a row at once), a
+    slab of weight rows a GEMM."""
     vocab = weight.shape[0]
-    logits = torch.empty(hidden_c.shape[0], vocab, dtype=acc, device=hidden_c.device)
+    logits = _block(buffer, hidden_c.shape[0], vocab)
     for v0 in range(0, vocab, slab):
         _mm(hidden_c, weight[v0 : v0 + slab].T, logits[:, v0 : v0 + slab])
     return _epilogue(logits, bias_acc, logit_scale, softcap)
@@ -164,7 +211,7 @@ def _backward_block(n_tokens: int, weight: torch.Tensor, acc: torch.dtype, opera
     cols = min(weight.shape[0], _BACKWARD_COLS, _slab_rows(weight, acc))
     acc_bytes = torch.finfo(acc).bits // 8
     per_entry = acc_bytes * (2 if softcap is not None else 1) + (
-        torch.finfo(operand).bits // 8 if operand != acc else 0
+        torch.finfo(operand).bits // 8 if operand != acc and not _native_bf16_gemm(weight) else 0
     )
     rows = max(1, chunk_bytes // (cols * per_entry))
     if chunk_size is not None:
@@ -214,14 +261,14 @@ class _LinearLogprobs(torch.autograd.Function):
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         n_tokens, hidden_size = hidden.shape
         vocab = weight.shape[0]
-        # The gradient GEMMs' operand dtype: the weight's on CUDA (tensor cores), acc on CPU.
-        operand = weight.dtype if weight.is_cuda else acc
+        operand = _operand_dtype(weight, acc)
         rows, cols = _backward_block(n_tokens, weight, acc, operand, ctx.softcap, ctx.chunk_bytes, ctx.chunk_size)
         # Accumulators are written by their first GEMM (no zero-filling pass over fresh memory).
         grad_hidden = torch.empty(n_tokens, hidden_size, dtype=acc, device=hidden.device) if want_hidden else None
         grad_weight = torch.empty_like(weight) if want_weight else None
         grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if want_bias else None
         bias_acc = None if bias is None else bias.to(acc)
+        block_buffer = torch.empty(rows * cols, dtype=acc, device=hidden.device)
         pick = lambda t, t0, t1: None if t is None else t[t0:t1]  # noqa: E731
         for v0 in range(0, vocab, cols):
             v1 = min(v0 + cols, vocab)
@@ -235,12 +282,12 @@ class _LinearLogprobs(torch.autograd.Function):
                 )
             for t0 in range(0, n_tokens, rows):
                 t1 = min(t0 + rows, n_tokens)
-                if kept_logits is not None:  # the forward's, read in place; the gradient goes to a new block
+                if kept_logits is not None:  # the forward's, read in place; the gradient goes to the buffer
                     logits = kept_logits[t0:t1, v0:v1]
                     slope = None if kept_slope is None else kept_slope[t0:t1, v0:v1]
-                    grad = torch.empty(t1 - t0, v1 - v0, dtype=acc, device=hidden.device)
+                    grad = _block(block_buffer, t1 - t0, v1 - v0)
                 else:  # formed again, and the gradient written over them
-                    logits = torch.empty(t1 - t0, v1 - v0, dtype=acc, device=hidden.device)
+                    logits = _block(block_buffer, t1 - t0, v1 - v0)
                     _mm(hidden[t0:t1], weight_op.T, logits)
                     logits, slope = _epilogue(logits, pick(bias_acc, v0, v1), ctx.logit_scale, ctx.softcap)
                     grad = logits
@@ -252,7 +299,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 _through_cap(grad, slope, ctx.logit_scale)
                 if want_bias:
                     grad_bias[v0:v1] += grad.sum(dim=0)
-                grad_op = grad.to(operand)
+                grad_op = _as_operand(grad, operand)
                 if want_hidden:
                     _mm(grad_op, weight_op, grad_hidden[t0:t1], accumulate=v0 > 0)
                 if want_weight:
@@ -278,9 +325,10 @@ def _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index, wit
     stats = new(n_tokens, 2) if with_stats else new(0)
     bias_acc = None if bias is None else bias.to(acc)
     slab = _slab_rows(weight, acc)
+    buffer = new(min(rows, n_tokens) * weight.shape[0])
     for t0 in range(0, n_tokens, rows):
         t1 = min(t0 + rows, n_tokens)
-        logits, slope = _chunk_logits(hidden[t0:t1], weight, bias_acc, logit_scale, softcap, acc, slab)
+        logits, slope = _chunk_logits(hidden[t0:t1], weight, bias_acc, logit_scale, softcap, slab, buffer)
         lp, ent, st = _ops.logprobs_forward(
             row_view(logits), None if labels is None else labels[t0:t1], None if temps is None else temps[t0:t1],
             temp_scalar, ignore_index, with_entropy, with_stats, backend,
@@ -502,13 +550,14 @@ def _forward_with_gradients(head: _Head, ignore_index, with_entropy, rows, token
     grad_bias = torch.zeros(vocab, dtype=acc, device=hidden.device) if want_bias else None
     bias_acc = None if head.bias is None else head.bias.to(acc)
     slab = _slab_rows(weight, acc)
-    # The gradient GEMMs' operand dtype (as in the backward), a block of columns at a time.
-    operand = weight.dtype if weight.is_cuda else acc
+    # The gradient GEMMs' operands (as in the backward), a block of columns at a time.
+    operand = _operand_dtype(weight, acc)
     cols = min(slab, _BACKWARD_COLS)
+    buffer = new(min(rows, n_tokens) * vocab)
     for t0 in range(0, n_tokens, rows):
         t1 = min(t0 + rows, n_tokens)
         pick = lambda t: None if t is None else t[t0:t1]  # noqa: E731
-        logits, slope = _chunk_logits(hidden[t0:t1], weight, bias_acc, head.logit_scale, head.softcap, acc, slab)
+        logits, slope = _chunk_logits(hidden[t0:t1], weight, bias_acc, head.logit_scale, head.softcap, slab, buffer)
         lp, ent, stats = _ops.logprobs_forward(
             row_view(logits), head.labels[t0:t1], pick(head.temps), head.temp_scalar, ignore_index, with_entropy, True,
             head.backend,
@@ -529,7 +578,7 @@ def _forward_with_gradients(head: _Head, ignore_index, with_entropy, rows, token
         hidden_op = hidden[t0:t1].to(operand) if want_weight else None
         for v0 in range(0, vocab, cols):
             v1 = min(v0 + cols, vocab)
-            grad_op = grad[:, v0:v1].to(operand)
+            grad_op = _as_operand(grad[:, v0:v1], operand)
             if want_hidden:
                 _mm(grad_op, weight[v0:v1].to(operand), grad_hidden[t0:t1], accumulate=v0 > 0)
             if want_weight:

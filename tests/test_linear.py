@@ -124,7 +124,8 @@ def test_values_and_gradients_match_float64_reference(device, backend, dtype, so
                                               logit_scale=logit_scale, softcap=softcap, chunk_size=chunk_size)  # fmt: skip
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     assert lp.dtype == ent.dtype == torch.float32 and lp.shape == ent.shape == lead
-    operand_u = 2.0**-8 if (device == "cuda" and dtype != torch.float32) else 0.0  # G rounded to bf16 / fp16
+    # G rounded to bf16 / fp16 where the gradient GEMMs take the head's dtype (CUDA; bf16 on an AVX512-BF16 CPU).
+    operand_u = 2.0**-8 if linear._operand_dtype(weight, torch.float32) != torch.float32 else 0.0
     lp_tol, ent_tol, h_tol, w_tol, b_tol = _bounds(ref, hidden, weight, logit_scale, g_lp, g_ent, operand_u)
     _check(lp, ref["lp"], lp_tol, 0.0, "logprob")
     _check(ent, ref["ent"], ent_tol, 0.0, "entropy")
@@ -242,6 +243,45 @@ def test_autocast_runs_the_head_in_the_autocast_dtype(device, backend):
     ref_lp, _ = reference.linear_logprobs_and_entropy(hidden.bfloat16().double(), weight.bfloat16().double(), labels)
     assert_close_to_reference(lp, ref_lp, 1e-4)
     assert w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all()
+
+
+@pytest.mark.skipif(not fastrl._native.gemm_bf16_supported(), reason="no AVX512-BF16 on this CPU")
+@pytest.mark.parametrize("layout", ["rows", "transposed"])
+def test_native_bf16_gemm_matches_float64(layout):
+    """csrc/gemm.h on shapes that leave every block short: M over two thread
+    blocks of 96 rows and not a multiple of the 12-row micro-tile, N not a multiple
+    of the 32-column panel, K odd over three 256-element k blocks; operands and
+    output in row-major and transposed layouts (C with strided columns goes
+    through the scratch block); overwrite and accumulate; a float32 operand
+    rounded to bf16 to nearest even as it is packed (bitwise the same as rounding
+    it first). Bound: K float32 additions of exact products (and one for the
+    accumulate), |err| <= (K + 1) u (|A| @ |B|) + u |C|."""
+    m, n, k = 203, 45, 517
+    a = torch.randn(m, k).bfloat16() if layout == "rows" else torch.randn(k, m).bfloat16().T
+    b = torch.randn(k, n).bfloat16() if layout == "rows" else torch.randn(n, k).bfloat16().T
+    expected = a.double() @ b.double()
+    bound = (k + 1) * U32 * (a.double().abs() @ b.double().abs())
+    out = torch.empty(m, n) if layout == "rows" else torch.empty(n, m).T
+    fastrl._native.gemm_bf16(a, b, out, False)
+    _check(out, expected, bound, 0.0, "C = A B")
+    start = torch.randn(m, n)
+    out.copy_(start)
+    fastrl._native.gemm_bf16(a, b, out, True)
+    _check(out, start.double() + expected, bound, U32, "C += A B")
+    a32 = torch.randn(a.shape) * 3.0
+    a32[0, :5] = torch.tensor([float("nan"), float("inf"), 3.4e38, -0.0, 1e-30])  # NaN, inf, a bf16 overflow
+    from_float, from_rounded = torch.empty(m, n), torch.empty(m, n)
+    fastrl._native.gemm_bf16(a32, b, from_float, False)
+    fastrl._native.gemm_bf16(a32.bfloat16(), b, from_rounded, False)
+    assert torch.equal(from_float[1:], from_rounded[1:]) and bool(from_float[0].isnan().all())
+    # K = 0 writes zeros (accumulate leaves C), K = 1 is one product.
+    out = torch.full((3, 5), 7.0)
+    fastrl._native.gemm_bf16(a[:3, :0], b[:0, :5], out, True)
+    assert bool((out == 7.0).all())
+    fastrl._native.gemm_bf16(a[:3, :0], b[:0, :5], out, False)
+    assert bool((out == 0.0).all())
+    fastrl._native.gemm_bf16(a[:3, :1], b[:1, :5], out, False)
+    assert torch.equal(out, (a[:3, :1].float() @ b[:1, :5].float()))
 
 
 def test_edge_inputs():
@@ -375,9 +415,10 @@ def test_policy_loss_gradients_formed_in_the_forward_match_the_composition_in_bf
     summed in float32 over the chunks, rounded once) against the composition's
     backward (summed in float32 over token blocks, rounded once): the same
     float32 sums in another order, so within one bf16 rounding of each other
-    (2^-8 relative, and 2^-8 of the largest entry for entries near zero). On CPU
-    a bf16 head takes the composition (it is widened a slab at a time); one slab
-    of all rows, as on CUDA, lets the test reach the path a GPU takes."""
+    (2^-8 relative, and 2^-8 of the largest entry for entries near zero). On a
+    CPU without the native bf16 GEMM a bf16 head takes the composition (it is
+    widened a slab at a time); one slab of all rows lets the test reach the
+    gradients-in-forward path there too."""
     monkeypatch.setattr(linear, "_slab_rows", lambda weight, acc: weight.shape[0])
     hidden, weight, bias, labels, old, advantages, mask = _policy_inputs("cpu", torch.bfloat16)
     results = []
