@@ -182,6 +182,12 @@ void gemm_bf16(const GemmOperand& a, const GemmOperand& b, float* c, int64_t c_r
       const int64_t m0 = block * kMC;
       const int64_t block_rows = std::min(kMC, m - m0);
       const int64_t micro_panels = (block_rows + kMR - 1) / kMR;
+      if (!direct && accumulate) {  // C's old values first, so the sums run in the direct path's order
+        for (int64_t j = 0; j < n; ++j) {
+          const float* cj = c + m0 * c_row + j * c_col;
+          for (int64_t i = 0; i < block_rows; ++i) scratch[i * scratch_ld + j] = cj[i * c_row];
+        }
+      }
       for (int64_t p0 = 0; p0 < pairs; p0 += kKC) {
         const int64_t p1 = std::min(p0 + kKC, pairs);
         for (int64_t u = 0; u < micro_panels; ++u) {
@@ -198,7 +204,8 @@ void gemm_bf16(const GemmOperand& a, const GemmOperand& b, float* c, int64_t c_r
                            c_row, rows, cols, accumulate || p0 > 0);
             } else {
               micro_kernel(a_packed.get() + u * kKC * kMR, b_slice, p1 - p0,
-                           scratch.get() + u * kMR * scratch_ld + j * kNR, scratch_ld, rows, cols, p0 > 0);
+                           scratch.get() + u * kMR * scratch_ld + j * kNR, scratch_ld, rows, cols,
+                           accumulate || p0 > 0);
             }
           }
         }
@@ -207,11 +214,7 @@ void gemm_bf16(const GemmOperand& a, const GemmOperand& b, float* c, int64_t c_r
         for (int64_t j = 0; j < n; ++j) {
           float* cj = c + m0 * c_row + j * c_col;
           const float* sj = scratch.get() + j;
-          if (accumulate) {
-            for (int64_t i = 0; i < block_rows; ++i) cj[i * c_row] += sj[i * scratch_ld];
-          } else {
-            for (int64_t i = 0; i < block_rows; ++i) cj[i * c_row] = sj[i * scratch_ld];
-          }
+          for (int64_t i = 0; i < block_rows; ++i) cj[i * c_row] = sj[i * scratch_ld];
         }
       }
     }

@@ -30,11 +30,14 @@ bool gemm_bf16_supported();
 
 // C[m, n] = sum_k A(m, k) B(n, k), or C[m, n] += that sum when accumulate, for
 // m < M, n < N, k < K; C[m, n] at c[m * c_row + n * c_col] (float32). Each
-// product of two bf16 is exact in float32; vdpbf16ps adds them to the float32
-// sum one at a time, k in order but for the two of a pair, rounding to nearest
-// even, with bf16 subnormal operands read as zero and subnormal sums flushed to
-// zero (the instruction ignores MXCSR). The order is fixed by the shapes alone,
-// not by the thread count. Throws std::runtime_error where
+// product of two bf16 is exact in float32. The sum: per block of 256 k a
+// float32 partial from zero, vdpbf16ps adding the products one at a time (the
+// two of a pair in the instruction's order), rounding to nearest even; then the
+// partials added to C (to its old value with accumulate) in k order, so the
+// order depends on the shapes alone, not on the layouts or the thread count.
+// vdpbf16ps ignores MXCSR: bf16 subnormal operands are read as zero (so a
+// subnormal times inf is NaN) and subnormal sums flushed to zero. A NaN operand
+// gives a NaN (its payload is not kept). Throws std::runtime_error where
 // gemm_bf16_supported() is false.
 void gemm_bf16(const GemmOperand& a, const GemmOperand& b, float* c, int64_t c_row, int64_t c_col,
                int64_t m, int64_t n, int64_t k, bool accumulate);

@@ -57,8 +57,19 @@ def gemm_bf16_supported() -> bool:
 
 
 def gemm_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
-    """out = a @ b (+= with accumulate) for bf16 CPU matrices a [M, K], b [K, N]
-    and float32 out [M, N], any strides: float32 sums of the exact bf16 products."""
+    """out = a @ b (+= with accumulate) for CPU matrices a [M, K], b [K, N], bf16
+    (or float32, rounded to bf16), and float32 out [M, N], any strides: float32
+    sums of the exact bf16 products (csrc/gemm.h)."""
+    for name, t in (("a", a), ("b", b), ("out", out)):
+        if t.device.type != "cpu" or t.dim() != 2:
+            raise ValueError(f"gemm_bf16: {name} must be a 2-D CPU tensor; got {t.dim()}-D on {t.device}")
+    if a.dtype not in (torch.bfloat16, torch.float32) or b.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"gemm_bf16: a and b must be bfloat16 or float32; got {a.dtype} and {b.dtype}")
+    if out.dtype != torch.float32 or out.is_neg():
+        raise TypeError(f"gemm_bf16: out must be a float32 tensor (not a negative view); got {out.dtype}")
+    if a.shape[1] != b.shape[0] or out.shape != (a.shape[0], b.shape[1]):
+        raise ValueError(f"gemm_bf16: shapes {tuple(a.shape)} @ {tuple(b.shape)} -> {tuple(out.shape)} do not match")
+    a, b = a.resolve_neg(), b.resolve_neg()  # the kernel reads the stored values
     if b.shape[1] > a.shape[0]:
         # The GEMM packs B whole and streams A through in blocks: B is the smaller
         # side (C.T = B.T A.T; the logits' chunk of tokens rather than the head).

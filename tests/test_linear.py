@@ -284,6 +284,41 @@ def test_native_bf16_gemm_matches_float64(layout):
     assert torch.equal(out, (a[:3, :1].float() @ b[:1, :5].float()))
 
 
+@pytest.mark.skipif(not fastrl._native.gemm_bf16_supported(), reason="no AVX512-BF16 on this CPU")
+def test_native_bf16_gemm_sums_in_one_order_and_checks_its_arguments():
+    """The output's layout picks the path (straight to C, or through a scratch
+    block), not the order of the sums: bitwise equal results, accumulating too.
+    A negative view is read with its sign; misuse raises instead of reading out
+    of bounds."""
+    a, b = torch.randn(40, 600).bfloat16(), torch.randn(600, 50).bfloat16()
+    start = torch.randn(40, 50) * 100
+    for accumulate in (False, True):
+        rows, transposed = start.clone(), start.T.contiguous().T
+        fastrl._native.gemm_bf16(a, b, rows, accumulate)
+        fastrl._native.gemm_bf16(a, b, transposed, accumulate)
+        assert torch.equal(rows, transposed)
+    negated = torch.empty(40, 50)
+    fastrl._native.gemm_bf16(a._neg_view(), b, negated, False)
+    assert torch.equal(negated, _native_product(-a, b))
+    out = torch.empty(40, 50)
+    with pytest.raises(ValueError, match="shapes"):
+        fastrl._native.gemm_bf16(a, b[:300], out, False)
+    with pytest.raises(ValueError, match="shapes"):
+        fastrl._native.gemm_bf16(a, b, out[:4], False)
+    with pytest.raises(TypeError, match="out must be a float32"):
+        fastrl._native.gemm_bf16(a, b, out.bfloat16(), False)
+    with pytest.raises(TypeError, match="bfloat16 or float32"):
+        fastrl._native.gemm_bf16(a.half(), b, out, False)
+    with pytest.raises(ValueError, match="2-D CPU"):
+        fastrl._native.gemm_bf16(a[None], b, out, False)
+
+
+def _native_product(a, b):
+    out = torch.empty(a.shape[0], b.shape[1])
+    fastrl._native.gemm_bf16(a, b, out, False)
+    return out
+
+
 def test_edge_inputs():
     """Empty batches, one token, NaN hidden states (NaN rows, the others exact)."""
     hidden, weight, bias, labels = _inputs((0, 3), 8, 11, torch.float32, "cpu")
