@@ -125,9 +125,17 @@ class _LogprobsEntropy(torch.autograd.Function):
         return grad_rows.reshape(ctx.logits_shape), None, None, None, None, None, None
 
 
-def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy):
+def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy, group=None, vocab_start=None):
     """Validates, picks the backend and runs the op. Returns (logprob, entropy),
-    either None when not asked for, shaped like ``logits.shape[:-1]``."""
+    either None when not asked for, shaped like ``logits.shape[:-1]``. With a
+    ``group`` the logits are this rank's vocabulary shard (fastrl.vocab_parallel)."""
+    if group is not None or vocab_start is not None:
+        if group is None:
+            raise ValueError("vocab_start is for vocabulary-sharded logits: pass the group= they are sharded over")
+        _validation.check_bool(inplace_backward, "inplace_backward")
+        from .vocab_parallel import logprobs_and_entropy_sharded
+
+        return logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with_entropy, group, vocab_start)
     _validation.check_logits(logits)
     _validation.check_ignore_index(ignore_index)
     if labels is not None:
@@ -196,6 +204,8 @@ def logprobs_from_logits(
     *,
     temperature: float | torch.Tensor = 1.0,
     ignore_index: int = -100,
+    group: object = None,
+    vocab_start: int | None = None,
 ) -> torch.Tensor:
     """``log_softmax(logits / temperature)[..., label]`` per token, float32.
 
@@ -217,9 +227,18 @@ def logprobs_from_logits(
             positive float, or a tensor of per-row temperatures broadcastable
             to ``labels.shape``.
         ignore_index: keyword-only; label whose log-prob is 0 and whose gradient is 0.
+        group: keyword-only; a ``torch.distributed`` process group over which
+            the vocabulary is sharded (tensor parallelism): ``logits`` are this
+            rank's ``[..., V_r]`` columns, labels are global ids, and every rank
+            gets the unsharded result (one all-gather of 16 bytes a row forward,
+            no collective backward; ``fastrl.vocab_parallel``). The gradient is
+            always a fresh tensor there (``inplace_backward`` is not applied).
+        vocab_start: keyword-only, with ``group``; the global id of this rank's
+            first column, where the shards do not follow rank order (default:
+            the sizes of the lower ranks' shards summed).
     """
     _check_inplace_backward(inplace_backward)
-    logprob, _ = _run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy=False)
+    logprob, _ = _run(logits, labels, temperature, ignore_index, inplace_backward, False, group, vocab_start)
     return logprob
 
 
@@ -234,19 +253,29 @@ def logprobs_and_entropy(
     temperature: float | torch.Tensor = 1.0,
     inplace_backward: bool = False,
     ignore_index: int = -100,
+    group: object = None,
+    vocab_start: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logprobs, entropy)`` of the same distribution, from one read of the
-    logits. Arguments as :func:`logprobs_from_logits`; the entropy is defined on
-    ``ignore_index`` rows too. The entropy's gradient term is skipped in the
-    backward when the entropy is not used in the loss."""
-    return _run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy=True)
+    logits. Arguments as :func:`logprobs_from_logits` (``group`` /
+    ``vocab_start`` too); the entropy is defined on ``ignore_index`` rows too.
+    The entropy's gradient term is skipped in the backward when the entropy is
+    not used in the loss."""
+    return _run(logits, labels, temperature, ignore_index, inplace_backward, True, group, vocab_start)
 
 
 @_validation.keyword_only_options(
     hint="TRL's entropy_from_logits(logits, chunk_size) takes a chunk size second: fastrl needs none, it never "
     "materialises the [N, V] probabilities"
 )
-def entropy_from_logits(logits: torch.Tensor, *, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """Entropy of ``softmax(logits / temperature)`` per row, float32, differentiable."""
-    _, entropy = _run(logits, None, temperature, -100, False, with_entropy=True)
+def entropy_from_logits(
+    logits: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    group: object = None,
+    vocab_start: int | None = None,
+) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` per row, float32,
+    differentiable; ``group`` / ``vocab_start`` as :func:`logprobs_from_logits`."""
+    _, entropy = _run(logits, None, temperature, -100, False, True, group, vocab_start)
     return entropy

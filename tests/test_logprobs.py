@@ -778,8 +778,8 @@ def test_trl_positional_temperature_names_the_keyword(temperature, shown):
     with pytest.raises(TypeError, match=rf"inplace_backward must be a bool.*temperature is keyword-only, pass {shown}"):
         fastrl.logprobs_from_logits(logits, labels, temperature)
     # TRL's fourth positional (row_mask) and the temperature after a veRL flag: Python's binding error, named
-    with pytest.raises(TypeError, match=r"takes 3 positional arguments .* but 4 were given; temperature, ignore_index "
-                                        r"are keyword-only: pass them by name.*temperature=\.\.\."):  # fmt: skip
+    with pytest.raises(TypeError, match=r"takes 3 positional arguments .* but 4 were given; temperature, ignore_index, "
+                                        r"group, vocab_start are keyword-only: pass them by name.*temperature=\.\.\."):  # fmt: skip
         fastrl.logprobs_from_logits(logits, labels, True, 0.7)
 
 
@@ -792,9 +792,9 @@ def test_keyword_only_options_passed_positionally_name_the_keywords():
     calls = [
         (lambda: fastrl.logprobs_and_entropy(logits, labels, True, 0.7),  # TRL's (..., entropy_requires_grad, T)
          r"logprobs_and_entropy\(\) takes 2 positional arguments \(logits, labels\) but 4 were given; temperature, "
-         r"inplace_backward, ignore_index are keyword-only.*selective_log_softmax_and_entropy"),
+         r"inplace_backward, ignore_index, group, vocab_start are keyword-only.*selective_log_softmax_and_entropy"),
         (lambda: fastrl.entropy_from_logits(logits, 128),  # TRL's (logits, chunk_size)
-         r"temperature is keyword-only: pass it by name.*chunk size"),
+         r"temperature, group, vocab_start are keyword-only: pass them by name.*chunk size"),
         (lambda: fastrl.sample(logits, 0.7), r"sample\(\) takes 1 positional argument \(logits\) but 2 were given; "
                                              r"temperature, top_k, top_p, min_p, seed, offset are keyword-only"),
         (lambda: fastrl.truncated_logprobs(logits, labels, 0.7), r"temperature, top_k, top_p, min_p are keyword-only"),

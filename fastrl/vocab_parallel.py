@@ -1,0 +1,301 @@
+"""Log-probs and entropy of vocabulary-sharded logits (tensor parallelism) over
+torch.distributed.
+
+Megatron-style tensor parallelism shards the LM head by vocabulary: rank r of
+the group holds logits ``[..., V_r]`` for the global entries ``[start_r, start_r
++ V_r)``. ``logprobs_from_logits`` / ``logprobs_and_entropy`` /
+``entropy_from_logits`` take ``group=`` (and, for shards not laid out in rank
+order, ``vocab_start=``) and give every rank the unsharded op's per-token result.
+
+Forward, per row, with d = (x - m) / T as in ``reference.scaled_logits``:
+
+    local (the existing kernel on the shard):  m_r = max x,  L_r = log sum exp((x - m_r) / T),
+                                               H_r = the shard's own entropy,  x_y when the label is local
+    one all-gather of those 4 numbers (16 bytes a row in float32), then on every rank, in rank order:
+    M = max_r m_r,   l_r = L_r + (m_r - M) / T,   log S = log sum_r exp(l_r),   w_r = exp(l_r - log S)
+    logprob = (x_y - M) / T - log S
+    entropy = sum_r w_r (H_r + log S - l_r)
+
+(the entropy: H = log S - sum_j p_j d_j and sum_{j in r} p_j d_j = w_r (l_r - H_r);
+the form above sums non-negative terms). The combination runs in float64 on the
+gathered numbers, the same on every rank, so every rank gets the same bits
+whatever the collective's algorithm. A shard whose row is all -inf (m_r = -inf)
+adds nothing; NaN anywhere in a row gives NaN, as unsharded.
+
+Backward: none of the math needs another rank. With the global (M, log S) and
+entropy the log-prob backward kernel writes the shard's gradient, told that its
+columns start at start_r of V (the fused LM head's vocabulary slabs use the same
+arguments): no collective.
+
+Before the kernels one small all-gather agrees the call across the group: row
+counts, shard sizes and starts, dtype, which outputs, each rank's label range,
+and whether each rank's arguments passed their checks, so a bad argument on one
+rank raises on every rank (a ValueError naming the rank) instead of leaving the
+others waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import _ops, _validation, reference
+from ._backend import select_backend
+from .logprobs import row_view
+
+__all__ = ["logprobs_and_entropy_sharded"]
+
+# The agreement's fields, one int64 each per rank.
+_FIELDS = ("error", "rows", "vocab", "start", "dtype", "outputs", "label_min", "label_max")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """This rank's place in the vocabulary: its columns are [start, start +
+    local) of ``vocab`` entries."""
+
+    group: object
+    start: int
+    local: int
+    vocab: int
+    starts: tuple[int, ...]  # every rank's start, in rank order
+    sizes: tuple[int, ...]
+
+
+def _check_group(group: object) -> int:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("group= needs torch.distributed initialised (init_process_group)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None; got {type(group).__name__}")
+    if dist.get_rank(group) < 0:
+        raise ValueError("group does not contain this rank")
+    return dist.get_world_size(group)
+
+
+def agree(group, logits: object, labels: object, vocab_start: object, outputs: int, check) -> Shard:
+    """Runs ``check()`` (the local argument checks), then the one all-gather
+    that agrees the call across ``group``; raises on every rank alike when any
+    rank's checks failed or the ranks disagree. ``outputs``: a code of what the
+    caller computes (ranks must agree on it)."""
+    import torch.distributed as dist
+
+    world = _check_group(group)
+    rank = dist.get_rank(group)
+    error: Exception | None = None
+    try:
+        check()
+        if vocab_start is not None and (isinstance(vocab_start, bool) or not isinstance(vocab_start, int)):
+            raise TypeError(f"vocab_start must be an int or None; got {type(vocab_start).__name__}")
+        if vocab_start is not None and vocab_start < 0:
+            raise ValueError(f"vocab_start must be >= 0; got {vocab_start}")
+    except (TypeError, ValueError) as exc:
+        error = exc
+    mine = dict.fromkeys(_FIELDS, 0)
+    device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
+    if error is None:
+        mine.update(rows=logits.shape[:-1].numel(), vocab=logits.shape[-1],
+                    start=-1 if vocab_start is None else vocab_start, dtype=_DTYPES[logits.dtype], outputs=outputs)  # fmt: skip
+        if labels is not None and labels.numel():
+            mine.update(label_min=int(labels.min()), label_max=int(labels.max()))
+    else:
+        mine["error"] = 1
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    local = torch.tensor([mine[f] for f in _FIELDS], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local, group=group)
+    table = [dict(zip(_FIELDS, t.tolist(), strict=True)) for t in gathered]
+    if error is not None:
+        raise error
+    failed = [r for r, t in enumerate(table) if t["error"]]
+    if failed:
+        raise ValueError(f"rank(s) {failed} of the group rejected their arguments (see their errors)")
+    for field, what in (("rows", "token shapes"), ("dtype", "logits dtypes"), ("outputs", "requested outputs")):
+        values = [t[field] for t in table]
+        if len(set(values)) > 1:
+            raise ValueError(f"the ranks of the group disagree on their {what}: {values} in rank order")
+    sizes = tuple(t["vocab"] for t in table)
+    given = [t["start"] >= 0 for t in table]
+    if any(given) and not all(given):
+        raise ValueError("vocab_start must be given on every rank of the group or on none")
+    if all(given):
+        starts = tuple(t["start"] for t in table)
+        covered = 0
+        for start, size in sorted(zip(starts, sizes, strict=True)):
+            if start != covered:
+                raise ValueError(
+                    f"the shards (vocab_start, size) {list(zip(starts, sizes, strict=True))} in rank order do "
+                    f"not tile the vocabulary: entry {covered} is {'covered twice' if start < covered else 'missing'}"
+                )
+            covered += size
+    else:
+        starts = tuple(sum(sizes[:r]) for r in range(world))
+    vocab = sum(sizes)
+    for r, t in enumerate(table):
+        if labels is not None and (t["label_min"] < 0 or t["label_max"] >= vocab):
+            bad = t["label_min"] if t["label_min"] < 0 else t["label_max"]
+            raise ValueError(f"labels must lie in [0, {vocab}) (the sharded vocabulary) or equal ignore_index; "
+                             f"rank {r} has {bad}")  # fmt: skip
+    return Shard(group, starts[rank], sizes[rank], vocab, starts, sizes)
+
+
+def _local_stats(rows, labels, temps, temp_scalar, shard: Shard, with_entropy, backend):
+    """[N, 4] in the compute dtype: (m_r, L_r, H_r or 0, x_y or NaN) of this
+    shard (module docstring); x_y is the raw label logit where the label is local."""
+    acc = reference.compute_dtype(rows)
+    outer, inner, _ = rows.shape
+    stats = torch.empty(outer * inner, 4, dtype=acc, device=rows.device)
+    if backend == "reference":
+        x = rows.reshape(outer * inner, -1).to(acc)
+        m = x.amax(dim=-1)
+        d = (x - m.unsqueeze(-1)) / (temps.unsqueeze(-1) if temps is not None else temp_scalar)
+        stats[:, 0], stats[:, 1] = m, reference._log_sum_exp_of_scaled(d)[0]
+        stats[:, 2] = reference._entropy_of_scaled(d) if with_entropy else 0.0
+    else:
+        _, entropy, local = _ops.logprobs_forward(rows, None, temps, temp_scalar, -100, with_entropy, True, backend)
+        stats[:, :2] = local
+        stats[:, 2] = entropy if with_entropy else 0.0
+    stats[:, 3] = torch.nan
+    if labels is not None:
+        offset = labels.long() - shard.start
+        here = (offset >= 0) & (offset < shard.local)
+        token = torch.arange(outer * inner, device=rows.device)
+        picked = rows[token // inner, token % inner, torch.where(here, offset, 0)].to(acc)
+        stats[:, 3] = torch.where(here, picked, stats[:, 3])
+    return stats
+
+
+def _combine(gathered, labels, temps, temp_scalar, ignore_index, shard: Shard, acc):
+    """(logprob, entropy, (M, log S) [N, 2]) from the ranks' [world, N, 4] stats,
+    in float64, the same on every rank (module docstring)."""
+    g = gathered.double()
+    m, big_l, h, label_logit = g.unbind(-1)  # each [world, N]
+    t = temps.double() if temps is not None else temp_scalar
+    top = m.amax(dim=0)
+    empty = torch.isneginf(m)  # a shard whose row is all -inf adds nothing
+    shift = torch.where(empty, 0.0, (m - top) / t)
+    l_r = torch.where(empty, -torch.inf, big_l + shift)
+    log_s = torch.logsumexp(l_r, dim=0)
+    weight = torch.where(empty, 0.0, torch.exp(l_r - log_s))
+    entropy = torch.where(empty, 0.0, weight * (h + log_s - l_r)).sum(dim=0)
+    nan_row = torch.isnan(m).any(dim=0) | (torch.isnan(big_l) & ~empty).any(dim=0) | torch.isneginf(top)
+    entropy = torch.where(nan_row, torch.nan, entropy)
+    log_s = torch.where(nan_row, torch.nan, log_s)
+    logprob = None
+    if labels is not None:
+        keep = labels != ignore_index
+        starts = torch.tensor(shard.starts, device=labels.device)
+        sizes = torch.tensor(shard.sizes, device=labels.device)
+        owner = (labels.long().unsqueeze(0) >= starts.unsqueeze(1)) & (
+            labels.long().unsqueeze(0) < (starts + sizes).unsqueeze(1)
+        )
+        owner = owner.long().argmax(dim=0)
+        x_y = label_logit.gather(0, owner.unsqueeze(0)).squeeze(0)
+        logprob = torch.where(keep, (x_y - top) / t - log_s, 0.0).to(acc)
+    stats = torch.stack([top, log_s], dim=-1).to(acc)
+    return logprob, entropy.to(acc), stats
+
+
+class _ShardedLogprobs(torch.autograd.Function):
+    """Outputs: logprob [N] (empty without labels), entropy [N] (empty unless asked for)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard, backend):
+        import torch.distributed as dist
+
+        rows = row_view(logits)
+        acc = reference.compute_dtype(logits)
+        local = _local_stats(rows, labels, temps, temp_scalar, shard, with_entropy, backend)
+        gathered = [torch.empty_like(local) for _ in shard.starts]
+        dist.all_gather(gathered, local, group=shard.group)
+        logprob, entropy, stats = _combine(torch.stack(gathered), labels, temps, temp_scalar, ignore_index, shard, acc)
+        ctx.save_for_backward(logits, labels, temps, stats, entropy if with_entropy else None)
+        ctx.temp_scalar, ctx.ignore_index, ctx.shard, ctx.backend = temp_scalar, ignore_index, shard, backend
+        ctx.with_entropy = with_entropy
+        ctx.set_materialize_grads(False)
+        empty = logits.new_empty(0, dtype=acc)
+        return (empty if logprob is None else logprob), (entropy if with_entropy else empty)
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        """This shard's dL/dlogits from the global statistics: no collective."""
+        _ops.refuse_double_backward()
+        logits, labels, temps, stats, entropy = ctx.saved_tensors
+        if labels is None:
+            grad_logprob = None
+        if not ctx.with_entropy:
+            grad_entropy = None
+        if grad_logprob is None and grad_entropy is None:
+            return (None,) * 8
+        acc = stats.dtype
+        grad_logprob = None if grad_logprob is None else grad_logprob.to(acc).contiguous()
+        grad_entropy = None if grad_entropy is None else grad_entropy.to(acc).contiguous()
+        rows = row_view(logits)
+        if ctx.backend == "reference":
+            grad = _reference_backward(rows.reshape(-1, rows.shape[-1]), labels, temps, ctx.temp_scalar, ctx.ignore_index, stats, entropy,
+                                       grad_logprob, grad_entropy, ctx.shard)  # fmt: skip
+        else:
+            grad = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+            _ops.logprobs_backward(
+                rows, labels, temps, ctx.temp_scalar, ctx.ignore_index, stats, entropy, grad_logprob, grad_entropy,
+                grad, ctx.shard.start, ctx.shard.vocab, ctx.backend,
+            )  # fmt: skip
+        return grad.reshape(logits.shape), *(None,) * 7
+
+
+def _reference_backward(rows, labels, temps, temp_scalar, ignore_index, stats, entropy, grad_logprob, grad_entropy,
+                        shard: Shard):  # fmt: skip
+    """dL/dx of the shard in plain torch (the reference backend), from the global
+    log p = (x - M) / T - log S: d log p_y / dx = (onehot_y - p) / T and
+    dH / dx = -p (log p + H) / T."""
+    acc = stats.dtype
+    t = temps.unsqueeze(-1) if temps is not None else temp_scalar
+    log_p = (rows.to(acc) - stats[:, :1]) / t - stats[:, 1:]
+    p = log_p.exp()
+    grad = torch.zeros_like(p)
+    if grad_logprob is not None and labels is not None:
+        keep = (labels != ignore_index).to(acc) * grad_logprob
+        grad -= keep.unsqueeze(-1) * p
+        offset = labels.long() - shard.start
+        here = (offset >= 0) & (offset < shard.local) & (labels != ignore_index)
+        grad[here, offset[here]] += keep[here]
+    if grad_entropy is not None:
+        grad -= grad_entropy.unsqueeze(-1) * p * (torch.where(p > 0, log_p, 0.0) + entropy.unsqueeze(-1))
+    return (grad / t).to(rows.dtype)
+
+
+def logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with_entropy, group, vocab_start):
+    """The sharded form of ``logprobs._run``: (logprob or None, entropy or None),
+    shaped like ``logits.shape[:-1]``."""
+    checked = {}
+
+    def check():
+        _validation.check_logits(logits)
+        _validation.check_ignore_index(ignore_index)
+        token_shape = logits.shape[:-1]
+        if labels is not None:
+            # The range is checked against the whole vocabulary once the ranks have agreed.
+            _validation.check_token_labels(
+                labels, token_shape, torch.iinfo(torch.int64).max, logits.device, ignore_index
+            )
+        acc = reference.compute_dtype(logits)
+        checked["temperature"] = _validation.check_temperature(temperature, token_shape, logits.device, acc)
+
+    # The labels' range without the ignored ones (0 in their place), for the agreement.
+    ranged = labels.masked_fill(labels == ignore_index, 0) if isinstance(labels, torch.Tensor) else labels
+    shard = agree(group, logits, ranged, vocab_start, (labels is not None) * 2 + with_entropy, check)
+    token_shape = logits.shape[:-1]
+    acc = reference.compute_dtype(logits)
+    temps, temp_scalar = _ops.split_row_param(_validation.flat_per_row(checked["temperature"], token_shape, acc))
+    flat_labels = labels.reshape(-1).contiguous() if labels is not None else None
+    backend = select_backend(logits.device)
+    if token_shape.numel() == 0:
+        backend = "reference"
+    logprob, entropy = _ShardedLogprobs.apply(logits, flat_labels, temps, temp_scalar, ignore_index, with_entropy,
+                                              shard, backend)  # fmt: skip
+    reshape = lambda t: t.view(token_shape)  # noqa: E731
+    return (reshape(logprob) if labels is not None else None), (reshape(entropy) if with_entropy else None)

@@ -1,0 +1,153 @@
+"""Log-probs and entropy of vocabulary-sharded logits (fastrl.vocab_parallel) on
+gloo process groups of 2 and 4 CPU ranks, spawned by the test: values and
+gradients against the float64 reference of the unsharded logits, bitwise the
+same on every rank and from run to run, uneven and out-of-order shards,
+and bad input raising on every rank instead of hanging."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_close_to_reference, kernel_backends, make_labels, make_logits, output_tolerance
+
+import fastrl
+from fastrl import reference
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+
+# As test_logprobs: a gradient in each dtype within its rounding of each element,
+# plus that much of the largest element for the float32 arithmetic.
+GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7}
+
+
+def _all_equal_across_ranks(t: torch.Tensor, group) -> bool:
+    import torch.distributed as dist
+
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, t.contiguous(), group=group)
+    return all(torch.equal(g.nan_to_num(0.5), gathered[0].nan_to_num(0.5)) for g in gathered)
+
+
+def _expect_error_everywhere(match: str, call) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
+    """One rank: every check of this module's test, in one process group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    group = dist.group.WORLD
+    try:
+        torch.manual_seed(seed)  # every rank draws the same full tensors
+        n_rows, vocab = 7, 1031
+        cuts = sorted((torch.randperm(vocab - 1)[: world - 1] + 1).tolist())  # uneven shards
+        bounds = [0, *cuts, vocab]
+        start, stop = bounds[rank], bounds[rank + 1]
+        temperature = torch.rand(n_rows, dtype=torch.float64) * 1.5 + 0.4
+        w_lp, w_ent = torch.randn(n_rows), torch.randn(n_rows)
+        backends = kernel_backends("cpu") + ["reference"]
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = make_logits((n_rows,), vocab, dtype, std=3.0)
+            logits[1, : bounds[1]] = float("-inf")  # rank 0's part of row 1 is all -inf
+            logits[1, -1] = 5.0  # (the row's max elsewhere)
+            labels = make_labels(logits)
+            labels[2] = bounds[1] - 1  # the last entry of rank 0, and the first of the next non-empty shard
+            labels[3] = bounds[2] if bounds[2] < vocab else 0
+            x64 = logits.double().requires_grad_()
+            ref_lp, ref_ent = reference.logprobs_and_entropy(x64, labels, temperature=temperature)
+            ((ref_lp * w_lp.double()).sum() + (ref_ent * w_ent.double()).sum()).backward()
+            ref_grad = x64.grad[:, start:stop]
+            for backend in backends:
+                results = []
+                for _ in range(2):  # run to run
+                    x = logits[:, start:stop].clone().requires_grad_()
+                    with fastrl.use_backend(backend):
+                        lp, ent = fastrl.logprobs_and_entropy(x, labels, temperature=temperature.float(), group=group)
+                        ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+                    results.append((lp, ent, x.grad))
+                (lp, ent, grad), again = results
+                what = f"{dtype} {backend} rank {rank}/{world}"
+                assert all(torch.equal(a, b) for a, b in zip(results[0], again, strict=True)), what
+                assert _all_equal_across_ranks(lp, group) and _all_equal_across_ranks(ent, group), what
+                tol = output_tolerance(vocab)
+                assert_close_to_reference(lp, ref_lp, tol, what=f"logprob {what}")
+                assert_close_to_reference(ent, ref_ent, tol, what=f"entropy {what}")
+                rtol = GRAD_RTOL[dtype] * (4 if backend == "reference" else 1)  # as test_logprobs
+                atol = rtol * float(ref_grad.abs().max()) + 1e-30
+                assert grad.dtype == dtype and torch.isfinite(grad).all(), what
+                assert_close_to_reference(grad, ref_grad, rtol, atol, what=f"grad {what}")
+                with fastrl.use_backend(backend):
+                    only_lp = fastrl.logprobs_from_logits(logits[:, start:stop], labels, temperature=temperature.float(),
+                                                          group=group)  # fmt: skip
+                    only_ent = fastrl.entropy_from_logits(logits[:, start:stop], temperature=temperature.float(),
+                                                          group=group)  # fmt: skip
+                assert_close_to_reference(only_lp, ref_lp, tol, what=f"logprobs_from_logits {what}")
+                assert_close_to_reference(only_ent, ref_ent, tol, what=f"entropy_from_logits {what}")
+
+        # A NaN in one shard's part of a row, and a row all -inf: NaN, as unsharded.
+        logits = make_logits((3,), vocab, torch.float32)
+        logits[0, vocab - 1] = float("nan")
+        logits[1] = float("-inf")
+        labels = torch.tensor([0, 1, 2])
+        ref_lp, ref_ent = reference.logprobs_and_entropy(logits.double(), labels)
+        for backend in backends:
+            with fastrl.use_backend(backend):
+                lp, ent = fastrl.logprobs_and_entropy(logits[:, start:stop], labels, group=group)
+            assert_close_to_reference(lp, ref_lp, 1e-5, what=f"special rows logprob {backend}")
+            assert_close_to_reference(ent, ref_ent, 1e-5, what=f"special rows entropy {backend}")
+
+        # Shards out of rank order, placed by vocab_start: rank r holds the (world-1-r)-th block.
+        block = -(-vocab // world)
+        mine = world - 1 - rank
+        lo, hi = min(mine * block, vocab), min((mine + 1) * block, vocab)
+        logits = make_logits((4,), vocab, torch.float32)
+        labels = make_labels(logits)
+        ref_lp, ref_ent = reference.logprobs_and_entropy(logits.double(), labels)
+        lp, ent = fastrl.logprobs_and_entropy(logits[:, lo:hi], labels, group=group, vocab_start=lo)
+        assert_close_to_reference(lp, ref_lp, 1e-5, what="out of order")
+        assert_close_to_reference(ent, ref_ent, 1e-5, what="out of order")
+
+        # Bad input raises on every rank (a ValueError here, naming the rank for others).
+        shard = logits[:, lo:hi]
+        _expect_error_everywhere("disagree on their token shapes",
+                                 lambda: fastrl.logprobs_from_logits(shard[: 4 - (rank == 0)], labels[: 4 - (rank == 0)],
+                                                                     group=group, vocab_start=lo))  # fmt: skip
+        too_big = labels.clone()
+        too_big[0] = vocab + rank
+        _expect_error_everywhere(
+            r"labels must lie in \[0, 1031\)",
+            lambda: fastrl.logprobs_from_logits(shard, too_big, group=group, vocab_start=lo),
+        )
+        _expect_error_everywhere("on every rank of the group or on none",
+                                 lambda: fastrl.logprobs_from_logits(shard, labels, group=group,
+                                                                     vocab_start=lo if rank == 0 else None))  # fmt: skip
+        _expect_error_everywhere(
+            "do not tile the vocabulary", lambda: fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=0)
+        )
+        bad_temperature = 0.0 if rank == world - 1 else 1.0
+        _expect_error_everywhere("temperature" if rank == world - 1 else rf"rank\(s\) \[{world - 1}\]",
+                                 lambda: fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=lo,
+                                                                     temperature=bad_temperature))  # fmt: skip
+        # The group is still in step after the errors.
+        lp = fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=lo)
+        assert_close_to_reference(lp, ref_lp, 1e-5, what="after the errors")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_logprobs_and_entropy_match_the_unsharded_reference(world, tmp_path):
+    import torch.multiprocessing as mp
+
+    seed = int(torch.randint(2**31, ()))
+    mp.spawn(_worker, args=(world, str(tmp_path / "store"), seed), nprocs=world)
+
+
+def test_vocab_start_without_a_group_and_bad_groups():
+    logits, labels = torch.randn(3, 5), torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="pass the group="):
+        fastrl.logprobs_from_logits(logits, labels, vocab_start=0)
+    with pytest.raises((TypeError, ValueError), match="group"):
+        fastrl.logprobs_and_entropy(logits, labels, group="tp")
