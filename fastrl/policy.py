@@ -324,6 +324,8 @@ def policy_loss_from_logits(
     inplace_backward: bool = False,
     ignore_index: int = -100,
     with_entropy: bool | None = None,
+    group: object = None,
+    vocab_start: int | None = None,
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`policy_loss` straight from ``logits [..., L, V]`` and the sampled
@@ -334,16 +336,21 @@ def policy_loss_from_logits(
     ``inplace_backward=True``). Between the two, only per-token fp32 values
     (4 bytes a token, against 2V for bf16 logits) are written and read.
     ``options`` are :func:`policy_loss`'s keyword arguments (not ``entropy``).
+    ``group`` / ``vocab_start``: vocabulary-sharded logits, as
+    :func:`fastrl.logprobs_from_logits` takes them; every rank computes the same
+    loss, and each shard gets its slice of the gradient.
     Returns ``(loss, metrics)`` as :func:`policy_loss`."""
     if "entropy" in options:
         raise TypeError("policy_loss_from_logits computes the entropy from the logits; pass with_entropy=True instead")
-    _validation.check_logits(logits)
-    _validation.check_per_token(old_log_probs, "old_log_probs")
-    check_current_policy(logits, "logits", old_log_probs)
     if with_entropy is None:
         with_entropy = options.get("entropy_coef", 0.0) != 0
     _validation.check_bool(with_entropy, "with_entropy")
-    log_probs, entropy = _logprobs_run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy)
+    if group is None:  # (a sharded call checks the logits on every rank together, before its collectives)
+        _validation.check_logits(logits)
+    log_probs, entropy = _logprobs_run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy,
+                                       group, vocab_start)  # fmt: skip
+    _validation.check_per_token(old_log_probs, "old_log_probs")
+    check_current_policy(logits, "logits", old_log_probs)
     return policy_loss(log_probs, old_log_probs, advantages, response_mask, entropy=entropy, **options)
 
 

@@ -236,8 +236,8 @@ class _ShardedLogprobs(torch.autograd.Function):
         grad_entropy = None if grad_entropy is None else grad_entropy.to(acc).contiguous()
         rows = row_view(logits)
         if ctx.backend == "reference":
-            grad = _reference_backward(rows.reshape(-1, rows.shape[-1]), labels, temps, ctx.temp_scalar, ctx.ignore_index, stats, entropy,
-                                       grad_logprob, grad_entropy, ctx.shard)  # fmt: skip
+            grad = _reference_backward(rows.reshape(-1, rows.shape[-1]), labels, temps, ctx.temp_scalar,
+                                       ctx.ignore_index, stats, entropy, grad_logprob, grad_entropy, ctx.shard)  # fmt: skip
         else:
             grad = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
             _ops.logprobs_backward(

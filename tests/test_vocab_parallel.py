@@ -86,6 +86,23 @@ def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
                 assert_close_to_reference(only_lp, ref_lp, tol, what=f"logprobs_from_logits {what}")
                 assert_close_to_reference(only_ent, ref_ent, tol, what=f"entropy_from_logits {what}")
 
+        # policy_loss_from_logits on the shards: the unsharded loss, and each shard its slice of the gradient.
+        logits = make_logits((2, 5), vocab, torch.float32)
+        labels = make_labels(logits)
+        old, advantages = torch.randn(2, 5) - 7.0, torch.randn(2, 5)
+        mask = torch.rand(2, 5) < 0.8
+        full = logits.clone().requires_grad_()
+        loss, _ = fastrl.policy_loss_from_logits(full, labels, old, advantages, mask, entropy_coef=0.01)
+        loss.backward()
+        part = logits[..., start:stop].clone().requires_grad_()
+        loss_s, _ = fastrl.policy_loss_from_logits(part, labels, old, advantages, mask, entropy_coef=0.01, group=group)
+        loss_s.backward()
+        assert _all_equal_across_ranks(loss_s.detach(), group)
+        # Each within 1e-5 (relative, and of the largest gradient entry) of the float64 truth, so 2e-5 of each other.
+        torch.testing.assert_close(loss_s, loss, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(part.grad, full.grad[..., start:stop], rtol=2e-5,
+                                   atol=2e-5 * float(full.grad.abs().max()))  # fmt: skip
+
         # A NaN in one shard's part of a row, and a row all -inf: NaN, as unsharded.
         logits = make_logits((3,), vocab, torch.float32)
         logits[0, vocab - 1] = float("nan")
