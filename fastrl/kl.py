@@ -103,7 +103,12 @@ class _FullKL(torch.autograd.Function):
 
 @_validation.keyword_only_options
 def full_kl(
-    logits: torch.Tensor, ref_logits: torch.Tensor, *, temperature: float | torch.Tensor = 1.0
+    logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    group: object = None,
+    vocab_start: int | None = None,
 ) -> torch.Tensor:
     """Exact KL(p || p_ref) = sum_v p(v) (log p(v) - log p_ref(v)) per token,
     p = softmax(logits / T), p_ref = softmax(ref_logits / T) with the same T.
@@ -113,21 +118,35 @@ def full_kl(
         ref_logits: the reference policy's logits, same shape, dtype and device;
             treated as a constant (no gradient).
         temperature: positive float, or per-row tensor broadcastable to ``logits.shape[:-1]``.
+        group, vocab_start: vocabulary-sharded logits (both tensors this rank's
+            columns), as :func:`fastrl.logprobs_from_logits` takes them: every
+            rank gets the whole vocabulary's KL (one all-gather of 5 numbers a
+            row forward, none backward; ``fastrl.vocab_parallel``).
 
     Returns fp32 ``[...]`` (fp64 for fp64 logits), differentiable w.r.t. ``logits``.
     -inf logits are a masked vocabulary: where p(v) = 0 the token adds nothing;
     where p(v) > 0 but p_ref(v) = 0 the KL is +inf."""
-    _validation.check_logits(logits)
-    _validation.check_logits(ref_logits, "ref_logits")
-    if ref_logits.shape != logits.shape:
-        raise ValueError(f"ref_logits must have the shape of logits {tuple(logits.shape)}; got {tuple(ref_logits.shape)}")
-    if ref_logits.dtype != logits.dtype:
-        raise TypeError(f"ref_logits must have the dtype of logits ({logits.dtype}); got {ref_logits.dtype}")
-    if ref_logits.device != logits.device:
-        raise ValueError(f"ref_logits is on {ref_logits.device} but logits is on {logits.device}; they must share a device")
+
+    def check_arguments():
+        _validation.check_logits(logits)
+        _validation.check_logits(ref_logits, "ref_logits")
+        if ref_logits.shape != logits.shape:
+            raise ValueError(f"ref_logits must have the shape of logits {tuple(logits.shape)}; got {tuple(ref_logits.shape)}")
+        if ref_logits.dtype != logits.dtype:
+            raise TypeError(f"ref_logits must have the dtype of logits ({logits.dtype}); got {ref_logits.dtype}")
+        if ref_logits.device != logits.device:
+            raise ValueError(f"ref_logits is on {ref_logits.device} but logits is on {logits.device}; they must share a device")
+        return _validation.check_temperature(temperature, logits.shape[:-1], logits.device, reference.compute_dtype(logits))
+
+    if group is not None or vocab_start is not None:
+        if group is None:
+            raise ValueError("vocab_start is for vocabulary-sharded logits: pass the group= they are sharded over")
+        from .vocab_parallel import full_kl_sharded
+
+        return full_kl_sharded(logits, ref_logits, temperature, group, vocab_start, check_arguments)
+    temperature = check_arguments()
     token_shape = logits.shape[:-1]
     acc = reference.compute_dtype(logits)
-    temperature = _validation.check_temperature(temperature, token_shape, logits.device, acc)
     backend = select_backend(logits.device)
     if backend == "reference" or logits.numel() == 0:
         return reference.full_kl(logits, ref_logits, temperature=temperature)

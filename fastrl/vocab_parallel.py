@@ -44,11 +44,13 @@ from . import _ops, _validation, reference
 from ._backend import select_backend
 from .logprobs import row_view
 
-__all__ = ["logprobs_and_entropy_sharded"]
+__all__ = ["full_kl_sharded", "logprobs_and_entropy_sharded"]
 
 # The agreement's fields, one int64 each per rank.
 _FIELDS = ("error", "rows", "vocab", "start", "dtype", "outputs", "label_min", "label_max")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+# The agreement's "outputs" code: bits of what the call computes.
+_LABELED, _ENTROPY, _FULL_KL = 1, 2, 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +78,12 @@ def _check_group(group: object) -> int:
     return dist.get_world_size(group)
 
 
-def agree(group, logits: object, labels: object, vocab_start: object, outputs: int, check) -> Shard:
+def agree(group, logits: object, label_range, vocab_start: object, outputs: int, check) -> Shard:
     """Runs ``check()`` (the local argument checks), then the one all-gather
     that agrees the call across ``group``; raises on every rank alike when any
-    rank's checks failed or the ranks disagree. ``outputs``: a code of what the
-    caller computes (ranks must agree on it)."""
+    rank's checks failed or the ranks disagree. ``label_range()``: (min, max) of
+    the labels that are not ignored, or None without labels; ``outputs``: a code
+    of what the caller computes (ranks must agree on it)."""
     import torch.distributed as dist
 
     world = _check_group(group)
@@ -99,8 +102,9 @@ def agree(group, logits: object, labels: object, vocab_start: object, outputs: i
     if error is None:
         mine.update(rows=logits.shape[:-1].numel(), vocab=logits.shape[-1],
                     start=-1 if vocab_start is None else vocab_start, dtype=_DTYPES[logits.dtype], outputs=outputs)  # fmt: skip
-        if labels is not None and labels.numel():
-            mine.update(label_min=int(labels.min()), label_max=int(labels.max()))
+        labels = label_range()
+        if labels is not None:
+            mine.update(label_min=labels[0], label_max=labels[1])
     else:
         mine["error"] = 1
     if dist.get_backend(group) == "nccl" and device.type != "cuda":
@@ -136,7 +140,7 @@ def agree(group, logits: object, labels: object, vocab_start: object, outputs: i
         starts = tuple(sum(sizes[:r]) for r in range(world))
     vocab = sum(sizes)
     for r, t in enumerate(table):
-        if labels is not None and (t["label_min"] < 0 or t["label_max"] >= vocab):
+        if outputs & _LABELED and (t["label_min"] < 0 or t["label_max"] >= vocab):
             bad = t["label_min"] if t["label_min"] < 0 else t["label_max"]
             raise ValueError(f"labels must lie in [0, {vocab}) (the sharded vocabulary) or equal ignore_index; "
                              f"rank {r} has {bad}")  # fmt: skip
@@ -285,9 +289,14 @@ def logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with
         acc = reference.compute_dtype(logits)
         checked["temperature"] = _validation.check_temperature(temperature, token_shape, logits.device, acc)
 
-    # The labels' range without the ignored ones (0 in their place), for the agreement.
-    ranged = labels.masked_fill(labels == ignore_index, 0) if isinstance(labels, torch.Tensor) else labels
-    shard = agree(group, logits, ranged, vocab_start, (labels is not None) * 2 + with_entropy, check)
+    def label_range():
+        if labels is None:
+            return None
+        kept = labels[labels != ignore_index]
+        return (int(kept.min()), int(kept.max())) if kept.numel() else (0, 0)
+
+    outputs = (_LABELED if labels is not None else 0) | (_ENTROPY if with_entropy else 0)
+    shard = agree(group, logits, label_range, vocab_start, outputs, check)
     token_shape = logits.shape[:-1]
     acc = reference.compute_dtype(logits)
     temps, temp_scalar = _ops.split_row_param(_validation.flat_per_row(checked["temperature"], token_shape, acc))
@@ -299,3 +308,94 @@ def logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with
                                               shard, backend)  # fmt: skip
     reshape = lambda t: t.view(token_shape)  # noqa: E731
     return (reshape(logprob) if labels is not None else None), (reshape(entropy) if with_entropy else None)
+
+
+def _combine_kl(gathered, temps, temp_scalar, acc):
+    """(KL [N], (M, log S, M', log S') [N, 4]) from the ranks' [world, N, 5]
+    (m, log s, m', log s', KL_r), in float64, the same on every rank. With w_r
+    and w'_r the shard masses under p and p_ref (module docstring's l_r - log S),
+    the chain rule of the KL: KL = sum_r w_r KL_r + sum_r w_r log(w_r / w'_r)."""
+    g = gathered.double()
+    m, log_s, m_ref, log_s_ref, kl_r = g.unbind(-1)
+    t = temps.double() if temps is not None else temp_scalar
+    top, top_ref = m.amax(dim=0), m_ref.amax(dim=0)
+    empty, empty_ref = torch.isneginf(m), torch.isneginf(m_ref)
+    mass = torch.where(empty, -torch.inf, log_s + torch.where(empty, 0.0, (m - top) / t))
+    mass_ref = torch.where(empty_ref, -torch.inf, log_s_ref + torch.where(empty_ref, 0.0, (m_ref - top_ref) / t))
+    total, total_ref = torch.logsumexp(mass, dim=0), torch.logsumexp(mass_ref, dim=0)
+    log_w, log_w_ref = mass - total, mass_ref - total_ref
+    term = torch.exp(log_w) * (kl_r + log_w - log_w_ref)
+    term = torch.where(empty, 0.0, torch.where(empty_ref, torch.inf, term))  # p > 0 where p_ref = 0: +inf
+    kl = term.sum(dim=0)
+    nan_row = (
+        torch.isnan(m).any(dim=0) | torch.isnan(m_ref).any(dim=0) | torch.isneginf(top) | torch.isneginf(top_ref)
+        | (torch.isnan(log_s) & ~empty).any(dim=0) | (torch.isnan(log_s_ref) & ~empty_ref).any(dim=0)
+    )  # fmt: skip
+    kl = torch.where(nan_row, torch.nan, kl)
+    stats = torch.stack([top, torch.where(nan_row, torch.nan, total), top_ref, total_ref], dim=-1)
+    return kl.to(acc), stats.to(acc)
+
+
+class _ShardedFullKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, ref_rows, temps, temp_scalar, shard, backend):
+        import torch.distributed as dist
+
+        rows = row_view(logits)
+        acc = reference.compute_dtype(logits)
+        n_rows = rows.shape[0] * rows.shape[1]
+        local = torch.empty(n_rows, 5, dtype=acc, device=rows.device)
+        if backend == "reference":
+            x, y = rows.reshape(n_rows, -1).to(acc), ref_rows.reshape(n_rows, -1).to(acc)
+            t = temps.unsqueeze(-1) if temps is not None else temp_scalar
+            for column, z in ((0, x), (2, y)):
+                top = z.amax(dim=-1)
+                local[:, column], local[:, column + 1] = top, torch.logsumexp((z - top.unsqueeze(-1)) / t, dim=-1)
+            local[:, 4] = reference.full_kl(x, y, temperature=temps if temps is not None else temp_scalar)
+        else:
+            kl_r, stats_r = _ops.full_kl_forward(rows, ref_rows, temps, temp_scalar, True, backend)
+            local[:, :4], local[:, 4] = stats_r, kl_r
+        gathered = [torch.empty_like(local) for _ in shard.starts]
+        dist.all_gather(gathered, local, group=shard.group)
+        kl, stats = _combine_kl(torch.stack(gathered), temps, temp_scalar, acc)
+        ctx.save_for_backward(logits, ref_rows, temps, stats, kl)
+        ctx.temp_scalar, ctx.backend = temp_scalar, backend
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        """dKL/dx = p (log p - log p_ref - KL) / T from the global statistics: no collective."""
+        _ops.refuse_double_backward()
+        logits, ref_rows, temps, stats, kl = ctx.saved_tensors
+        rows = row_view(logits)
+        grad_kl = grad_kl.to(kl.dtype).contiguous()
+        if ctx.backend == "reference":
+            n_rows = rows.shape[0] * rows.shape[1]
+            x, y = rows.reshape(n_rows, -1).to(kl.dtype), ref_rows.reshape(n_rows, -1).to(kl.dtype)
+            t = temps.unsqueeze(-1) if temps is not None else ctx.temp_scalar
+            log_p = (x - stats[:, :1]) / t - stats[:, 1:2]
+            log_ref = (y - stats[:, 2:3]) / t - stats[:, 3:4]
+            p = log_p.exp()
+            gap = torch.where(p > 0, log_p - log_ref - kl.unsqueeze(-1), 0.0)
+            grad = (grad_kl.unsqueeze(-1) * p * gap / t).to(rows.dtype)
+        else:
+            grad = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+            _ops.full_kl_backward(rows, ref_rows, temps, ctx.temp_scalar, stats, kl, grad_kl, grad, ctx.backend)
+        return grad.reshape(logits.shape), None, None, None, None, None
+
+
+def full_kl_sharded(logits, ref_logits, temperature, group, vocab_start, check_arguments):
+    """The sharded form of ``kl.full_kl``: KL [...] of every row over the whole
+    vocabulary; ``check_arguments()`` returns the checked temperature."""
+    checked = {}
+
+    def check():
+        checked["temperature"] = check_arguments()
+
+    shard = agree(group, logits, lambda: None, vocab_start, _FULL_KL, check)
+    token_shape = logits.shape[:-1]
+    acc = reference.compute_dtype(logits)
+    temps, temp_scalar = _ops.split_row_param(_validation.flat_per_row(checked["temperature"], token_shape, acc))
+    backend = "reference" if token_shape.numel() == 0 else select_backend(logits.device)
+    kl = _ShardedFullKL.apply(logits, row_view(ref_logits.detach()), temps, temp_scalar, shard, backend)
+    return kl.view(token_shape)

@@ -86,6 +86,25 @@ def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
                 assert_close_to_reference(only_lp, ref_lp, tol, what=f"logprobs_from_logits {what}")
                 assert_close_to_reference(only_ent, ref_ent, tol, what=f"entropy_from_logits {what}")
 
+        # full_kl on the shards: the whole vocabulary's KL and each shard's slice of its gradient (as test_kl).
+        logits = make_logits((5,), vocab, torch.float32, std=3.0)
+        ref_logits = (logits.double() + 0.3 * torch.randn(logits.shape, dtype=torch.float64)).float()
+        ref_logits[-1, : bounds[1]] = float("-inf")  # p_ref = 0 < p on rank 0's shard: the KL is inf
+        temp = torch.rand(5, dtype=torch.float64) + 0.5
+        x64 = logits.double().requires_grad_()
+        truth = reference.full_kl(x64, ref_logits.double(), temperature=temp)
+        (truth[:-1] * w_lp[:4].double()).sum().backward()
+        for backend in backends:
+            x = logits[:, start:stop].clone().requires_grad_()
+            with fastrl.use_backend(backend):
+                kl = fastrl.full_kl(x, ref_logits[:, start:stop], temperature=temp.float(), group=group)
+                (kl[:-1] * w_lp[:4]).sum().backward()
+            assert _all_equal_across_ranks(kl.detach(), group), backend
+            assert_close_to_reference(kl, truth.detach(), 1e-5, what=f"full_kl {backend}")
+            grad_truth = x64.grad[:-1, start:stop]
+            atol = 4e-5 * float(grad_truth.abs().max())  # test_kl's 1e-5, x4 for the reference backend as above
+            assert_close_to_reference(x.grad[:-1], grad_truth, 4e-5, atol=atol, what=f"full_kl grad {backend}")
+
         # policy_loss_from_logits on the shards: the unsharded loss, and each shard its slice of the gradient.
         logits = make_logits((2, 5), vocab, torch.float32)
         labels = make_labels(logits)
@@ -147,6 +166,9 @@ def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
         _expect_error_everywhere("temperature" if rank == world - 1 else rf"rank\(s\) \[{world - 1}\]",
                                  lambda: fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=lo,
                                                                      temperature=bad_temperature))  # fmt: skip
+        _expect_error_everywhere(r"ref_logits must have the shape" if rank == 0 else r"rank\(s\) \[0\]",
+                                 lambda: fastrl.full_kl(shard, shard[: 3 if rank == 0 else 4], group=group,
+                                                        vocab_start=lo))  # fmt: skip
         # The group is still in step after the errors.
         lp = fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=lo)
         assert_close_to_reference(lp, ref_lp, 1e-5, what="after the errors")
