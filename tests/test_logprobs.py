@@ -798,11 +798,11 @@ def test_keyword_only_options_passed_positionally_name_the_keywords():
         (lambda: fastrl.sample(logits, 0.7), r"sample\(\) takes 1 positional argument \(logits\) but 2 were given; "
                                              r"temperature, top_k, top_p, min_p, seed, offset are keyword-only"),
         (lambda: fastrl.truncated_logprobs(logits, labels, 0.7), r"temperature, top_k, top_p, min_p are keyword-only"),
-        (lambda: fastrl.full_kl(logits, logits, 0.7), r"full_kl\(\) .* temperature is keyword-only"),
+        (lambda: fastrl.full_kl(logits, logits, 0.7), r"full_kl\(\) .* temperature, group, vocab_start are keyword-only"),
         (lambda: fastrl.agg_loss(per_token, mask, "token-mean", 2), r"dp_size, batch_num_tokens, .* keyword-only"),
         (lambda: fastrl.rollout_correction(per_token, per_token, mask, "sequence"), r"level, mode, .* keyword-only"),
         (lambda: fastrl.policy_loss_from_logits(logits, labels, per_token, per_token, mask, 0.7),
-         r"temperature, inplace_backward, ignore_index, with_entropy are keyword-only"),
+         r"temperature, inplace_backward, ignore_index, with_entropy, group, vocab_start are keyword-only"),
     ]  # fmt: skip
     for call, match in calls:
         with pytest.raises(TypeError, match=match):
