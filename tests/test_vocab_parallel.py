@@ -190,3 +190,17 @@ def test_vocab_start_without_a_group_and_bad_groups():
         fastrl.logprobs_from_logits(logits, labels, vocab_start=0)
     with pytest.raises((TypeError, ValueError), match="group"):
         fastrl.logprobs_and_entropy(logits, labels, group="tp")
+
+
+def test_the_torchrun_example_runs():
+    """examples/tensor_parallel.py, the README's tensor-parallel example, as the README runs it."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(root / "examples" / "tensor_parallel.py")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "2 ranks: log-probs and entropy match the unsharded op" in done.stdout
