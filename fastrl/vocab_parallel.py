@@ -47,7 +47,7 @@ from .logprobs import row_view
 __all__ = ["full_kl_sharded", "logprobs_and_entropy_sharded"]
 
 # The agreement's fields, one int64 each per rank.
-_FIELDS = ("error", "rows", "vocab", "start", "dtype", "outputs", "label_min", "label_max")
+_FIELDS = ("error", "shape", "vocab", "start", "dtype", "outputs", "label_min", "label_max")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 # The agreement's "outputs" code: bits of what the call computes.
 _LABELED, _ENTROPY, _FULL_KL = 1, 2, 4
@@ -100,7 +100,8 @@ def agree(group, logits: object, label_range, vocab_start: object, outputs: int,
     mine = dict.fromkeys(_FIELDS, 0)
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
     if error is None:
-        mine.update(rows=logits.shape[:-1].numel(), vocab=logits.shape[-1],
+        # The token shape as one number (a tuple of ints hashes the same in every process).
+        mine.update(shape=hash(tuple(logits.shape[:-1])), vocab=logits.shape[-1],
                     start=-1 if vocab_start is None else vocab_start, dtype=_DTYPES[logits.dtype], outputs=outputs)  # fmt: skip
         labels = label_range()
         if labels is not None:
@@ -118,10 +119,10 @@ def agree(group, logits: object, label_range, vocab_start: object, outputs: int,
     failed = [r for r, t in enumerate(table) if t["error"]]
     if failed:
         raise ValueError(f"rank(s) {failed} of the group rejected their arguments (see their errors)")
-    for field, what in (("rows", "token shapes"), ("dtype", "logits dtypes"), ("outputs", "requested outputs")):
-        values = [t[field] for t in table]
-        if len(set(values)) > 1:
-            raise ValueError(f"the ranks of the group disagree on their {what}: {values} in rank order")
+    for field, what in (("shape", "token shapes"), ("dtype", "logits dtypes"), ("outputs", "requested outputs")):
+        if len({t[field] for t in table}) > 1:
+            mine_now = tuple(logits.shape[:-1]) if field == "shape" else mine[field]
+            raise ValueError(f"the ranks of the group disagree on their {what} (this rank, {rank}: {mine_now})")
     sizes = tuple(t["vocab"] for t in table)
     given = [t["start"] >= 0 for t in table]
     if any(given) and not all(given):
