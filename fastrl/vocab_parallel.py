@@ -1,11 +1,12 @@
-"""Log-probs and entropy of vocabulary-sharded logits (tensor parallelism) over
-torch.distributed.
+"""Log-probs, entropy and the full KL of vocabulary-sharded logits (tensor
+parallelism) over torch.distributed.
 
 Megatron-style tensor parallelism shards the LM head by vocabulary: rank r of
 the group holds logits ``[..., V_r]`` for the global entries ``[start_r, start_r
 + V_r)``. ``logprobs_from_logits`` / ``logprobs_and_entropy`` /
-``entropy_from_logits`` take ``group=`` (and, for shards not laid out in rank
-order, ``vocab_start=``) and give every rank the unsharded op's per-token result.
+``entropy_from_logits`` / ``policy_loss_from_logits`` / ``full_kl`` take
+``group=`` (and, for shards not laid out in rank order, ``vocab_start=``) and
+give every rank the unsharded op's per-token result (``full_kl``: _combine_kl).
 
 Forward, per row, with d = (x - m) / T as in ``reference.scaled_logits``:
 
