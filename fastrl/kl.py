@@ -86,19 +86,23 @@ class _FullKL(torch.autograd.Function):
         # The logits, not the rows view made here, so that a later in-place write to
         # them is caught by torch's version check with its usual message.
         ctx.save_for_backward(logits, ref_rows, temps, stats, kl)
-        ctx.temp_scalar, ctx.backend, ctx.logits_shape = temp_scalar, backend, logits.shape
+        ctx.temp_scalar, ctx.backend = temp_scalar, backend
         return kl
 
     @staticmethod
     def backward(ctx, grad_kl):
         _ops.refuse_double_backward()
         logits, ref_rows, temps, stats, kl = ctx.saved_tensors
-        rows = row_view(logits)
-        grad = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
-        _ops.full_kl_backward(
-            rows, ref_rows, temps, ctx.temp_scalar, stats, kl, grad_kl.to(kl.dtype).contiguous(), grad, ctx.backend
-        )
-        return grad.reshape(ctx.logits_shape), None, None, None
+        return full_kl_gradient(logits, ref_rows, temps, ctx.temp_scalar, stats, kl, grad_kl, ctx.backend), None, None, None
+
+
+def full_kl_gradient(logits, ref_rows, temps, temp_scalar, stats, kl, grad_kl, backend) -> torch.Tensor:
+    """dL/dlogits from the row statistics (m, log s, m', log s') and the KL (the
+    whole row's, or the whole vocabulary's for a shard: fastrl.vocab_parallel)."""
+    rows = row_view(logits)
+    grad = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    _ops.full_kl_backward(rows, ref_rows, temps, temp_scalar, stats, kl, grad_kl.to(kl.dtype).contiguous(), grad, backend)
+    return grad.reshape(logits.shape)
 
 
 @_validation.keyword_only_options

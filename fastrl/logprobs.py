@@ -125,6 +125,18 @@ class _LogprobsEntropy(torch.autograd.Function):
         return grad_rows.reshape(ctx.logits_shape), None, None, None, None, None, None
 
 
+def check_arguments(logits, labels, temperature, ignore_index, vocab: int | None = None):
+    """The checks of the log-prob ops' arguments, labels in [0, vocab) (default
+    logits.shape[-1]; a vocabulary shard checks its labels against the whole
+    vocabulary later) or ignore_index; returns the checked temperature."""
+    _validation.check_logits(logits)
+    _validation.check_ignore_index(ignore_index)
+    if labels is not None:
+        vocab = logits.shape[-1] if vocab is None else vocab
+        _validation.check_token_labels(labels, logits.shape[:-1], vocab, logits.device, ignore_index)
+    return _validation.check_temperature(temperature, logits.shape[:-1], logits.device, reference.compute_dtype(logits))
+
+
 def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy, group=None, vocab_start=None):
     """Validates, picks the backend and runs the op. Returns (logprob, entropy),
     either None when not asked for, shaped like ``logits.shape[:-1]``. With a
@@ -136,14 +148,10 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entro
         from .vocab_parallel import logprobs_and_entropy_sharded
 
         return logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with_entropy, group, vocab_start)
-    _validation.check_logits(logits)
-    _validation.check_ignore_index(ignore_index)
-    if labels is not None:
-        _validation.check_labels(labels, logits, ignore_index)
     _validation.check_bool(inplace_backward, "inplace_backward")
+    temperature = check_arguments(logits, labels, temperature, ignore_index)
     token_shape = logits.shape[:-1]
     acc = reference.compute_dtype(logits)
-    temperature = _validation.check_temperature(temperature, token_shape, logits.device, acc)
 
     backend = select_backend(logits.device)
     if backend == "reference" or logits.numel() == 0:

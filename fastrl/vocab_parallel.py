@@ -43,7 +43,8 @@ import torch
 
 from . import _ops, _validation, reference
 from ._backend import select_backend
-from .logprobs import row_view
+from .kl import full_kl_gradient
+from .logprobs import check_arguments, row_view
 
 __all__ = ["full_kl_sharded", "logprobs_and_entropy_sharded"]
 
@@ -82,8 +83,8 @@ def _check_group(group: object) -> int:
 def agree(group, logits: object, label_range, vocab_start: object, outputs: int, check) -> Shard:
     """Runs ``check()`` (the local argument checks), then the one all-gather
     that agrees the call across ``group``; raises on every rank alike when any
-    rank's checks failed or the ranks disagree. ``label_range()``: (min, max) of
-    the labels that are not ignored, or None without labels; ``outputs``: a code
+    rank's checks failed or the ranks disagree. ``label_range()``: an int64 [2]
+    tensor (min, max) of the labels that are not ignored, or None without labels; ``outputs``: a code
     of what the caller computes (ranks must agree on it)."""
     import torch.distributed as dist
 
@@ -104,17 +105,17 @@ def agree(group, logits: object, label_range, vocab_start: object, outputs: int,
         # The token shape as one number (a tuple of ints hashes the same in every process).
         mine.update(shape=hash(tuple(logits.shape[:-1])), vocab=logits.shape[-1],
                     start=-1 if vocab_start is None else vocab_start, dtype=_DTYPES[logits.dtype], outputs=outputs)  # fmt: skip
-        labels = label_range()
-        if labels is not None:
-            mine.update(label_min=labels[0], label_max=labels[1])
     else:
         mine["error"] = 1
     if dist.get_backend(group) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     local = torch.tensor([mine[f] for f in _FIELDS], dtype=torch.int64, device=device)
+    labels = label_range() if error is None else None
+    if labels is not None:  # written on the device: the gathered table below is the call's one host sync
+        local[_FIELDS.index("label_min") :] = labels.to(device)
     gathered = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(gathered, local, group=group)
-    table = [dict(zip(_FIELDS, t.tolist(), strict=True)) for t in gathered]
+    table = [dict(zip(_FIELDS, row, strict=True)) for row in torch.stack(gathered).tolist()]
     if error is not None:
         raise error
     failed = [r for r, t in enumerate(table) if t["error"]]
@@ -280,22 +281,16 @@ def logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with
     checked = {}
 
     def check():
-        _validation.check_logits(logits)
-        _validation.check_ignore_index(ignore_index)
-        token_shape = logits.shape[:-1]
-        if labels is not None:
-            # The range is checked against the whole vocabulary once the ranks have agreed.
-            _validation.check_token_labels(
-                labels, token_shape, torch.iinfo(torch.int64).max, logits.device, ignore_index
-            )
-        acc = reference.compute_dtype(logits)
-        checked["temperature"] = _validation.check_temperature(temperature, token_shape, logits.device, acc)
+        # Labels only >= 0 here: their range is checked against the whole vocabulary once the ranks have agreed.
+        checked["temperature"] = check_arguments(logits, labels, temperature, ignore_index, torch.iinfo(torch.int64).max)
 
     def label_range():
+        """(min, max) of the labels that are not ignored, on the device (0 in place of ignored ones)."""
         if labels is None:
             return None
-        kept = labels[labels != ignore_index]
-        return (int(kept.min()), int(kept.max())) if kept.numel() else (0, 0)
+        if labels.numel() == 0:
+            return torch.zeros(2, dtype=torch.int64, device=labels.device)
+        return torch.stack(torch.aminmax(labels.masked_fill(labels == ignore_index, 0).long()))
 
     outputs = (_LABELED if labels is not None else 0) | (_ENTROPY if with_entropy else 0)
     shard = agree(group, logits, label_range, vocab_start, outputs, check)
@@ -369,30 +364,28 @@ class _ShardedFullKL(torch.autograd.Function):
         """dKL/dx = p (log p - log p_ref - KL) / T from the global statistics: no collective."""
         _ops.refuse_double_backward()
         logits, ref_rows, temps, stats, kl = ctx.saved_tensors
+        if ctx.backend != "reference":
+            return full_kl_gradient(logits, ref_rows, temps, ctx.temp_scalar, stats, kl, grad_kl, ctx.backend), *(None,) * 5
         rows = row_view(logits)
         grad_kl = grad_kl.to(kl.dtype).contiguous()
-        if ctx.backend == "reference":
-            n_rows = rows.shape[0] * rows.shape[1]
-            x, y = rows.reshape(n_rows, -1).to(kl.dtype), ref_rows.reshape(n_rows, -1).to(kl.dtype)
-            t = temps.unsqueeze(-1) if temps is not None else ctx.temp_scalar
-            log_p = (x - stats[:, :1]) / t - stats[:, 1:2]
-            log_ref = (y - stats[:, 2:3]) / t - stats[:, 3:4]
-            p = log_p.exp()
-            gap = torch.where(p > 0, log_p - log_ref - kl.unsqueeze(-1), 0.0)
-            grad = (grad_kl.unsqueeze(-1) * p * gap / t).to(rows.dtype)
-        else:
-            grad = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
-            _ops.full_kl_backward(rows, ref_rows, temps, ctx.temp_scalar, stats, kl, grad_kl, grad, ctx.backend)
-        return grad.reshape(logits.shape), None, None, None, None, None
+        n_rows = rows.shape[0] * rows.shape[1]
+        x, y = rows.reshape(n_rows, -1).to(kl.dtype), ref_rows.reshape(n_rows, -1).to(kl.dtype)
+        t = temps.unsqueeze(-1) if temps is not None else ctx.temp_scalar
+        log_p = (x - stats[:, :1]) / t - stats[:, 1:2]
+        log_ref = (y - stats[:, 2:3]) / t - stats[:, 3:4]
+        p = log_p.exp()
+        gap = torch.where(p > 0, log_p - log_ref - kl.unsqueeze(-1), 0.0)
+        grad = (grad_kl.unsqueeze(-1) * p * gap / t).to(rows.dtype)
+        return grad.reshape(logits.shape), *(None,) * 5
 
 
-def full_kl_sharded(logits, ref_logits, temperature, group, vocab_start, check_arguments):
+def full_kl_sharded(logits, ref_logits, temperature, group, vocab_start, check_kl_arguments):
     """The sharded form of ``kl.full_kl``: KL [...] of every row over the whole
-    vocabulary; ``check_arguments()`` returns the checked temperature."""
+    vocabulary; ``check_kl_arguments()`` returns the checked temperature."""
     checked = {}
 
     def check():
-        checked["temperature"] = check_arguments()
+        checked["temperature"] = check_kl_arguments()
 
     shard = agree(group, logits, lambda: None, vocab_start, _FULL_KL, check)
     token_shape = logits.shape[:-1]
