@@ -59,7 +59,7 @@ import math
 
 import torch
 
-from . import _native, _ops, _validation, policy, reference
+from . import _native, _ops, _validation, policy, reference, vocab_parallel
 from ._backend import select_backend
 from .logprobs import row_view
 
@@ -224,13 +224,13 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, temps, temp_scalar, ignore_index, with_entropy,
-                logit_scale, softcap, chunk_bytes, chunk_size, backend):  # fmt: skip
+                logit_scale, softcap, chunk_bytes, chunk_size, backend, shard):  # fmt: skip
         acc = reference.compute_dtype(hidden)
         needs_grad = any(ctx.needs_input_grad[:3])
         rows = _chunk_rows(hidden.shape[0], weight.shape[0], acc, softcap, chunk_bytes, chunk_size)
         logprob, entropy, stats, (logits, slope) = _forward(
             hidden, weight, bias, labels, temps, temp_scalar, ignore_index, with_entropy, logit_scale, softcap, rows,
-            backend, acc, needs_grad,
+            backend, acc, needs_grad, shard,
         )  # fmt: skip
         # One chunk held every token: its logits (within chunk_bytes) are kept for the
         # backward, which then forms none again (one GEMM fewer). Otherwise none are kept.
@@ -240,7 +240,7 @@ class _LinearLogprobs(torch.autograd.Function):
                               slope)  # fmt: skip
         ctx.temp_scalar, ctx.ignore_index, ctx.backend = temp_scalar, ignore_index, backend
         ctx.logit_scale, ctx.softcap, ctx.with_entropy = logit_scale, softcap, with_entropy
-        ctx.chunk_bytes, ctx.chunk_size = chunk_bytes, chunk_size
+        ctx.chunk_bytes, ctx.chunk_size, ctx.shard = chunk_bytes, chunk_size, shard
         ctx.set_materialize_grads(False)
         return logprob, entropy
 
@@ -248,19 +248,23 @@ class _LinearLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprob, grad_entropy):
         """Vocabulary slab by slab, and within a slab token block by token block
         (module docstring): each slab's weight gradient is summed in float32 over
-        every token and written once, so no [V, H] float32 accumulator is held."""
+        every token and written once, so no [V, H] float32 accumulator is held.
+        A vocabulary shard's columns start at its place in the whole vocabulary,
+        and its dL/dhidden, a partial sum, is summed over the ranks."""
         _ops.refuse_double_backward()
         hidden, weight, bias, labels, temps, stats, entropy, kept_logits, kept_slope = ctx.saved_tensors
         if not ctx.with_entropy:
             grad_entropy = None
         if grad_logprob is None and grad_entropy is None:
-            return (None,) * 13
+            return (None,) * 14
         acc = stats.dtype
         grad_logprob = None if grad_logprob is None else grad_logprob.to(acc).contiguous()
         grad_entropy = None if grad_entropy is None else grad_entropy.to(acc).contiguous()
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         n_tokens, hidden_size = hidden.shape
         vocab = weight.shape[0]
+        shard = ctx.shard
+        column_base, whole_vocab = (0, vocab) if shard is None else (shard.start, shard.vocab)
         operand = _operand_dtype(weight, acc)
         rows, cols = _backward_block(n_tokens, weight, acc, operand, ctx.softcap, ctx.chunk_bytes, ctx.chunk_size)
         # Accumulators are written by their first GEMM (no zero-filling pass over fresh memory).
@@ -294,7 +298,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 _ops.logprobs_backward(
                     row_view(logits), pick(labels, t0, t1), pick(temps, t0, t1), ctx.temp_scalar, ctx.ignore_index,
                     stats[t0:t1], pick(entropy, t0, t1), pick(grad_logprob, t0, t1), pick(grad_entropy, t0, t1),
-                    row_view(grad), v0, vocab, ctx.backend,
+                    row_view(grad), column_base + v0, whole_vocab, ctx.backend,
                 )  # fmt: skip
                 _through_cap(grad, slope, ctx.logit_scale)
                 if want_bias:
@@ -306,29 +310,40 @@ class _LinearLogprobs(torch.autograd.Function):
                     _mm(grad_op.T, hidden[t0:t1].to(operand), grad_weight_s, accumulate=t0 > 0)
             if want_weight and weight.dtype != acc:
                 grad_weight[v0:v1] = grad_weight_s
+        if shard is not None and grad_hidden is not None:  # summed in float32 (float64), rounded once
+            grad_hidden = vocab_parallel.sum_in_rank_order(grad_hidden, shard.group)
         return (
             None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             grad_weight,
             None if grad_bias is None else grad_bias.to(bias.dtype),
-            *(None,) * 10,
+            *(None,) * 11,
         )
 
 
 def _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index, with_entropy, logit_scale, softcap,
-             rows, backend, acc, with_stats):  # fmt: skip
+             rows, backend, acc, with_stats, shard=None):  # fmt: skip
     """(logprob [N], entropy [N] or empty, stats [N, 2] or empty, (logits, slope)
-    of the last chunk), a chunk of ``rows`` tokens at a time."""
+    of the last chunk), a chunk of ``rows`` tokens at a time. For a vocabulary
+    ``shard`` (fastrl.vocab_parallel), each chunk gives its shard's row
+    statistics, and the ranks' are gathered and combined once at the end."""
     n_tokens = hidden.shape[0]
     new = lambda *shape: torch.empty(shape, dtype=acc, device=hidden.device)  # noqa: E731
     logprob = new(n_tokens) if labels is not None else new(0)
     entropy = new(n_tokens) if with_entropy else new(0)
     stats = new(n_tokens, 2) if with_stats else new(0)
+    local = new(n_tokens, 4) if shard is not None else None
     bias_acc = None if bias is None else bias.to(acc)
     slab = _slab_rows(weight, acc)
     buffer = new(min(rows, n_tokens) * weight.shape[0])
     for t0 in range(0, n_tokens, rows):
         t1 = min(t0 + rows, n_tokens)
         logits, slope = _chunk_logits(hidden[t0:t1], weight, bias_acc, logit_scale, softcap, slab, buffer)
+        if shard is not None:
+            local[t0:t1] = vocab_parallel.local_stats(
+                row_view(logits), labels[t0:t1], None if temps is None else temps[t0:t1], temp_scalar, shard,
+                with_entropy, backend,
+            )  # fmt: skip
+            continue
         lp, ent, st = _ops.logprobs_forward(
             row_view(logits), None if labels is None else labels[t0:t1], None if temps is None else temps[t0:t1],
             temp_scalar, ignore_index, with_entropy, with_stats, backend,
@@ -339,6 +354,10 @@ def _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index, wit
             entropy[t0:t1] = ent
         if with_stats:
             stats[t0:t1] = st
+    if shard is not None:
+        logprob, all_entropy, stats = vocab_parallel.combine_across_ranks(local, labels, temps, temp_scalar,
+                                                                          ignore_index, shard)  # fmt: skip
+        entropy = all_entropy if with_entropy else entropy
     return logprob, entropy, stats, (logits, slope) if n_tokens else (None, None)
 
 
@@ -432,12 +451,51 @@ class _Head:
 
 
 def _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale, softcap, chunk_size,
-             chunk_bytes) -> _Head:  # fmt: skip
+             chunk_bytes, group=None, vocab_start=None, also_check=None) -> tuple[_Head, vocab_parallel.Shard | None]:  # fmt: skip
+    """The checked arguments, and with a ``group`` this rank's vocabulary shard,
+    agreed with the other ranks (vocab_parallel.agree) after the same checks;
+    ``also_check(head)``: the caller's checks of its other arguments, run
+    before the agreement (a rank that raised after it would leave the others
+    waiting in the backward's collective)."""
+
+    def check(label_vocab):
+        head = _checked_head(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale,
+                             softcap, chunk_size, chunk_bytes, label_vocab)  # fmt: skip
+        if also_check is not None:
+            also_check(head)
+        return head
+
+    if group is None:
+        if vocab_start is not None:
+            raise ValueError("vocab_start is for a vocabulary-sharded weight: pass the group= it is sharded over")
+        return check(None), None
+    checked = {}
+
+    def layout():
+        # Labels only >= 0 here: their range is checked against the whole vocabulary once the ranks have agreed.
+        head = checked["head"] = check(torch.iinfo(torch.int64).max)
+        options = {"temperature": head.temp_scalar if head.temps is None else head.temps,
+                   "ignore_index": ignore_index, "logit_scale": head.logit_scale, "softcap": head.softcap,
+                   "with_entropy": with_entropy, "bias": head.bias is not None}  # fmt: skip
+        shape = (*head.token_shape, head.hidden.shape[-1])
+        return vocab_parallel.Layout(shape, head.weight.shape[0], head.hidden.dtype, head.hidden.device, options,
+                                     "hidden shapes")  # fmt: skip
+
+    outputs = vocab_parallel.LABELED | (vocab_parallel.ENTROPY if with_entropy else 0)
+    shard = vocab_parallel.agree(group, layout, vocab_start, outputs, vocab_parallel.label_range(labels, ignore_index))
+    return checked["head"], shard
+
+
+def _checked_head(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale, softcap,
+                  chunk_size, chunk_bytes, label_vocab) -> _Head:  # fmt: skip
+    """The checks of one rank's arguments: labels in [0, label_vocab) (None: the
+    weight's rows) or ignore_index."""
     _check_head(hidden, weight, bias)
     hidden, weight, bias = _gather_sharded(hidden, weight, bias)
     _validation.check_ignore_index(ignore_index)
     token_shape = hidden.shape[:-1]
-    _validation.check_token_labels(labels, token_shape, weight.shape[0], hidden.device, ignore_index, source="hidden")
+    label_vocab = weight.shape[0] if label_vocab is None else label_vocab
+    _validation.check_token_labels(labels, token_shape, label_vocab, hidden.device, ignore_index, source="hidden")
     _validation.check_bool(with_entropy, "with_entropy")
     logit_scale = _validation.check_scalar(logit_scale, "logit_scale", ok=lambda v: -math.inf < v < math.inf,
                                            accepted="a finite float")  # fmt: skip
@@ -478,6 +536,8 @@ def linear_logprobs_and_entropy(
     softcap: float | None = None,
     chunk_size: int | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    group: object = None,
+    vocab_start: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logprobs, entropy)`` of the LM head's logits without holding them
     (module docstring): equal to ``logprobs_and_entropy(lm_head(hidden), labels)``
@@ -498,31 +558,54 @@ def linear_logprobs_and_entropy(
         softcap: ``softcap * tanh(x / softcap)`` (Gemma's final-logit soft-capping), None: off.
         chunk_size: at most this many tokens a chunk.
         chunk_bytes: the chunk's logits buffers stay within this (default 256 MiB).
+        group: a ``torch.distributed`` process group over which the LM head is
+            sharded by vocabulary (Megatron's column-parallel output layer):
+            ``weight`` / ``bias`` are this rank's rows, ``hidden`` the same
+            on every rank, ``labels`` global ids; every rank gets the whole
+            vocabulary's log-probs and entropy (one all-gather of 16 bytes a
+            token in the forward, as ``logprobs_from_logits(group=)``). The
+            backward sums dL/dhidden over the ranks itself (it replaces the
+            column-parallel layer, its copy-to-tensor-parallel-region
+            included: do not pass ``hidden`` through one): an all-to-all and an
+            all-gather of float32 [N, H], the traffic of an all-reduce, added
+            in rank order (``fastrl.vocab_parallel.sum_in_rank_order``); every
+            rank must run it. None: unsharded.
+        vocab_start: with ``group``, the global id of this rank's first row
+            (default: the shards in rank order).
 
     Returns:
         float32 ``[...]`` log-probs and entropy (or None), differentiable w.r.t.
         ``hidden``, ``weight`` and ``bias``; their gradients come back in their dtypes.
     """
-    head = _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale, softcap,
-                    chunk_size, chunk_bytes)  # fmt: skip
-    return _logprobs_of(head, labels, ignore_index, with_entropy, chunk_bytes, chunk_size)
+    head, shard = _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale,
+                           softcap, chunk_size, chunk_bytes, group, vocab_start)  # fmt: skip
+    return _logprobs_of(head, labels, ignore_index, with_entropy, chunk_bytes, chunk_size, shard)
 
 
-def _logprobs_of(head: _Head, labels, ignore_index, with_entropy, chunk_bytes, chunk_size):
-    """linear_logprobs_and_entropy on checked arguments."""
+def _logprobs_of(head: _Head, labels, ignore_index, with_entropy, chunk_bytes, chunk_size, shard=None):
+    """linear_logprobs_and_entropy on checked arguments (a vocabulary ``shard``
+    of the head, or None)."""
+    if shard is not None and (head.backend == "reference" or labels.numel() == 0):
+        # The spec's logits of the shard, the sharded reference log-probs, and hidden's gradient summed over the ranks.
+        hidden = vocab_parallel.summed_gradient_over_ranks(head.hidden.to(head.acc), shard.group)
+        logits = reference.lm_head_logits(hidden, head.weight, head.bias, logit_scale=head.logit_scale,
+                                          softcap=head.softcap)  # fmt: skip
+        logprob, entropy = vocab_parallel.logprobs_of_shard(logits, head.labels, head.temps, head.temp_scalar,
+                                                            ignore_index, with_entropy, shard, "reference")  # fmt: skip
+        return logprob.view(head.token_shape), entropy.view(head.token_shape) if with_entropy else None
     if head.backend == "reference" or labels.numel() == 0:
         return _reference(head, labels, ignore_index, with_entropy)
     wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in head.inputs)
     if wants_grad:
         logprob, entropy = _LinearLogprobs.apply(
             *head.inputs, head.labels, head.temps, head.temp_scalar, ignore_index, with_entropy, head.logit_scale,
-            head.softcap, chunk_bytes, chunk_size, head.backend,
+            head.softcap, chunk_bytes, chunk_size, head.backend, shard,
         )  # fmt: skip
     else:
         rows = _chunk_rows(head.hidden.shape[0], head.weight.shape[0], head.acc, head.softcap, chunk_bytes, chunk_size)
         logprob, entropy, _, _ = _forward(*head.inputs, head.labels, head.temps, head.temp_scalar, ignore_index,
                                           with_entropy, head.logit_scale, head.softcap, rows, head.backend, head.acc,
-                                          False)  # fmt: skip
+                                          False, shard)  # fmt: skip
     return logprob.view(head.token_shape), entropy.view(head.token_shape) if with_entropy else None
 
 
@@ -633,6 +716,8 @@ def policy_loss_from_hidden(
     softcap: float | None = None,
     chunk_size: int | None = None,
     chunk_bytes: int | None = None,
+    group: object = None,
+    vocab_start: int | None = None,
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`fastrl.policy_loss` straight from the hidden states ``[..., L, H]`` and
@@ -652,7 +737,10 @@ def policy_loss_from_hidden(
     twice the head's size). GSPO's sequence ratio, ``torch.compile``, no
     gradient and a bf16 / fp16 head on CPU (whose GEMMs widen it a slab at a
     time: the widening a chunk would cost more than the GEMM saved) take the
-    composition ``policy_loss(linear_logprobs_and_entropy(...))``.
+    composition ``policy_loss(linear_logprobs_and_entropy(...))``, and so
+    does a vocabulary-sharded head (``group`` / ``vocab_start`` as
+    :func:`linear_logprobs_and_entropy` takes them; every rank computes the same
+    loss).
 
     ``chunk_bytes=None`` is 256 MiB, or 1 GiB when the gradients are formed in the
     forward on a GPU: each chunk of C tokens then reads and writes the float32
@@ -665,11 +753,27 @@ def policy_loss_from_hidden(
         raise TypeError("policy_loss_from_hidden computes the entropy from the hidden states; pass with_entropy=True")
     if with_entropy is None:
         with_entropy = options.get("entropy_coef", 0.0) != 0
-    head = _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale, softcap,
-                    chunk_size, DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes)  # fmt: skip
-    _validation.check_per_token(old_log_probs, "old_log_probs")
-    current = head.hidden if head.hidden.requires_grad else head.weight
-    policy.check_current_policy(current, "hidden states and LM head", old_log_probs)
+
+    def loss_of(head, log_probs, entropy):
+        return policy.policy_loss(log_probs.view(head.token_shape), old_log_probs, advantages, response_mask,
+                                  entropy=None if entropy is None else entropy.view(head.token_shape), **options)  # fmt: skip
+
+    def stand_ins(head):
+        """Per-token log-probs and entropy standing in for those not formed yet."""
+        log_probs = old_log_probs.detach().to(head.acc).reshape(-1).clone()
+        return log_probs, torch.zeros_like(log_probs) if with_entropy else None
+
+    def check_loss_arguments(head):
+        """Every argument checked (by policy_loss itself, on stand-ins) before any GEMM."""
+        _validation.check_per_token(old_log_probs, "old_log_probs")
+        policy.check_current_policy(head.hidden if head.hidden.requires_grad else head.weight,
+                                    "hidden states and LM head", old_log_probs)  # fmt: skip
+        with torch.no_grad():
+            loss_of(head, *stand_ins(head))
+
+    head, shard = _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale,
+                           softcap, chunk_size, DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes, group,
+                           vocab_start, check_loss_arguments)  # fmt: skip
     wants = tuple(t is not None and t.requires_grad for t in head.inputs)
     forms_gradients = (
         torch.is_grad_enabled() and any(wants) and options.get("ratio_level", "token") == "token"
@@ -677,25 +781,17 @@ def policy_loss_from_hidden(
         # A head whose GEMMs widen it (bf16 / fp16 on CPU) would be widened once more a
         # chunk for dL/dhidden: more than the GEMM saved costs there (measured).
         and _slab_rows(head.weight, head.acc) >= head.weight.shape[0]
+        and shard is None  # (a vocabulary shard's head takes the composition)
     )  # fmt: skip
     if chunk_bytes is None:
         chunk_bytes = _GPU_GRADIENT_CHUNK_BYTES if forms_gradients and head.hidden.is_cuda else DEFAULT_CHUNK_BYTES
     if not forms_gradients:
-        log_probs, entropy = _logprobs_of(head, labels, ignore_index, with_entropy, chunk_bytes, chunk_size)
+        log_probs, entropy = _logprobs_of(head, labels, ignore_index, with_entropy, chunk_bytes, chunk_size, shard)
         return policy.policy_loss(log_probs, old_log_probs, advantages, response_mask, entropy=entropy, **options)
 
-    def loss_of(log_probs, entropy):
-        return policy.policy_loss(log_probs.view(head.token_shape), old_log_probs, advantages, response_mask,
-                                  entropy=None if entropy is None else entropy.view(head.token_shape), **options)  # fmt: skip
-
-    # Every argument checked (by policy_loss itself) before any GEMM; these
-    # per-token tensors then stand in for the tokens not formed yet, whose values
-    # do not reach a formed token's gradient.
+    # The stand-ins' values do not reach a formed token's gradient.
     acc = head.acc
-    log_probs = old_log_probs.detach().to(acc).reshape(-1).clone()
-    entropy = torch.zeros_like(log_probs) if with_entropy else None
-    with torch.no_grad():
-        loss_of(log_probs, entropy)
+    log_probs, entropy = stand_ins(head)
     entropy_term = options.get("entropy_coef", 0.0) != 0
 
     def token_gradients(t0, t1, lp, ent):
@@ -706,7 +802,7 @@ def policy_loss_from_hidden(
             leaves = [log_probs.detach().requires_grad_()]
             if entropy_term:
                 leaves.append(entropy.detach().requires_grad_())
-            loss, _ = loss_of(leaves[0], leaves[1] if entropy_term else entropy)
+            loss, _ = loss_of(head, leaves[0], leaves[1] if entropy_term else entropy)
             grads = torch.autograd.grad(loss, leaves)
         return grads[0][t0:t1].contiguous(), grads[1][t0:t1].contiguous() if entropy_term else None
 
@@ -715,5 +811,5 @@ def policy_loss_from_hidden(
         log_probs_out, entropy_out, *grads = _forward_with_gradients(
             head, ignore_index, with_entropy, rows, token_gradients, wants
         )
-        loss, metrics = loss_of(log_probs_out, entropy_out if with_entropy else None)
+        loss, metrics = loss_of(head, log_probs_out, entropy_out if with_entropy else None)
     return _GradientsFromForward.apply(loss, *head.inputs, *grads), metrics

@@ -1,4 +1,4 @@
-"""Log-probs, entropy and the full KL of vocabulary-sharded logits (tensor
+"""Log-probs, entropy and the full KL of vocabulary-sharded logits and LM heads (tensor
 parallelism) over torch.distributed.
 
 Megatron-style tensor parallelism shards the LM head by vocabulary: rank r of
@@ -28,11 +28,22 @@ entropy the log-prob backward kernel writes the shard's gradient, told that its
 columns start at start_r of V (the fused LM head's vocabulary slabs use the same
 arguments): no collective.
 
+The fused LM head (``linear_logprobs_and_entropy`` / ``policy_loss_from_hidden``
+with ``group=``) takes the head's rows sharded the same way (Megatron's
+column-parallel output layer), the hidden states the same on every rank: each
+chunk of tokens gives its shard's four numbers as above, gathered once at the
+end. Its backward needs one reduction the logits ops do not: dL/dhidden =
+sum_r G_r W_r is a sum over the ranks' shards. ``sum_in_rank_order`` adds the
+ranks' float32 partial sums in rank order (an all-to-all and an all-gather:
+an all-reduce's traffic, every rank the same bits).
+
 Before the kernels one small all-gather agrees the call across the group: row
-counts, shard sizes and starts, dtype, which outputs, each rank's label range,
-and whether each rank's arguments passed their checks, so a bad argument on one
-rank raises on every rank (a ValueError naming the rank) instead of leaving the
-others waiting in a collective.
+counts (the hidden size too for the LM head), shard sizes and starts, dtype,
+which outputs, the scalar options (temperature, ignore_index, softcap, ...),
+each rank's label range, and whether each rank's arguments passed their
+checks, so a bad argument on one rank raises on every rank (a ValueError
+naming the rank) instead of leaving the others waiting in a collective.
+Per-token temperature tensors are not compared (that would move them).
 """
 
 from __future__ import annotations
@@ -49,10 +60,10 @@ from .logprobs import check_arguments, row_view
 __all__ = ["full_kl_sharded", "logprobs_and_entropy_sharded"]
 
 # The agreement's fields, one int64 each per rank.
-_FIELDS = ("error", "shape", "vocab", "start", "dtype", "outputs", "label_min", "label_max")
+_FIELDS = ("error", "shape", "vocab", "start", "dtype", "outputs", "options", "label_min", "label_max")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 # The agreement's "outputs" code: bits of what the call computes.
-_LABELED, _ENTROPY, _FULL_KL = 1, 2, 4
+LABELED, ENTROPY, FULL_KL = 1, 2, 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +79,31 @@ class Shard:
     sizes: tuple[int, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What the ranks of a call must agree on, from this rank's checked
+    arguments: ``shape`` (what ``shape_name`` says), this shard's ``vocab``
+    entries, the dtype, and the call's scalar ``options`` by name (numbers,
+    None, or a tensor, whose values are not compared)."""
+
+    shape: tuple[int, ...]
+    vocab: int
+    dtype: torch.dtype
+    device: torch.device
+    options: dict = dataclasses.field(default_factory=dict)
+    shape_name: str = "token shapes"
+
+    def options_key(self) -> int:
+        """The options as one int64, the same in every process (numbers hash
+        by value; None and tensors by a code, never by identity)."""
+        code = lambda v: (2, 0.0) if isinstance(v, torch.Tensor) else (0, 0.0) if v is None else (1, float(v))  # noqa: E731
+        return hash(tuple(code(v) for v in self.options.values()))
+
+    def options_text(self) -> str:
+        shown = lambda v: "a per-token tensor" if isinstance(v, torch.Tensor) else repr(v)  # noqa: E731
+        return ", ".join(f"{name}={shown(v)}" for name, v in self.options.items())
+
+
 def _check_group(group: object) -> int:
     import torch.distributed as dist
 
@@ -80,19 +116,36 @@ def _check_group(group: object) -> int:
     return dist.get_world_size(group)
 
 
-def agree(group, logits: object, label_range, vocab_start: object, outputs: int, check) -> Shard:
-    """Runs ``check()`` (the local argument checks), then the one all-gather
-    that agrees the call across ``group``; raises on every rank alike when any
-    rank's checks failed or the ranks disagree. ``label_range()``: an int64 [2]
-    tensor (min, max) of the labels that are not ignored, or None without labels; ``outputs``: a code
-    of what the caller computes (ranks must agree on it)."""
+def label_range(labels: torch.Tensor | None, ignore_index: int):
+    """For ``agree``: a callable giving (min, max) of the labels that are not
+    ignored as an int64 [2] tensor on their device (0 in place of ignored ones),
+    or None without labels."""
+
+    def on_device():
+        if labels is None:
+            return None
+        if labels.numel() == 0:
+            return torch.zeros(2, dtype=torch.int64, device=labels.device)
+        return torch.stack(torch.aminmax(labels.masked_fill(labels == ignore_index, 0).long()))
+
+    return on_device
+
+
+def agree(group, check, vocab_start: object, outputs: int, labels=lambda: None) -> Shard:
+    """Runs ``check()`` (this rank's argument checks, returning its
+    :class:`Layout`), then the one all-gather that agrees the call across
+    ``group``; raises on every rank alike when any rank's checks failed or the
+    ranks disagree. ``outputs``: a code of what the caller computes;
+    ``labels()``: ``label_range``'s callable, whose range is checked against
+    the whole vocabulary."""
     import torch.distributed as dist
 
     world = _check_group(group)
     rank = dist.get_rank(group)
     error: Exception | None = None
+    layout: Layout | None = None
     try:
-        check()
+        layout = check()
         if vocab_start is not None and (isinstance(vocab_start, bool) or not isinstance(vocab_start, int)):
             raise TypeError(f"vocab_start must be an int or None; got {type(vocab_start).__name__}")
         if vocab_start is not None and vocab_start < 0:
@@ -100,19 +153,20 @@ def agree(group, logits: object, label_range, vocab_start: object, outputs: int,
     except (TypeError, ValueError) as exc:
         error = exc
     mine = dict.fromkeys(_FIELDS, 0)
-    device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
+    device = torch.device("cpu")
     if error is None:
-        # The token shape as one number (a tuple of ints hashes the same in every process).
-        mine.update(shape=hash(tuple(logits.shape[:-1])), vocab=logits.shape[-1],
-                    start=-1 if vocab_start is None else vocab_start, dtype=_DTYPES[logits.dtype], outputs=outputs)  # fmt: skip
+        device = layout.device
+        # The shape as one number (a tuple of ints hashes the same in every process).
+        mine.update(shape=hash(layout.shape), vocab=layout.vocab, start=-1 if vocab_start is None else vocab_start,
+                    dtype=_DTYPES[layout.dtype], outputs=outputs, options=layout.options_key())  # fmt: skip
     else:
         mine["error"] = 1
     if dist.get_backend(group) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     local = torch.tensor([mine[f] for f in _FIELDS], dtype=torch.int64, device=device)
-    labels = label_range() if error is None else None
-    if labels is not None:  # written on the device: the gathered table below is the call's one host sync
-        local[_FIELDS.index("label_min") :] = labels.to(device)
+    label_min_max = labels() if error is None else None
+    if label_min_max is not None:  # written on the device: the gathered table below is the call's one host sync
+        local[_FIELDS.index("label_min") :] = label_min_max.to(device)
     gathered = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(gathered, local, group=group)
     table = [dict(zip(_FIELDS, row, strict=True)) for row in torch.stack(gathered).tolist()]
@@ -121,9 +175,10 @@ def agree(group, logits: object, label_range, vocab_start: object, outputs: int,
     failed = [r for r, t in enumerate(table) if t["error"]]
     if failed:
         raise ValueError(f"rank(s) {failed} of the group rejected their arguments (see their errors)")
-    for field, what in (("shape", "token shapes"), ("dtype", "logits dtypes"), ("outputs", "requested outputs")):
+    disagreements = (("shape", layout.shape_name, layout.shape), ("dtype", "dtypes", layout.dtype),
+                     ("outputs", "requested outputs", outputs), ("options", "options", layout.options_text()))  # fmt: skip
+    for field, what, mine_now in disagreements:
         if len({t[field] for t in table}) > 1:
-            mine_now = tuple(logits.shape[:-1]) if field == "shape" else mine[field]
             raise ValueError(f"the ranks of the group disagree on their {what} (this rank, {rank}: {mine_now})")
     sizes = tuple(t["vocab"] for t in table)
     given = [t["start"] >= 0 for t in table]
@@ -143,14 +198,19 @@ def agree(group, logits: object, label_range, vocab_start: object, outputs: int,
         starts = tuple(sum(sizes[:r]) for r in range(world))
     vocab = sum(sizes)
     for r, t in enumerate(table):
-        if outputs & _LABELED and (t["label_min"] < 0 or t["label_max"] >= vocab):
+        if outputs & LABELED and (t["label_min"] < 0 or t["label_max"] >= vocab):
             bad = t["label_min"] if t["label_min"] < 0 else t["label_max"]
             raise ValueError(f"labels must lie in [0, {vocab}) (the sharded vocabulary) or equal ignore_index; "
                              f"rank {r} has {bad}")  # fmt: skip
     return Shard(group, starts[rank], sizes[rank], vocab, starts, sizes)
 
 
-def _local_stats(rows, labels, temps, temp_scalar, shard: Shard, with_entropy, backend):
+def logits_layout(logits: torch.Tensor, **options) -> Layout:
+    """The Layout of a logits op: token shape, shard size, dtype, options."""
+    return Layout(tuple(logits.shape[:-1]), logits.shape[-1], logits.dtype, logits.device, options)
+
+
+def local_stats(rows, labels, temps, temp_scalar, shard: Shard, with_entropy, backend):
     """[N, 4] in the compute dtype: (m_r, L_r, H_r or 0, x_y or NaN) of this
     shard (module docstring); x_y is the raw label logit where the label is local."""
     acc = reference.compute_dtype(rows)
@@ -176,10 +236,71 @@ def _local_stats(rows, labels, temps, temp_scalar, shard: Shard, with_entropy, b
     return stats
 
 
-def _combine(gathered, labels, temps, temp_scalar, ignore_index, shard: Shard, acc):
-    """(logprob, entropy, (M, log S) [N, 2]) from the ranks' [world, N, 4] stats,
-    in float64, the same on every rank (module docstring)."""
-    g = gathered.double()
+def _all_gather(local: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """[world, ...]: every rank's ``local``, in rank order."""
+    import torch.distributed as dist
+
+    gathered = [torch.empty_like(local) for _ in shard.starts]
+    dist.all_gather(gathered, local, group=shard.group)
+    return torch.stack(gathered)
+
+
+def sum_in_rank_order(partial: torch.Tensor, group) -> torch.Tensor:
+    """sum_r partial_r over the ranks of ``group`` ([N, ...] on each), added in
+    rank order, so every rank gets the same bits whatever the collectives'
+    algorithms. An all-reduce's traffic (each rank sends and receives
+    2 (world - 1) / world of the tensor) in two steps: an all-to-all gives rank
+    r block r of the rows from every rank, which it sums in rank order; an
+    all-gather returns the summed blocks to every rank. Memory: two more
+    tensors of ``partial``'s size."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world == 1 or partial.numel() == 0:
+        return partial
+    rows = partial.shape[0]
+    block = -(-rows // world)
+    padded = partial.new_zeros((block * world, *partial.shape[1:])) if rows % world else partial.contiguous()
+    if rows % world:
+        padded[:rows] = partial
+    received = torch.empty_like(padded)
+    dist.all_to_all_single(received, padded, group=group)
+    received = received.view(world, block, *partial.shape[1:])
+    total = received[0].clone()
+    for r in range(1, world):
+        total += received[r]
+    gathered = [torch.empty_like(total) for _ in range(world)]
+    dist.all_gather(gathered, total, group=group)
+    return torch.cat(gathered)[:rows]
+
+
+class _GradientSummedOverRanks(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over the group's ranks
+    (sum_in_rank_order): what a tensor-parallel layer's replicated input needs
+    (Megatron's copy to the tensor-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return sum_in_rank_order(grad, ctx.group), None
+
+
+def summed_gradient_over_ranks(x: torch.Tensor, group) -> torch.Tensor:
+    """``x``, whose gradient is summed over the ranks of ``group``."""
+    return _GradientSummedOverRanks.apply(x, group)
+
+
+def combine_across_ranks(local, labels, temps, temp_scalar, ignore_index, shard: Shard):
+    """(logprob or None, entropy, (M, log S) [N, 2]) in the compute dtype of
+    ``local`` (this rank's [N, 4] ``local_stats``), from every rank's, gathered
+    and combined in float64 in rank order: the same on every rank (module
+    docstring)."""
+    acc = local.dtype
+    g = _all_gather(local, shard).double()
     m, big_l, h, label_logit = g.unbind(-1)  # each [world, N]
     t = temps.double() if temps is not None else temp_scalar
     top = m.amax(dim=0)
@@ -212,19 +333,13 @@ class _ShardedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard, backend):
-        import torch.distributed as dist
-
-        rows = row_view(logits)
-        acc = reference.compute_dtype(logits)
-        local = _local_stats(rows, labels, temps, temp_scalar, shard, with_entropy, backend)
-        gathered = [torch.empty_like(local) for _ in shard.starts]
-        dist.all_gather(gathered, local, group=shard.group)
-        logprob, entropy, stats = _combine(torch.stack(gathered), labels, temps, temp_scalar, ignore_index, shard, acc)
+        local = local_stats(row_view(logits), labels, temps, temp_scalar, shard, with_entropy, backend)
+        logprob, entropy, stats = combine_across_ranks(local, labels, temps, temp_scalar, ignore_index, shard)
         ctx.save_for_backward(logits, labels, temps, stats, entropy if with_entropy else None)
         ctx.temp_scalar, ctx.ignore_index, ctx.shard, ctx.backend = temp_scalar, ignore_index, shard, backend
         ctx.with_entropy = with_entropy
         ctx.set_materialize_grads(False)
-        empty = logits.new_empty(0, dtype=acc)
+        empty = logits.new_empty(0, dtype=stats.dtype)
         return (empty if logprob is None else logprob), (entropy if with_entropy else empty)
 
     @staticmethod
@@ -252,6 +367,13 @@ class _ShardedLogprobs(torch.autograd.Function):
                 grad, ctx.shard.start, ctx.shard.vocab, ctx.backend,
             )  # fmt: skip
         return grad.reshape(logits.shape), *(None,) * 7
+
+
+def logprobs_of_shard(logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard: Shard, backend):
+    """(logprob [N] or empty, entropy [N] or empty) of this rank's [N, V_r]
+    ``logits`` on checked, agreed arguments; differentiable (no collective
+    backward)."""
+    return _ShardedLogprobs.apply(logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard, backend)
 
 
 def _reference_backward(rows, labels, temps, temp_scalar, ignore_index, stats, entropy, grad_logprob, grad_entropy,
@@ -282,18 +404,12 @@ def logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with
 
     def check():
         # Labels only >= 0 here: their range is checked against the whole vocabulary once the ranks have agreed.
-        checked["temperature"] = check_arguments(logits, labels, temperature, ignore_index, torch.iinfo(torch.int64).max)
+        temperature_ = check_arguments(logits, labels, temperature, ignore_index, torch.iinfo(torch.int64).max)
+        checked["temperature"] = temperature_
+        return logits_layout(logits, temperature=temperature_, ignore_index=ignore_index)
 
-    def label_range():
-        """(min, max) of the labels that are not ignored, on the device (0 in place of ignored ones)."""
-        if labels is None:
-            return None
-        if labels.numel() == 0:
-            return torch.zeros(2, dtype=torch.int64, device=labels.device)
-        return torch.stack(torch.aminmax(labels.masked_fill(labels == ignore_index, 0).long()))
-
-    outputs = (_LABELED if labels is not None else 0) | (_ENTROPY if with_entropy else 0)
-    shard = agree(group, logits, label_range, vocab_start, outputs, check)
+    outputs = (LABELED if labels is not None else 0) | (ENTROPY if with_entropy else 0)
+    shard = agree(group, check, vocab_start, outputs, label_range(labels, ignore_index))
     token_shape = logits.shape[:-1]
     acc = reference.compute_dtype(logits)
     temps, temp_scalar = _ops.split_row_param(_validation.flat_per_row(checked["temperature"], token_shape, acc))
@@ -301,8 +417,8 @@ def logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with
     backend = select_backend(logits.device)
     if token_shape.numel() == 0:
         backend = "reference"
-    logprob, entropy = _ShardedLogprobs.apply(logits, flat_labels, temps, temp_scalar, ignore_index, with_entropy,
-                                              shard, backend)  # fmt: skip
+    logprob, entropy = logprobs_of_shard(logits, flat_labels, temps, temp_scalar, ignore_index, with_entropy, shard,
+                                         backend)  # fmt: skip
     reshape = lambda t: t.view(token_shape)  # noqa: E731
     return (reshape(logprob) if labels is not None else None), (reshape(entropy) if with_entropy else None)
 
@@ -336,8 +452,6 @@ def _combine_kl(gathered, temps, temp_scalar, acc):
 class _ShardedFullKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ref_rows, temps, temp_scalar, shard, backend):
-        import torch.distributed as dist
-
         rows = row_view(logits)
         acc = reference.compute_dtype(logits)
         n_rows = rows.shape[0] * rows.shape[1]
@@ -352,9 +466,7 @@ class _ShardedFullKL(torch.autograd.Function):
         else:
             kl_r, stats_r = _ops.full_kl_forward(rows, ref_rows, temps, temp_scalar, True, backend)
             local[:, :4], local[:, 4] = stats_r, kl_r
-        gathered = [torch.empty_like(local) for _ in shard.starts]
-        dist.all_gather(gathered, local, group=shard.group)
-        kl, stats = _combine_kl(torch.stack(gathered), temps, temp_scalar, acc)
+        kl, stats = _combine_kl(_all_gather(local, shard), temps, temp_scalar, acc)
         ctx.save_for_backward(logits, ref_rows, temps, stats, kl)
         ctx.temp_scalar, ctx.backend = temp_scalar, backend
         return kl
@@ -386,8 +498,9 @@ def full_kl_sharded(logits, ref_logits, temperature, group, vocab_start, check_k
 
     def check():
         checked["temperature"] = check_kl_arguments()
+        return logits_layout(logits, temperature=checked["temperature"])
 
-    shard = agree(group, logits, lambda: None, vocab_start, _FULL_KL, check)
+    shard = agree(group, check, vocab_start, FULL_KL)
     token_shape = logits.shape[:-1]
     acc = reference.compute_dtype(logits)
     temps, temp_scalar = _ops.split_row_param(_validation.flat_per_row(checked["temperature"], token_shape, acc))

@@ -165,6 +165,9 @@ def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
         _expect_error_everywhere(
             "do not tile the vocabulary", lambda: fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=0)
         )
+        _expect_error_everywhere("disagree on their options",
+                                 lambda: fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=lo,
+                                                                     temperature=1.0 + rank))  # fmt: skip
         bad_temperature = 0.0 if rank == world - 1 else 1.0
         _expect_error_everywhere("temperature" if rank == world - 1 else rf"rank\(s\) \[{world - 1}\]",
                                  lambda: fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=lo,
@@ -185,6 +188,122 @@ def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _lm_head_worker(rank: int, world: int, init_file: str, seed: int) -> None:
+    """One rank of test_sharded_lm_head_matches_the_unsharded_reference."""
+    import torch.distributed as dist
+    from test_linear import OUT_RTOL, _bounds, _check, _inputs
+    from test_linear import _reference as head_reference
+
+    from fastrl import linear
+    from fastrl.vocab_parallel import sum_in_rank_order
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    group = dist.group.WORLD
+    linear._BACKWARD_COLS = 64  # several backward slabs a shard, the last one short
+    try:
+        torch.manual_seed(seed)  # every rank draws the same full tensors
+        lead, hidden_size, vocab = (2, 5), 24, 389
+        cuts = sorted((torch.randperm(vocab - 1)[: world - 1] + 1).tolist())  # uneven shards
+        bounds = [0, *cuts, vocab]
+        start, stop = bounds[rank], bounds[rank + 1]
+        temperature = torch.rand(lead, dtype=torch.float64) * 1.5 + 0.4
+        g_lp, g_ent = torch.randn(lead), torch.randn(lead)
+        backends = kernel_backends("cpu") + ["reference"]
+        cases = [(torch.float32, None, 3, 1.0), (torch.bfloat16, 20.0, None, 1.25)]  # (dtype, softcap, chunk, scale)
+        for dtype, softcap, chunk_size, logit_scale in cases:
+            hidden, weight, bias, labels = _inputs(lead, hidden_size, vocab, dtype, "cpu")
+            labels[0, 1] = bounds[1] - 1  # the last entry of rank 0's shard
+            ref = head_reference(hidden, weight, bias, labels, temperature.float(), logit_scale, softcap, g_lp, g_ent)
+            # As test_linear: the fused op's bounds hold for a shard, whose dL/dhidden sums at most V_r terms a
+            # rank and then world - 1 partial sums (V_r + world - 1 <= V terms of float32 rounding in all).
+            operand_u = 2.0**-8 if linear._operand_dtype(weight, torch.float32) != torch.float32 else 0.0
+            lp_tol, ent_tol, h_tol, w_tol, b_tol = _bounds(ref, hidden, weight, logit_scale, g_lp, g_ent, operand_u)
+            rtol, subnormal = OUT_RTOL[dtype], torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+            for backend in backends:
+                results = []
+                for _ in range(2):  # run to run
+                    leaves = [hidden.clone(), weight[start:stop].clone(), bias[start:stop].clone()]
+                    leaves = [t.requires_grad_() for t in leaves]
+                    with fastrl.use_backend(backend):
+                        lp, ent = fastrl.linear_logprobs_and_entropy(
+                            *leaves[:2], labels, bias=leaves[2], temperature=temperature.float(), softcap=softcap,
+                            logit_scale=logit_scale, chunk_size=chunk_size, group=group,
+                        )  # fmt: skip
+                        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+                    results.append((lp.detach(), ent.detach(), *(t.grad for t in leaves)))
+                (lp, ent, grad_h, grad_w, grad_b), again = results
+                what = f"{dtype} {backend} rank {rank}/{world}"
+                assert all(torch.equal(a, b) for a, b in zip(results[0], again, strict=True)), what
+                for t in (lp, ent, grad_h):
+                    assert _all_equal_across_ranks(t, group), what
+                _check(lp, ref["lp"], lp_tol, 0.0, f"logprob {what}")
+                _check(ent, ref["ent"], ent_tol, 0.0, f"entropy {what}")
+                for grad, truth, tol, name in ((grad_h, ref["h"], h_tol, "h"), (grad_w, ref["w"][start:stop],
+                                               w_tol[start:stop], "w"), (grad_b, ref["b"][start:stop], b_tol[start:stop], "b")):  # fmt: skip
+                    assert grad.dtype == dtype, what
+                    _check(grad, truth, tol + subnormal, rtol, f"grad {name} {what}")
+
+        # policy_loss_from_hidden on the shards: the unsharded loss, every rank the same.
+        hidden, weight, _, labels = _inputs(lead, hidden_size, vocab, torch.float32, "cpu", bias=False)
+        old, advantages, mask = torch.randn(lead) - 6.0, torch.randn(lead), torch.rand(lead) < 0.8
+        full = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+        loss, _ = fastrl.policy_loss_from_hidden(*full, labels, old, advantages, mask, entropy_coef=0.01)
+        loss.backward()
+        part = [hidden.clone().requires_grad_(), weight[start:stop].clone().requires_grad_()]
+        loss_s, _ = fastrl.policy_loss_from_hidden(*part, labels, old, advantages, mask, entropy_coef=0.01,
+                                                   group=group)  # fmt: skip
+        loss_s.backward()
+        assert _all_equal_across_ranks(loss_s.detach(), group) and _all_equal_across_ranks(part[0].grad, group)
+        # Both within ~1e-5 of the float64 truth (test_linear's policy-loss bounds at these scales).
+        torch.testing.assert_close(loss_s, loss, rtol=2e-5, atol=2e-5)
+        for g_s, g in ((part[0].grad, full[0].grad), (part[1].grad, full[1].grad[start:stop])):
+            torch.testing.assert_close(g_s, g, rtol=2e-5, atol=2e-5 * float(g.abs().max()))
+
+        # The rank-order sum: exact on integers, any row count (padded blocks), the same bits on every rank.
+        for rows in (0, 1, 7, 4 * world):
+            mine = torch.arange(rows * 3, dtype=torch.float32).view(rows, 3) * (rank + 1)
+            total = sum_in_rank_order(mine, group)
+            assert torch.equal(total, torch.arange(rows * 3, dtype=torch.float32).view(rows, 3) * (world * (world + 1) // 2))
+
+        # Bad input raises on every rank, the group still in step after it.
+        h, w = hidden, weight[start:stop]
+        _expect_error_everywhere("disagree on their hidden shapes",
+                                 lambda: fastrl.linear_logprobs_and_entropy(h[..., : hidden_size - (rank == 0)],
+                                                                            w[:, : hidden_size - (rank == 0)], labels,
+                                                                            group=group))  # fmt: skip
+        _expect_error_everywhere("disagree on their options",
+                                 lambda: fastrl.linear_logprobs_and_entropy(h, w, labels, group=group,
+                                                                            softcap=30.0 if rank == 0 else None))  # fmt: skip
+        too_big = labels.clone()
+        too_big[0, 0] = vocab + rank
+        _expect_error_everywhere(rf"labels must lie in \[0, {vocab}\)",
+                                 lambda: fastrl.linear_logprobs_and_entropy(h, w, too_big, group=group))  # fmt: skip
+        bad_mode = "no-such-mode" if rank == world - 1 else "token-mean"
+        _expect_error_everywhere("loss_agg_mode" if rank == world - 1 else rf"rank\(s\) \[{world - 1}\]",
+                                 lambda: fastrl.policy_loss_from_hidden(h, w, labels, old, advantages, mask,
+                                                                        loss_agg_mode=bad_mode, group=group))  # fmt: skip
+        lp, _ = fastrl.linear_logprobs_and_entropy(h, w, labels, group=group, with_entropy=False)
+        assert_close_to_reference(lp, reference.linear_logprobs_and_entropy(hidden.double(), weight.double(), labels)[0],
+                                  1e-5, what="after the errors")  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()  # (see _worker)
+    sys.stderr.flush()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_lm_head_matches_the_unsharded_reference(world, tmp_path):
+    """linear_logprobs_and_entropy / policy_loss_from_hidden with the LM head's
+    rows sharded (unevenly) over gloo ranks: outputs and the three gradients
+    within test_linear's float64 bounds, every rank and run the same bits;
+    the rank-order sum of dL/dhidden; bad input raising on every rank."""
+    import torch.multiprocessing as mp
+
+    seed = int(torch.randint(2**31, ()))
+    mp.spawn(_lm_head_worker, args=(world, str(tmp_path / "store"), seed), nprocs=world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
