@@ -1,10 +1,12 @@
 """Log-probs, entropy and the GRPO policy loss on vocabulary-sharded logits, as a
-Megatron-style tensor-parallel LM head leaves them. Runs on CPU (gloo):
+Megatron-style tensor-parallel LM head leaves them, and the fused LM head with its
+rows sharded alike. Runs on CPU (gloo):
 
     torchrun --nproc-per-node 2 examples/tensor_parallel.py
 
-Each rank builds the same full logits, keeps its slice of the vocabulary, and
-calls fastrl with ``group=``; it checks the result against the unsharded call.
+Each rank builds the same full logits (and LM head), keeps its slice of the
+vocabulary, and calls fastrl with ``group=``; it checks the result against the
+unsharded call.
 On GPUs the same code runs with NCCL (``init_process_group("nccl")`` and CUDA
 tensors).
 """
@@ -41,8 +43,24 @@ def main() -> None:
     full_log_probs, full_entropy = fastrl.logprobs_and_entropy(logits, labels, temperature=0.7)
     torch.testing.assert_close(log_probs, full_log_probs, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(entropy, full_entropy, rtol=2e-5, atol=2e-5)
+
+    # The fused LM head with its rows sharded alike: the logits are never formed, and
+    # dL/dhidden comes back whole (summed over the ranks) on every rank.
+    hidden_size = 64
+    hidden = torch.randn(tokens, hidden_size)
+    lm_head = torch.randn(vocab, hidden_size) / hidden_size**0.5
+    hidden_r = hidden.clone().requires_grad_()
+    head_r = lm_head[bounds[rank] : bounds[rank + 1]].clone().requires_grad_()
+    head_log_probs, _ = fastrl.linear_logprobs_and_entropy(hidden_r, head_r, labels, temperature=0.7, group=group)
+    head_log_probs.sum().backward()
+    hidden_full, head_full = hidden.clone().requires_grad_(), lm_head.clone().requires_grad_()
+    full_head_log_probs, _ = fastrl.linear_logprobs_and_entropy(hidden_full, head_full, labels, temperature=0.7)
+    full_head_log_probs.sum().backward()
+    torch.testing.assert_close(head_log_probs, full_head_log_probs, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(hidden_r.grad, hidden_full.grad, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(head_r.grad, head_full.grad[bounds[rank] : bounds[rank + 1]], rtol=2e-5, atol=2e-5)
     if rank == 0:
-        print(f"{world} ranks: log-probs and entropy match the unsharded op; loss {loss.item():.6f}, "
+        print(f"{world} ranks: log-probs and entropy match the unsharded op (logits and LM head); loss {loss.item():.6f}, "
               f"clip fraction {metrics['pg_clipfrac'].item():.3f}")  # fmt: skip
     dist.destroy_process_group()
 

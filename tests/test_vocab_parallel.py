@@ -306,6 +306,66 @@ def test_sharded_lm_head_matches_the_unsharded_reference(world, tmp_path):
     mp.spawn(_lm_head_worker, args=(world, str(tmp_path / "store"), seed), nprocs=world)
 
 
+def _verl_worker(rank: int, world: int, init_file: str, seed: int) -> None:
+    """One rank of test_verl_vocab_parallel_entropy_parity."""
+    import torch.distributed as dist
+
+    from fastrl.bench import verl_vocab_parallel_entropy
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    group = dist.group.WORLD
+    torch._dynamo.config.disable = True  # veRL compiles a helper inside its forward: run it eagerly (same math)
+    try:
+        verl_entropy = verl_vocab_parallel_entropy(group)
+        torch.manual_seed(seed)  # every rank draws the same full tensors
+        n_rows, vocab = 6, 1031
+        bounds = [vocab * r // world for r in range(world + 1)]
+        start, stop = bounds[rank], bounds[rank + 1]
+        logits = make_logits((n_rows,), vocab, torch.float32, std=3.0, masked=False)  # (veRL: NaN at -inf logits)
+        weights = torch.randn(n_rows)
+        x64 = logits.double().requires_grad_()
+        truth = reference.entropy_from_logits(x64)
+        (truth * weights.double()).sum().backward()
+        results = {}
+        for name, op in (("fastrl", lambda x: fastrl.entropy_from_logits(x, group=group)), ("veRL", verl_entropy)):
+            x = logits[:, start:stop].clone().requires_grad_()
+            entropy = op(x)
+            (entropy * weights).sum().backward()
+            results[name] = (entropy.detach(), x.grad)
+        # Both against the float64 truth. Each sums p_j x_j (or its terms) over the row in float32: within
+        # (V + 4) u of the sum of |terms| <= max |x| (the p_j sum to 1), plus the entropy's own rounding.
+        # A gradient w p_j (sum p x - x_j) (T = 1) then errs by at most w p_j times that and (V + 4) u of
+        # |sum p x - x_j| <= 2 max |x| (p_j's own relative error): 3 (V + 4) u max |x| w p_j; bounded here
+        # by 4 (V + 4) u (max |x| + 1) w p_j; where p_j is below float32's normal range (tiny), the kernel
+        # may flush it to 0: an error of at most the gradient itself, 2 w tiny max |x|.
+        u, tiny = 2.0**-24, torch.finfo(torch.float32).tiny
+        max_x = logits.abs().amax(dim=-1, keepdim=True).double()
+        bound = (vocab + 4) * u * max_x.squeeze(-1) + 1e-6 * (1 + truth.detach())
+        grad_truth = x64.grad[:, start:stop]
+        p = torch.softmax(logits.double(), dim=-1)[:, start:stop]
+        grad_bound = (4 * (vocab + 4) * u * p + 2 * tiny) * (max_x + 1) * weights.abs().unsqueeze(-1).double()
+        for name, (entropy, grad) in results.items():
+            assert bool(((entropy.double() - truth.detach()).abs() <= bound).all()), name
+            assert bool(((grad.double() - grad_truth).abs() <= grad_bound).all()), f"{name} grad"
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()  # (see _worker)
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def test_verl_vocab_parallel_entropy_parity(tmp_path):
+    """veRL's own vocab_parallel_entropy (its Megatron group lookup answered with
+    the gloo group) and fastrl's entropy_from_logits(group=) on the same two
+    shards: values and gradients both within float32 bounds of the float64
+    truth."""
+    pytest.importorskip("verl")
+    import torch.multiprocessing as mp
+
+    seed = int(torch.randint(2**31, ()))
+    mp.spawn(_verl_worker, args=(2, str(tmp_path / "store"), seed), nprocs=2)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_logprobs_and_entropy_match_the_unsharded_reference(world, tmp_path):
     import torch.multiprocessing as mp

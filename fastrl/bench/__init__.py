@@ -81,6 +81,28 @@ def import_peer(module: str):
         return None, f"not installed ({module}: {type(exc).__name__})"
 
 
+def verl_vocab_parallel_entropy(group):
+    """veRL's ``verl.utils.megatron.tensor_parallel.vocab_parallel_entropy`` (its
+    own code) on ``group``: it asks Megatron's ``parallel_state`` for the
+    tensor-parallel group, and where megatron-core is not installed a stand-in
+    module answers with ``group`` (the only thing veRL asks of it there). None
+    without veRL."""
+    import sys
+    import types
+
+    try:
+        import megatron.core.parallel_state  # noqa: F401
+    except ImportError:
+        stand_in = types.ModuleType("megatron.core.parallel_state")
+        stand_in.get_tensor_model_parallel_group = lambda: group
+        core = types.ModuleType("megatron.core")
+        core.parallel_state = stand_in
+        sys.modules.update({"megatron": types.ModuleType("megatron"), "megatron.core": core,
+                            "megatron.core.parallel_state": stand_in})  # fmt: skip
+    module, _ = import_peer("verl.utils.megatron.tensor_parallel")
+    return None if module is None else module.vocab_parallel_entropy
+
+
 def compiled_reference(wrap: Callable[[Callable], Callable[[dict], Callable[[], object]]], fn: Callable, quick: bool) -> Impl:
     """The ``torch.compile(reference)`` peer of a case (``wrap`` turns ``fn`` into
     an Impl.make), skipped in --quick, where compiling would dominate the run."""
