@@ -416,6 +416,12 @@ def test_verl_policy_loss_through_registry(verl, loss, mode, global_info):
     assert getattr(verl.core, name) is get(), "the module's function and the registry entry are one replacement"
 
 
+def _loadable_verl_ops(integration) -> list[str]:
+    """veRL's ops that patch() of every op patches here: all but the Megatron
+    backend's, which needs megatron-core (tested in test_vocab_parallel)."""
+    return [op for op in integration.OPS if op != "vocab_parallel" or importlib.util.find_spec("megatron")]
+
+
 def test_verl_actor_loss_path(verl):
     """The actor loss as veRL's workers/utils/losses.py composes it, from that
     module's namespace: policy loss from the registry, minus the entropy bonus,
@@ -436,7 +442,7 @@ def test_verl_actor_loss_path(verl):
         return pg_loss - 0.01 * entropy_loss + 0.1 * kl_loss, metrics
 
     _parity(verl.integration, lambda: verl.losses.agg_loss, actor_loss, inputs, ["log_prob", "entropy"], "actor loss")
-    assert integrations.patched("verl")["verl"] == list(verl.integration.OPS)
+    assert integrations.patched("verl")["verl"] == _loadable_verl_ops(verl.integration)
 
 
 def test_verl_patch_is_idempotent_and_reaches_late_imports(verl, monkeypatch):
@@ -554,7 +560,8 @@ def test_verl_autopatch_through_verl_external_modules(verl):
     )
     env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none",
            "VERL_USE_EXTERNAL_MODULES": "fastrl.integrations.verl_autopatch"}  # fmt: skip
-    for ops, expected in (("", f"{sorted(verl.integration.OPS)} True"), ("kl,agg_loss", "['agg_loss', 'kl'] False")):
+    every = sorted(_loadable_verl_ops(verl.integration))
+    for ops, expected in (("", f"{every} True"), ("kl,agg_loss", "['agg_loss', 'kl'] False")):
         run = subprocess.run([sys.executable, "-c", code], env={**env, "FASTRL_VERL_OPS": ops},
                              capture_output=True, text=True, timeout=300)  # fmt: skip
         assert run.returncode == 0, run.stderr[-3000:]

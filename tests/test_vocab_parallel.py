@@ -347,6 +347,26 @@ def _verl_worker(rank: int, world: int, init_file: str, seed: int) -> None:
         for name, (entropy, grad) in results.items():
             assert bool(((entropy.double() - truth.detach()).abs() <= bound).all()), name
             assert bool(((grad.double() - grad_truth).abs() <= grad_bound).all()), f"{name} grad"
+
+        # fastrl.integrations.verl's vocab_parallel op: veRL's Megatron-backend functions run fastrl's on the group.
+        import fastrl.integrations.verl as verl_integration
+        from verl.utils.megatron import tensor_parallel as verl_tp
+
+        labels = make_labels(logits)
+        labels[labels < 0] = 0  # (Megatron's cross-entropy has no ignored label)
+        shard = logits[:, start:stop]
+        verl_integration.patch(["vocab_parallel"])
+        try:
+            entropy = verl_tp.vocab_parallel_entropy(shard)
+            log_probs = verl_tp.vocab_parallel_log_probs_from_logits(shard, labels)
+        finally:
+            verl_integration.unpatch(["vocab_parallel"])
+        assert verl_tp.vocab_parallel_entropy is verl_entropy
+        assert torch.equal(entropy, fastrl.entropy_from_logits(shard, group=group))
+        assert log_probs.dtype == torch.float32
+        assert torch.equal(log_probs, fastrl.logprobs_from_logits(shard, labels, group=group))
+        assert_close_to_reference(log_probs, reference.logprobs_from_logits(logits.double(), labels), 1e-5,
+                                  what="patched vocab_parallel_log_probs_from_logits")  # fmt: skip
     finally:
         dist.destroy_process_group()
     sys.stdout.flush()  # (see _worker)
@@ -358,7 +378,8 @@ def test_verl_vocab_parallel_entropy_parity(tmp_path):
     """veRL's own vocab_parallel_entropy (its Megatron group lookup answered with
     the gloo group) and fastrl's entropy_from_logits(group=) on the same two
     shards: values and gradients both within float32 bounds of the float64
-    truth."""
+    truth; fastrl.integrations.verl's vocab_parallel op running fastrl's in
+    veRL's Megatron-backend functions."""
     pytest.importorskip("verl")
     import torch.multiprocessing as mp
 

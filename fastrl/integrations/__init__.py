@@ -100,13 +100,17 @@ class Target:
     ``make(original)`` returns the replacement: a function with exactly the
     original's parameters (names, kinds, defaults; checked by :func:`patch`).
     ``registries`` names dicts (``"module:NAME"``) whose entries holding the
-    original are replaced too."""
+    original are replaced too. ``requires``: a package the target's module
+    imports that a framework install may lack (veRL's Megatron backend needs
+    megatron-core): without it :func:`patch` of every op skips the target, and
+    patching its op by name raises ImportError naming the package."""
 
     op: str
     module: str
     qualname: str
     make: Callable[[Callable], Callable]
     registries: tuple[str, ...] = ()
+    requires: str | None = None
 
     @property
     def where(self) -> str:
@@ -249,12 +253,23 @@ def _swap_in_modules(swaps: dict[str, list[tuple[Any, Any]]]) -> dict[int, list[
     return found
 
 
+class _MissingRequirement(ImportError):
+    """A target's module cannot load without its ``requires`` package."""
+
+
 def _resolve(framework: Framework, version: str, target: Target) -> tuple[Any, str, Any]:
     """(container, attribute, current object) of a target, importing its module;
-    UnsupportedVersionError when the module or the name is missing."""
+    UnsupportedVersionError when the module or the name is missing,
+    _MissingRequirement when the package the target requires is."""
     try:
         module = importlib.import_module(target.module)
     except ModuleNotFoundError as error:
+        missing = error.name or ""
+        if target.requires is not None and (missing == target.requires or missing.startswith(target.requires + ".")):
+            raise _MissingRequirement(
+                f"fastrl.integrations.{framework.name}: {target.where} needs {target.requires}, which does not "
+                f"import here ({error})"
+            ) from error
         if error.name is not None and (target.module == error.name or target.module.startswith(error.name + ".")):
             raise UnsupportedVersionError(
                 f"fastrl.integrations.{framework.name}: {framework.display} {version} has no module "
@@ -324,7 +339,12 @@ def patch(framework: Framework, ops: Iterable[str] | str | None = None) -> dict[
         pending: list[tuple[Target, Any, str, Any, Any]] = []
         # Resolve and check every target before changing anything.
         for target in targets:
-            container, attribute, current = _resolve(framework, version, target)
+            try:
+                container, attribute, current = _resolve(framework, version, target)
+            except _MissingRequirement:
+                if ops is None:  # every op: the ones this install cannot load are left out
+                    continue
+                raise
             record = _ACTIVE.get((framework.name, target.where))
             if record is not None:
                 pending.append((target, container, attribute, record.original, record.replacement))

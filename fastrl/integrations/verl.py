@@ -10,6 +10,7 @@ run the fastrl op. ``patch(ops=[...])`` chooses; ``unpatch()`` restores veRL's.
 | ``agg_loss`` | ``verl.trainer.ppo.core_algos.agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)`` | ``agg_loss`` |
 | ``policy_loss`` | ``core_algos.compute_policy_loss_vanilla`` and ``compute_policy_loss_gspo``, and their ``POLICY_LOSS_REGISTRY`` entries ``"vanilla"`` / ``"gspo"`` (what ``get_policy_loss_fn`` returns) | ``policy_loss`` |
 | ``fused_lm_head`` | ``verl.utils.experimental.torch_functional.FusedLinearForPPO.forward`` and ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (``use_fused_kernels``: the torch and Triton backends of the models' ``forward``) | ``linear_logprobs_and_entropy`` |
+| ``vocab_parallel`` | ``verl.utils.megatron.tensor_parallel.vocab_parallel_entropy(vocab_parallel_logits)`` and ``vocab_parallel_log_probs_from_logits(logits, labels)`` (the Megatron backend's tensor-parallel logits; only where megatron-core imports) | ``entropy_from_logits`` / ``logprobs_from_logits`` with ``group=`` Megatron's tensor-parallel group |
 
 Each is replaced in its own module and in every loaded module that imported it by
 name (``verl.workers.utils.losses``, ``verl.workers.rollout.naive.naive_rollout``,
@@ -30,6 +31,11 @@ Conventions kept:
 - ``entropy_from_logits`` returns the logits' dtype, ``entropy_from_logits_with_chunking``
   the default dtype (float32), as veRL does; the chunking is not needed (fastrl never
   allocates an ``[N, V]`` temporary) and ``chunk_size`` is ignored.
+- ``vocab_parallel_entropy`` returns the logits' dtype and
+  ``vocab_parallel_log_probs_from_logits`` float32, as veRL's and Megatron's do, the
+  shards being those of ``megatron.core.parallel_state``'s tensor-parallel group in
+  rank order; neither writes into the logits (Megatron's cross-entropy subtracts the
+  max from float32 logits in place).
 - ``kl_penalty``, ``agg_loss`` and the policy losses return the dtype of veRL's
   arithmetic on the inputs, for every combination of dtypes: a float mask takes part
   (bf16 losses with a float32 mask give float32), and the seq-mean modes give at
@@ -362,6 +368,46 @@ def _linear_cross_entropy(original):
     return linear_cross_entropy
 
 
+_TP = "verl.utils.megatron.tensor_parallel"
+
+
+def _tensor_parallel_group():
+    """Megatron's tensor-parallel group, which veRL's Megatron backend shards the
+    vocabulary over."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _vocab_parallel_entropy(original):
+    """``vocab_parallel_entropy`` (veRL's Megatron backend): the entropy of the
+    whole vocabulary from this rank's shard, in the logits' dtype."""
+
+    def vocab_parallel_entropy(vocab_parallel_logits):
+        def compute():
+            entropy = fastrl.entropy_from_logits(vocab_parallel_logits, group=_tensor_parallel_group())
+            return entropy.to(vocab_parallel_logits.dtype)
+
+        reason = tensor_reason(vocab_parallel_logits=vocab_parallel_logits)
+        return delegate(_NAME, "vocab_parallel_entropy", original, (vocab_parallel_logits,), {}, compute, reason)
+
+    return vocab_parallel_entropy
+
+
+def _vocab_parallel_log_probs(original):
+    """``vocab_parallel_log_probs_from_logits`` (Megatron-core's
+    ``-vocab_parallel_cross_entropy``): float32 log-probs of the labels."""
+
+    def vocab_parallel_log_probs_from_logits(logits, labels):
+        def compute():
+            return fastrl.logprobs_from_logits(logits, labels, group=_tensor_parallel_group())
+
+        reason = tensor_reason(logits=logits)
+        return delegate(_NAME, "vocab_parallel_log_probs_from_logits", original, (logits, labels), {}, compute, reason)
+
+    return vocab_parallel_log_probs_from_logits
+
+
 FRAMEWORK = Framework(
     name=_NAME,
     display="veRL",
@@ -378,6 +424,9 @@ FRAMEWORK = Framework(
         Target("policy_loss", _CORE, "compute_policy_loss_gspo", lambda f: _policy_loss(f, gspo=True), _REGISTRY),
         Target("fused_lm_head", _EXPERIMENTAL, "FusedLinearForPPO.forward", _fused_linear_for_ppo),
         Target("fused_lm_head", _LINEAR_CE, "linear_cross_entropy", _linear_cross_entropy),
+        Target("vocab_parallel", _TP, "vocab_parallel_entropy", _vocab_parallel_entropy, requires="megatron"),
+        Target("vocab_parallel", _TP, "vocab_parallel_log_probs_from_logits", _vocab_parallel_log_probs,
+               requires="megatron"),
     ),
 )
 OPS = FRAMEWORK.ops
