@@ -349,8 +349,9 @@ def _verl_worker(rank: int, world: int, init_file: str, seed: int) -> None:
             assert bool(((grad.double() - grad_truth).abs() <= grad_bound).all()), f"{name} grad"
 
         # fastrl.integrations.verl's vocab_parallel op: veRL's Megatron-backend functions run fastrl's on the group.
-        import fastrl.integrations.verl as verl_integration
         from verl.utils.megatron import tensor_parallel as verl_tp
+
+        import fastrl.integrations.verl as verl_integration
 
         labels = make_labels(logits)
         labels[labels < 0] = 0  # (Megatron's cross-entropy has no ignored label)
