@@ -220,7 +220,9 @@ def local_stats(rows, labels, temps, temp_scalar, shard: Shard, with_entropy, ba
         x = rows.reshape(outer * inner, -1).to(acc)
         m = x.amax(dim=-1)
         d = (x - m.unsqueeze(-1)) / (temps.unsqueeze(-1) if temps is not None else temp_scalar)
-        stats[:, 0], stats[:, 1] = m, reference._log_sum_exp_of_scaled(d)[0]
+        # An all -inf row: L = -inf, as the kernels give it (combine_across_ranks tells it from a NaN row so).
+        stats[:, 0] = m
+        stats[:, 1] = torch.where(torch.isneginf(m), -torch.inf, reference._log_sum_exp_of_scaled(d)[0])
         stats[:, 2] = reference._entropy_of_scaled(d) if with_entropy else 0.0
     else:
         _, entropy, local = _ops.logprobs_forward(rows, None, temps, temp_scalar, -100, with_entropy, True, backend)
@@ -304,13 +306,15 @@ def combine_across_ranks(local, labels, temps, temp_scalar, ignore_index, shard:
     m, big_l, h, label_logit = g.unbind(-1)  # each [world, N]
     t = temps.double() if temps is not None else temp_scalar
     top = m.amax(dim=0)
-    empty = torch.isneginf(m)  # a shard whose row is all -inf adds nothing
+    # A shard whose row is all -inf adds nothing: its kernel gives m = L = -inf (one with NaN among its
+    # -inf gives m = -inf, L = NaN: a NaN row, as unsharded).
+    empty = torch.isneginf(m) & torch.isneginf(big_l)
     shift = torch.where(empty, 0.0, (m - top) / t)
     l_r = torch.where(empty, -torch.inf, big_l + shift)
     log_s = torch.logsumexp(l_r, dim=0)
     weight = torch.where(empty, 0.0, torch.exp(l_r - log_s))
     entropy = torch.where(empty, 0.0, weight * (h + log_s - l_r)).sum(dim=0)
-    nan_row = torch.isnan(m).any(dim=0) | (torch.isnan(big_l) & ~empty).any(dim=0) | torch.isneginf(top)
+    nan_row = torch.isnan(m).any(dim=0) | torch.isnan(big_l).any(dim=0) | torch.isneginf(top)
     entropy = torch.where(nan_row, torch.nan, entropy)
     log_s = torch.where(nan_row, torch.nan, log_s)
     logprob = None
@@ -432,7 +436,8 @@ def _combine_kl(gathered, temps, temp_scalar, acc):
     m, log_s, m_ref, log_s_ref, kl_r = g.unbind(-1)
     t = temps.double() if temps is not None else temp_scalar
     top, top_ref = m.amax(dim=0), m_ref.amax(dim=0)
-    empty, empty_ref = torch.isneginf(m), torch.isneginf(m_ref)
+    empty = torch.isneginf(m) & torch.isneginf(log_s)  # (as in combine_across_ranks)
+    empty_ref = torch.isneginf(m_ref) & torch.isneginf(log_s_ref)
     mass = torch.where(empty, -torch.inf, log_s + torch.where(empty, 0.0, (m - top) / t))
     mass_ref = torch.where(empty_ref, -torch.inf, log_s_ref + torch.where(empty_ref, 0.0, (m_ref - top_ref) / t))
     total, total_ref = torch.logsumexp(mass, dim=0), torch.logsumexp(mass_ref, dim=0)
@@ -442,7 +447,7 @@ def _combine_kl(gathered, temps, temp_scalar, acc):
     kl = term.sum(dim=0)
     nan_row = (
         torch.isnan(m).any(dim=0) | torch.isnan(m_ref).any(dim=0) | torch.isneginf(top) | torch.isneginf(top_ref)
-        | (torch.isnan(log_s) & ~empty).any(dim=0) | (torch.isnan(log_s_ref) & ~empty_ref).any(dim=0)
+        | torch.isnan(log_s).any(dim=0) | torch.isnan(log_s_ref).any(dim=0)
     )  # fmt: skip
     kl = torch.where(nan_row, torch.nan, kl)
     stats = torch.stack([top, torch.where(nan_row, torch.nan, total), top_ref, total_ref], dim=-1)
@@ -461,7 +466,8 @@ class _ShardedFullKL(torch.autograd.Function):
             t = temps.unsqueeze(-1) if temps is not None else temp_scalar
             for column, z in ((0, x), (2, y)):
                 top = z.amax(dim=-1)
-                local[:, column], local[:, column + 1] = top, torch.logsumexp((z - top.unsqueeze(-1)) / t, dim=-1)
+                lse = torch.logsumexp((z - top.unsqueeze(-1)) / t, dim=-1)
+                local[:, column], local[:, column + 1] = top, torch.where(torch.isneginf(top), -torch.inf, lse)
             local[:, 4] = reference.full_kl(x, y, temperature=temps if temps is not None else temp_scalar)
         else:
             kl_r, stats_r = _ops.full_kl_forward(rows, ref_rows, temps, temp_scalar, True, backend)

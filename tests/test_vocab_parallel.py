@@ -125,17 +125,25 @@ def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
         torch.testing.assert_close(part.grad, full.grad[..., start:stop], rtol=2e-5,
                                    atol=2e-5 * float(full.grad.abs().max()))  # fmt: skip
 
-        # A NaN in one shard's part of a row, and a row all -inf: NaN, as unsharded.
-        logits = make_logits((3,), vocab, torch.float32)
+        # A NaN in one shard's part of a row, a row all -inf, and a NaN among a shard's -inf (whose max is
+        # -inf, as an empty shard's: still a NaN row): NaN, as unsharded; the full KL too.
+        logits = make_logits((4,), vocab, torch.float32)
         logits[0, vocab - 1] = float("nan")
         logits[1] = float("-inf")
-        labels = torch.tensor([0, 1, 2])
+        logits[2, : bounds[1]] = float("-inf")
+        logits[2, 0] = float("nan")
+        labels = torch.tensor([0, 1, 2, 3])
         ref_lp, ref_ent = reference.logprobs_and_entropy(logits.double(), labels)
+        ref_kl = reference.full_kl(logits.double(), torch.zeros(4, vocab, dtype=torch.float64))
         for backend in backends:
             with fastrl.use_backend(backend):
                 lp, ent = fastrl.logprobs_and_entropy(logits[:, start:stop], labels, group=group)
+                kl = fastrl.full_kl(logits[:, start:stop], torch.zeros(4, stop - start), group=group)
             assert_close_to_reference(lp, ref_lp, 1e-5, what=f"special rows logprob {backend}")
             assert_close_to_reference(ent, ref_ent, 1e-5, what=f"special rows entropy {backend}")
+            assert_close_to_reference(kl, ref_kl, 1e-5, what=f"special rows full_kl {backend}")
+            for tensor, name in ((kl, "kl"), (lp, "logprob")):
+                assert tensor[[0, 2]].isnan().all(), f"{name} {backend}"
 
         # Shards out of rank order, placed by vocab_start: rank r holds the (world-1-r)-th block.
         block = -(-vocab // world)
