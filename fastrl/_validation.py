@@ -89,7 +89,11 @@ def check_token_labels(
     if labels.device != device:
         raise ValueError(f"{name} is on {labels.device} but {source} is on {device}; they must share a device")
     if labels.numel() and host_checks(labels.device):
-        bad = (labels < 0) | (labels >= vocab)
+        # (A bound beyond the labels' dtype, as a sharded vocabulary's first check passes, bounds nothing:
+        # compared as that dtype it would wrap.)
+        bad = labels < 0
+        if vocab <= torch.iinfo(labels.dtype).max:
+            bad |= labels >= vocab
         if ignore_index is not None:
             bad &= labels != ignore_index
         if bool(bad.any()):

@@ -476,7 +476,9 @@ def _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entro
         head = checked["head"] = check(torch.iinfo(torch.int64).max)
         options = {"temperature": head.temp_scalar if head.temps is None else head.temps,
                    "ignore_index": ignore_index, "logit_scale": head.logit_scale, "softcap": head.softcap,
-                   "with_entropy": with_entropy, "bias": head.bias is not None}  # fmt: skip
+                   "with_entropy": with_entropy, "bias": head.bias is not None,
+                   # dL/dhidden is summed over the ranks in the backward: every rank or none must form it.
+                   "hidden_needs_grad": torch.is_grad_enabled() and head.hidden.requires_grad}  # fmt: skip
         shape = (*head.token_shape, head.hidden.shape[-1])
         return vocab_parallel.Layout(shape, head.weight.shape[0], head.hidden.dtype, head.hidden.device, options,
                                      "hidden shapes")  # fmt: skip

@@ -148,8 +148,8 @@ def agree(group, check, vocab_start: object, outputs: int, labels=lambda: None) 
         layout = check()
         if vocab_start is not None and (isinstance(vocab_start, bool) or not isinstance(vocab_start, int)):
             raise TypeError(f"vocab_start must be an int or None; got {type(vocab_start).__name__}")
-        if vocab_start is not None and vocab_start < 0:
-            raise ValueError(f"vocab_start must be >= 0; got {vocab_start}")
+        if vocab_start is not None and not 0 <= vocab_start < 2**62:
+            raise ValueError(f"vocab_start must be in [0, 2**62); got {vocab_start}")
     except (TypeError, ValueError) as exc:
         error = exc
     mine = dict.fromkeys(_FIELDS, 0)
@@ -217,7 +217,7 @@ def local_stats(rows, labels, temps, temp_scalar, shard: Shard, with_entropy, ba
     outer, inner, _ = rows.shape
     stats = torch.empty(outer * inner, 4, dtype=acc, device=rows.device)
     if backend == "reference":
-        x = rows.reshape(outer * inner, -1).to(acc)
+        x = rows.reshape(outer * inner, rows.shape[-1]).to(acc)
         m = x.amax(dim=-1)
         d = (x - m.unsqueeze(-1)) / (temps.unsqueeze(-1) if temps is not None else temp_scalar)
         # An all -inf row: L = -inf, as the kernels give it (combine_across_ranks tells it from a NaN row so).
@@ -462,7 +462,7 @@ class _ShardedFullKL(torch.autograd.Function):
         n_rows = rows.shape[0] * rows.shape[1]
         local = torch.empty(n_rows, 5, dtype=acc, device=rows.device)
         if backend == "reference":
-            x, y = rows.reshape(n_rows, -1).to(acc), ref_rows.reshape(n_rows, -1).to(acc)
+            x, y = rows.reshape(n_rows, rows.shape[-1]).to(acc), ref_rows.reshape(n_rows, rows.shape[-1]).to(acc)
             t = temps.unsqueeze(-1) if temps is not None else temp_scalar
             for column, z in ((0, x), (2, y)):
                 top = z.amax(dim=-1)
@@ -487,7 +487,7 @@ class _ShardedFullKL(torch.autograd.Function):
         rows = row_view(logits)
         grad_kl = grad_kl.to(kl.dtype).contiguous()
         n_rows = rows.shape[0] * rows.shape[1]
-        x, y = rows.reshape(n_rows, -1).to(kl.dtype), ref_rows.reshape(n_rows, -1).to(kl.dtype)
+        x, y = rows.reshape(n_rows, rows.shape[-1]).to(kl.dtype), ref_rows.reshape(n_rows, rows.shape[-1]).to(kl.dtype)
         t = temps.unsqueeze(-1) if temps is not None else ctx.temp_scalar
         log_p = (x - stats[:, :1]) / t - stats[:, 1:2]
         log_ref = (y - stats[:, 2:3]) / t - stats[:, 3:4]

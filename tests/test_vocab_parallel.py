@@ -184,8 +184,13 @@ def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
                                  lambda: fastrl.full_kl(shard, shard[: 3 if rank == 0 else 4], group=group,
                                                         vocab_start=lo))  # fmt: skip
         # The group is still in step after the errors.
-        lp = fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=lo)
-        assert_close_to_reference(lp, ref_lp, 1e-5, what="after the errors")
+        lp = fastrl.logprobs_from_logits(shard, labels.int(), group=group, vocab_start=lo)
+        assert_close_to_reference(lp, ref_lp, 1e-5, what="after the errors, int32 labels")
+        # No tokens (any leading shape): empty results.
+        empty = shard[:0].unsqueeze(1).expand(0, 3, shard.shape[-1])
+        lp, ent = fastrl.logprobs_and_entropy(empty, labels[:0, None].expand(0, 3), group=group, vocab_start=lo)
+        kl = fastrl.full_kl(empty, empty, group=group, vocab_start=lo)
+        assert lp.shape == ent.shape == kl.shape == (0, 3)
     finally:
         dist.destroy_process_group()
     # Every check passed: leave without the interpreter's teardown. A process that ran the
@@ -284,6 +289,12 @@ def _lm_head_worker(rank: int, world: int, init_file: str, seed: int) -> None:
         _expect_error_everywhere("disagree on their options",
                                  lambda: fastrl.linear_logprobs_and_entropy(h, w, labels, group=group,
                                                                             softcap=30.0 if rank == 0 else None))  # fmt: skip
+        _expect_error_everywhere("disagree on their options",  # (only rank 0 would wait in the backward's sum)
+                                 lambda: fastrl.linear_logprobs_and_entropy(h.clone().requires_grad_(rank == 0), w,
+                                                                            labels, group=group))  # fmt: skip
+        _expect_error_everywhere(r"vocab_start must be in \[0, 2\*\*62\)" if rank == 0 else r"rank\(s\) \[0\]",
+                                 lambda: fastrl.linear_logprobs_and_entropy(h, w, labels, group=group,
+                                                                            vocab_start=2**64 if rank == 0 else 0))  # fmt: skip
         too_big = labels.clone()
         too_big[0, 0] = vocab + rank
         _expect_error_everywhere(rf"labels must lie in \[0, {vocab}\)",
@@ -292,9 +303,14 @@ def _lm_head_worker(rank: int, world: int, init_file: str, seed: int) -> None:
         _expect_error_everywhere("loss_agg_mode" if rank == world - 1 else rf"rank\(s\) \[{world - 1}\]",
                                  lambda: fastrl.policy_loss_from_hidden(h, w, labels, old, advantages, mask,
                                                                         loss_agg_mode=bad_mode, group=group))  # fmt: skip
-        lp, _ = fastrl.linear_logprobs_and_entropy(h, w, labels, group=group, with_entropy=False)
+        lp, _ = fastrl.linear_logprobs_and_entropy(h, w, labels.int(), group=group, with_entropy=False)
         assert_close_to_reference(lp, reference.linear_logprobs_and_entropy(hidden.double(), weight.double(), labels)[0],
-                                  1e-5, what="after the errors")  # fmt: skip
+                                  1e-5, what="after the errors, int32 labels")  # fmt: skip
+        # No tokens: empty results (the reference path on every backend), a zero gradient for the head.
+        w_leaf = w.clone().requires_grad_()
+        lp, ent = fastrl.linear_logprobs_and_entropy(h[:0], w_leaf, labels[:0], group=group)
+        (lp.sum() + ent.sum()).backward()
+        assert lp.shape == ent.shape == (0, 5) and torch.equal(w_leaf.grad, torch.zeros_like(w))
     finally:
         dist.destroy_process_group()
     sys.stdout.flush()  # (see _worker)
