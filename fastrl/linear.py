@@ -456,13 +456,15 @@ def _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entro
     agreed with the other ranks (vocab_parallel.agree) after the same checks;
     ``also_check(head)``: the caller's checks of its other arguments, run
     before the agreement (a rank that raised after it would leave the others
-    waiting in the backward's collective)."""
+    waiting in the backward's collective), returning more options the ranks
+    must agree on (a dict)."""
+    extra = {}
 
     def check(label_vocab):
         head = _checked_head(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale,
                              softcap, chunk_size, chunk_bytes, label_vocab)  # fmt: skip
         if also_check is not None:
-            also_check(head)
+            extra.update(also_check(head))
         return head
 
     if group is None:
@@ -478,7 +480,7 @@ def _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entro
                    "ignore_index": ignore_index, "logit_scale": head.logit_scale, "softcap": head.softcap,
                    "with_entropy": with_entropy, "bias": head.bias is not None,
                    # dL/dhidden is summed over the ranks in the backward: every rank or none must form it.
-                   "hidden_needs_grad": torch.is_grad_enabled() and head.hidden.requires_grad}  # fmt: skip
+                   "hidden_needs_grad": torch.is_grad_enabled() and head.hidden.requires_grad, **extra}  # fmt: skip
         shape = (*head.token_shape, head.hidden.shape[-1])
         return vocab_parallel.Layout(shape, head.weight.shape[0], head.hidden.dtype, head.hidden.device, options,
                                      "hidden shapes")  # fmt: skip
@@ -751,8 +753,6 @@ def policy_loss_from_hidden(
     441 tokens (256 MiB at V = 151936) that traffic would cost about the GEMM
     saved (a static estimate, not yet measured on a GPU).
     """
-    if "entropy" in options:
-        raise TypeError("policy_loss_from_hidden computes the entropy from the hidden states; pass with_entropy=True")
     if with_entropy is None:
         with_entropy = options.get("entropy_coef", 0.0) != 0
 
@@ -766,12 +766,20 @@ def policy_loss_from_hidden(
         return log_probs, torch.zeros_like(log_probs) if with_entropy else None
 
     def check_loss_arguments(head):
-        """Every argument checked (by policy_loss itself, on stand-ins) before any GEMM."""
+        """Every argument checked (by policy_loss itself, on stand-ins) before any
+        GEMM; returns the loss's options, which sharded ranks must agree on."""
+        if "entropy" in options:
+            raise TypeError("policy_loss_from_hidden computes the entropy from the hidden states; pass "
+                            "with_entropy=True")  # fmt: skip
         _validation.check_per_token(old_log_probs, "old_log_probs")
+        if old_log_probs.shape != head.token_shape:
+            raise ValueError(f"old_log_probs must have the token shape hidden.shape[:-1] = {tuple(head.token_shape)}; "
+                             f"got {tuple(old_log_probs.shape)}")  # fmt: skip
         policy.check_current_policy(head.hidden if head.hidden.requires_grad else head.weight,
                                     "hidden states and LM head", old_log_probs)  # fmt: skip
         with torch.no_grad():
             loss_of(head, *stand_ins(head))
+        return {f"policy_loss {name}": value for name, value in options.items()}
 
     head, shard = _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale,
                            softcap, chunk_size, DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes, group,

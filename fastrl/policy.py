@@ -337,8 +337,9 @@ def policy_loss_from_logits(
     (4 bytes a token, against 2V for bf16 logits) are written and read.
     ``options`` are :func:`policy_loss`'s keyword arguments (not ``entropy``).
     ``group`` / ``vocab_start``: vocabulary-sharded logits, as
-    :func:`fastrl.logprobs_from_logits` takes them; every rank computes the same
-    loss, and each shard gets its slice of the gradient.
+    :func:`fastrl.logprobs_from_logits` takes them, the loss's options agreed
+    across the ranks with the rest; every rank computes the same loss, and each
+    shard gets its slice of the gradient.
     Returns ``(loss, metrics)`` as :func:`policy_loss`."""
     if "entropy" in options:
         raise TypeError("policy_loss_from_logits computes the entropy from the logits; pass with_entropy=True instead")
@@ -348,7 +349,7 @@ def policy_loss_from_logits(
     if group is None:  # (a sharded call checks the logits on every rank together, before its collectives)
         _validation.check_logits(logits)
     log_probs, entropy = _logprobs_run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy,
-                                       group, vocab_start)  # fmt: skip
+                                       group, vocab_start, {f"policy_loss {k}": v for k, v in options.items()})  # fmt: skip
     _validation.check_per_token(old_log_probs, "old_log_probs")
     check_current_policy(logits, "logits", old_log_probs)
     return policy_loss(log_probs, old_log_probs, advantages, response_mask, entropy=entropy, **options)

@@ -94,10 +94,21 @@ class Layout:
     shape_name: str = "token shapes"
 
     def options_key(self) -> int:
-        """The options as one int64, the same in every process (numbers hash
-        by value; None and tensors by a code, never by identity)."""
-        code = lambda v: (2, 0.0) if isinstance(v, torch.Tensor) else (0, 0.0) if v is None else (1, float(v))  # noqa: E731
-        return hash(tuple(code(v) for v in self.options.values()))
+        """The options as one int64, the same in every process: a 64-bit
+        BLAKE2 digest of their exact text (floats in hex, so no two values
+        share it as they may share Python's hash: hash(-1.0) == hash(-2.0));
+        tensors by a code, their values not compared."""
+        import hashlib
+
+        def exact(value) -> str:
+            if isinstance(value, torch.Tensor):
+                return "<tensor>"
+            if isinstance(value, float):
+                return value.hex()
+            return repr(value)
+
+        text = ";".join(f"{name}={exact(value)}" for name, value in self.options.items())
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
     def options_text(self) -> str:
         shown = lambda v: "a per-token tensor" if isinstance(v, torch.Tensor) else repr(v)  # noqa: E731
@@ -150,7 +161,7 @@ def agree(group, check, vocab_start: object, outputs: int, labels=lambda: None) 
             raise TypeError(f"vocab_start must be an int or None; got {type(vocab_start).__name__}")
         if vocab_start is not None and not 0 <= vocab_start < 2**62:
             raise ValueError(f"vocab_start must be in [0, 2**62); got {vocab_start}")
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure here must reach the other ranks, then is raised as it was
         error = exc
     mine = dict.fromkeys(_FIELDS, 0)
     device = torch.device("cpu")
@@ -311,9 +322,19 @@ def combine_across_ranks(local, labels, temps, temp_scalar, ignore_index, shard:
     empty = torch.isneginf(m) & torch.isneginf(big_l)
     shift = torch.where(empty, 0.0, (m - top) / t)
     l_r = torch.where(empty, -torch.inf, big_l + shift)
-    log_s = torch.logsumexp(l_r, dim=0)
-    weight = torch.where(empty, 0.0, torch.exp(l_r - log_s))
-    entropy = torch.where(empty, 0.0, weight * (h + log_s - l_r)).sum(dim=0)
+    # log S = l_top + log n + log1p(rest / n), n shards at the largest l_r (l_top), rest the others' masses
+    # relative to it; then log S - l_r = (l_top - l_r) + (log S - l_top) is never the difference of two close
+    # numbers: a peaked row's entropy is about its shard's tiny log S - l_r (reference._log_sum_exp_of_scaled
+    # keeps it so within a row).
+    l_top = l_r.amax(dim=0)
+    at_top = l_r == l_top
+    n_top = at_top.sum(dim=0)
+    rest = torch.where(at_top | empty, 0.0, torch.exp(l_r - torch.where(torch.isfinite(l_top), l_top, 0.0)))
+    above_top = torch.log(n_top) + torch.log1p(rest.sum(dim=0) / n_top)
+    log_s = l_top + above_top
+    gap = l_top - l_r  # log S - l_r = gap + above_top >= 0
+    weight = torch.where(empty, 0.0, torch.exp(-(gap + above_top)))
+    entropy = torch.where(empty, 0.0, weight * (h + gap + above_top)).sum(dim=0)
     nan_row = torch.isnan(m).any(dim=0) | torch.isnan(big_l).any(dim=0) | torch.isneginf(top)
     entropy = torch.where(nan_row, torch.nan, entropy)
     log_s = torch.where(nan_row, torch.nan, log_s)
@@ -391,7 +412,7 @@ def _reference_backward(rows, labels, temps, temp_scalar, ignore_index, stats, e
     p = log_p.exp()
     grad = torch.zeros_like(p)
     if grad_logprob is not None and labels is not None:
-        keep = (labels != ignore_index).to(acc) * grad_logprob
+        keep = torch.where(labels != ignore_index, grad_logprob, 0.0)  # (an ignored token's NaN upstream: 0)
         grad -= keep.unsqueeze(-1) * p
         offset = labels.long() - shard.start
         here = (offset >= 0) & (offset < shard.local) & (labels != ignore_index)
@@ -401,16 +422,18 @@ def _reference_backward(rows, labels, temps, temp_scalar, ignore_index, stats, e
     return (grad / t).to(rows.dtype)
 
 
-def logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with_entropy, group, vocab_start):
+def logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with_entropy, group, vocab_start,
+                                 agree_options):  # fmt: skip
     """The sharded form of ``logprobs._run``: (logprob or None, entropy or None),
-    shaped like ``logits.shape[:-1]``."""
+    shaped like ``logits.shape[:-1]``; ``agree_options``: the caller's options
+    (a dict) the ranks must agree on too."""
     checked = {}
 
     def check():
         # Labels only >= 0 here: their range is checked against the whole vocabulary once the ranks have agreed.
         temperature_ = check_arguments(logits, labels, temperature, ignore_index, torch.iinfo(torch.int64).max)
         checked["temperature"] = temperature_
-        return logits_layout(logits, temperature=temperature_, ignore_index=ignore_index)
+        return logits_layout(logits, temperature=temperature_, ignore_index=ignore_index, **agree_options)
 
     outputs = (LABELED if labels is not None else 0) | (ENTROPY if with_entropy else 0)
     shard = agree(group, check, vocab_start, outputs, label_range(labels, ignore_index))

@@ -31,8 +31,8 @@ def _all_equal_across_ranks(t: torch.Tensor, group) -> bool:
     return all(torch.equal(g.nan_to_num(0.5), gathered[0].nan_to_num(0.5)) for g in gathered)
 
 
-def _expect_error_everywhere(match: str, call) -> None:
-    with pytest.raises(ValueError, match=match):
+def _expect_error_everywhere(match: str, call, error=ValueError) -> None:
+    with pytest.raises(error, match=match):
         call()
 
 
@@ -127,23 +127,28 @@ def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
 
         # A NaN in one shard's part of a row, a row all -inf, and a NaN among a shard's -inf (whose max is
         # -inf, as an empty shard's: still a NaN row): NaN, as unsharded; the full KL too.
-        logits = make_logits((4,), vocab, torch.float32)
+        logits = make_logits((5,), vocab, torch.float32)
+        logits[4] = torch.randn(vocab)
+        logits[4, 3] = 48.0  # a peaked row on rank 0's shard: entropy ~ V e^-46 ~ 1e-17
         logits[0, vocab - 1] = float("nan")
         logits[1] = float("-inf")
         logits[2, : bounds[1]] = float("-inf")
         logits[2, 0] = float("nan")
-        labels = torch.tensor([0, 1, 2, 3])
+        labels = torch.tensor([0, 1, 2, 3, 4])
         ref_lp, ref_ent = reference.logprobs_and_entropy(logits.double(), labels)
-        ref_kl = reference.full_kl(logits.double(), torch.zeros(4, vocab, dtype=torch.float64))
+        ref_kl = reference.full_kl(logits.double(), torch.zeros(5, vocab, dtype=torch.float64))
         for backend in backends:
             with fastrl.use_backend(backend):
                 lp, ent = fastrl.logprobs_and_entropy(logits[:, start:stop], labels, group=group)
-                kl = fastrl.full_kl(logits[:, start:stop], torch.zeros(4, stop - start), group=group)
+                kl = fastrl.full_kl(logits[:, start:stop], torch.zeros(5, stop - start), group=group)
             assert_close_to_reference(lp, ref_lp, 1e-5, what=f"special rows logprob {backend}")
             assert_close_to_reference(ent, ref_ent, 1e-5, what=f"special rows entropy {backend}")
             assert_close_to_reference(kl, ref_kl, 1e-5, what=f"special rows full_kl {backend}")
             for tensor, name in ((kl, "kl"), (lp, "logprob")):
                 assert tensor[[0, 2]].isnan().all(), f"{name} {backend}"
+            # The peaked row's tiny entropy to its own precision, as unsharded (the kernels' 1e-5 relative; the
+            # combination must not take it as the difference of two log-sum-exps ~ 48).
+            assert abs(float(ent[4]) / float(ref_ent[4]) - 1) < 1e-4, f"peaked entropy {backend}"
 
         # Shards out of rank order, placed by vocab_start: rank r holds the (world-1-r)-th block.
         block = -(-vocab // world)
@@ -176,6 +181,14 @@ def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
         _expect_error_everywhere("disagree on their options",
                                  lambda: fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=lo,
                                                                      temperature=1.0 + rank))  # fmt: skip
+        _expect_error_everywhere("disagree on their options",  # (Python's hash(0.5) == hash(2.0**60): not compared so)
+                                 lambda: fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=lo,
+                                                                     temperature=0.5 if rank == 0 else 2.0**60))  # fmt: skip
+        mask4 = torch.ones(4, dtype=torch.bool)
+        _expect_error_everywhere("disagree on their options",
+                                 lambda: fastrl.policy_loss_from_logits(shard, labels, torch.zeros(4), torch.ones(4), mask4,
+                                                                        group=group, vocab_start=lo,
+                                                                        loss_agg_mode="token-mean" if rank else "token-sum"))  # fmt: skip
         bad_temperature = 0.0 if rank == world - 1 else 1.0
         _expect_error_everywhere("temperature" if rank == world - 1 else rf"rank\(s\) \[{world - 1}\]",
                                  lambda: fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=lo,
@@ -258,6 +271,18 @@ def _lm_head_worker(rank: int, world: int, init_file: str, seed: int) -> None:
                     assert grad.dtype == dtype, what
                     _check(grad, truth, tol + subnormal, rtol, f"grad {name} {what}")
 
+        # A NaN upstream gradient on an ignored token reaches no gradient (its log-prob is the constant 0).
+        ignored = labels.clone()
+        ignored[0, 0] = -100
+        for backend in backends:
+            leaves = [hidden.clone().requires_grad_(), weight[start:stop].clone().requires_grad_()]
+            with fastrl.use_backend(backend):
+                lp, _ = fastrl.linear_logprobs_and_entropy(*leaves, ignored, group=group, with_entropy=False)
+            upstream = torch.ones_like(lp)
+            upstream[0, 0] = float("nan")
+            lp.backward(upstream)
+            assert all(torch.isfinite(t.grad).all() for t in leaves), f"NaN upstream on an ignored token, {backend}"
+
         # policy_loss_from_hidden on the shards: the unsharded loss, every rank the same.
         hidden, weight, _, labels = _inputs(lead, hidden_size, vocab, torch.float32, "cpu", bias=False)
         old, advantages, mask = torch.randn(lead) - 6.0, torch.randn(lead), torch.rand(lead) < 0.8
@@ -295,6 +320,21 @@ def _lm_head_worker(rank: int, world: int, init_file: str, seed: int) -> None:
         _expect_error_everywhere(r"vocab_start must be in \[0, 2\*\*62\)" if rank == 0 else r"rank\(s\) \[0\]",
                                  lambda: fastrl.linear_logprobs_and_entropy(h, w, labels, group=group,
                                                                             vocab_start=2**64 if rank == 0 else 0))  # fmt: skip
+        _expect_error_everywhere("disagree on their options",  # (Python's hash(-1.0) == hash(-2.0): not compared so)
+                                 lambda: fastrl.linear_logprobs_and_entropy(h, w, labels, group=group,
+                                                                            logit_scale=-1.0 - rank))  # fmt: skip
+        _expect_error_everywhere("disagree on their options",
+                                 lambda: fastrl.policy_loss_from_hidden(h, w, labels, old, advantages, mask, group=group,
+                                                                        entropy_coef=0.01 * (rank + 1)))  # fmt: skip
+        # A policy-loss argument refused on one rank alone (a TypeError, and a misshapen old_log_probs) raises
+        # on every rank before any collective, never leaving the others waiting.
+        _expect_error_everywhere("with_entropy=True" if rank == 0 else r"rank\(s\) \[0\]",
+                                 lambda: fastrl.policy_loss_from_hidden(h, w, labels, old, advantages, mask, group=group,
+                                                                        **({"entropy": old} if rank == 0 else {})),
+                                 TypeError if rank == 0 else ValueError)  # fmt: skip
+        _expect_error_everywhere("old_log_probs must have the token shape" if rank == 0 else r"rank\(s\) \[0\]",
+                                 lambda: fastrl.policy_loss_from_hidden(h, w, labels, old[:, 1:] if rank == 0 else old,
+                                                                        advantages, mask, group=group))  # fmt: skip
         too_big = labels.clone()
         too_big[0, 0] = vocab + rank
         _expect_error_everywhere(rf"labels must lie in \[0, {vocab}\)",
