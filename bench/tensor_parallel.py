@@ -130,7 +130,8 @@ def main() -> None:
         record("entropy", "fastrl", shape, backward, ours)
         if veRL is not None:
             def theirs(backward=backward):
-                x = logits.detach().clone().requires_grad_(backward)  # (veRL writes into it in the backward)
+                # (veRL's backward subtracts from the logits and adds back: no copy, as fastrl's call gets none)
+                x = logits.detach().requires_grad_(backward)
                 entropy = veRL(x)
                 if backward:
                     entropy.float().sum().backward()

@@ -59,7 +59,7 @@ def row_view(logits: torch.Tensor) -> torch.Tensor:
     return logits.reshape(-1, vocab).contiguous().unsqueeze(0)
 
 
-def _can_overwrite(logits: torch.Tensor, rows: torch.Tensor) -> bool:
+def can_overwrite(logits: torch.Tensor, rows: torch.Tensor) -> bool:
     """Whether the backward may write the gradient over ``rows`` (the row view of
     ``logits``) for ``inplace_backward``: never over a leaf or a view of one (a
     parameter's data would become the gradient, and nothing in autograd checks a
@@ -91,7 +91,7 @@ class _LogprobsEntropy(torch.autograd.Function):
         # then reported by torch's own "modified by an inplace operation" check.
         ctx.save_for_backward(logits, labels, temps, stats, entropy if with_entropy else None)
         ctx.temp_scalar, ctx.ignore_index, ctx.backend = temp_scalar, ignore_index, backend
-        ctx.inplace_backward = inplace_backward and _can_overwrite(logits, rows)
+        ctx.inplace_backward = inplace_backward and can_overwrite(logits, rows)
         ctx.logits_shape = logits.shape
         ctx.has_labels, ctx.with_entropy = labels is not None, with_entropy
         ctx.set_materialize_grads(False)
@@ -150,7 +150,7 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entro
         from .vocab_parallel import logprobs_and_entropy_sharded
 
         return logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with_entropy, group, vocab_start,
-                                            agree_options or {})  # fmt: skip
+                                            agree_options or {}, inplace_backward)  # fmt: skip
     _validation.check_bool(inplace_backward, "inplace_backward")
     temperature = check_arguments(logits, labels, temperature, ignore_index)
     token_shape = logits.shape[:-1]
@@ -242,8 +242,8 @@ def logprobs_from_logits(
             the vocabulary is sharded (tensor parallelism): ``logits`` are this
             rank's ``[..., V_r]`` columns, labels are global ids, and every rank
             gets the unsharded result (one all-gather of 16 bytes a row forward,
-            no collective backward; ``fastrl.vocab_parallel``). The gradient is
-            always a fresh tensor there (``inplace_backward`` is not applied).
+            no collective backward; ``fastrl.vocab_parallel``);
+            ``inplace_backward`` applies to the shard as to whole logits.
         vocab_start: keyword-only, with ``group``; the global id of this rank's
             first column, where the shards do not follow rank order (default:
             the sizes of the lower ranks' shards summed).

@@ -55,7 +55,7 @@ import torch
 from . import _ops, _validation, reference
 from ._backend import select_backend
 from .kl import full_kl_gradient
-from .logprobs import check_arguments, row_view
+from .logprobs import can_overwrite, check_arguments, row_view
 
 __all__ = ["full_kl_sharded", "logprobs_and_entropy_sharded"]
 
@@ -357,12 +357,14 @@ class _ShardedLogprobs(torch.autograd.Function):
     """Outputs: logprob [N] (empty without labels), entropy [N] (empty unless asked for)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard, backend):
+    def forward(ctx, logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard, backend, inplace_backward):
         local = local_stats(row_view(logits), labels, temps, temp_scalar, shard, with_entropy, backend)
         logprob, entropy, stats = combine_across_ranks(local, labels, temps, temp_scalar, ignore_index, shard)
         ctx.save_for_backward(logits, labels, temps, stats, entropy if with_entropy else None)
         ctx.temp_scalar, ctx.ignore_index, ctx.shard, ctx.backend = temp_scalar, ignore_index, shard, backend
         ctx.with_entropy = with_entropy
+        # (as logprobs._LogprobsEntropy; the reference backend's gradient is always a fresh tensor)
+        ctx.inplace_backward = inplace_backward and backend != "reference" and can_overwrite(logits, row_view(logits))
         ctx.set_materialize_grads(False)
         empty = logits.new_empty(0, dtype=stats.dtype)
         return (empty if logprob is None else logprob), (entropy if with_entropy else empty)
@@ -377,7 +379,7 @@ class _ShardedLogprobs(torch.autograd.Function):
         if not ctx.with_entropy:
             grad_entropy = None
         if grad_logprob is None and grad_entropy is None:
-            return (None,) * 8
+            return (None,) * 9
         acc = stats.dtype
         grad_logprob = None if grad_logprob is None else grad_logprob.to(acc).contiguous()
         grad_entropy = None if grad_entropy is None else grad_entropy.to(acc).contiguous()
@@ -386,19 +388,24 @@ class _ShardedLogprobs(torch.autograd.Function):
             grad = _reference_backward(rows.reshape(-1, rows.shape[-1]), labels, temps, ctx.temp_scalar,
                                        ctx.ignore_index, stats, entropy, grad_logprob, grad_entropy, ctx.shard)  # fmt: skip
         else:
-            grad = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+            grad = rows if ctx.inplace_backward else torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
             _ops.logprobs_backward(
                 rows, labels, temps, ctx.temp_scalar, ctx.ignore_index, stats, entropy, grad_logprob, grad_entropy,
                 grad, ctx.shard.start, ctx.shard.vocab, ctx.backend,
             )  # fmt: skip
-        return grad.reshape(logits.shape), *(None,) * 7
+            if ctx.inplace_backward and not torch.compiler.is_compiling():
+                torch.autograd.graph.increment_version(rows)  # (as logprobs._LogprobsEntropy)
+        return grad.reshape(logits.shape), *(None,) * 8
 
 
-def logprobs_of_shard(logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard: Shard, backend):
+def logprobs_of_shard(logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard: Shard, backend,
+                      inplace_backward=False):  # fmt: skip
     """(logprob [N] or empty, entropy [N] or empty) of this rank's [N, V_r]
     ``logits`` on checked, agreed arguments; differentiable (no collective
-    backward)."""
-    return _ShardedLogprobs.apply(logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard, backend)
+    backward; the gradient written over the logits with ``inplace_backward``
+    where logprobs_from_logits would)."""
+    return _ShardedLogprobs.apply(logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard, backend,
+                                  inplace_backward)  # fmt: skip
 
 
 def _reference_backward(rows, labels, temps, temp_scalar, ignore_index, stats, entropy, grad_logprob, grad_entropy,
@@ -423,7 +430,7 @@ def _reference_backward(rows, labels, temps, temp_scalar, ignore_index, stats, e
 
 
 def logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with_entropy, group, vocab_start,
-                                 agree_options):  # fmt: skip
+                                 agree_options, inplace_backward):  # fmt: skip
     """The sharded form of ``logprobs._run``: (logprob or None, entropy or None),
     shaped like ``logits.shape[:-1]``; ``agree_options``: the caller's options
     (a dict) the ranks must agree on too."""
@@ -445,7 +452,7 @@ def logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with
     if token_shape.numel() == 0:
         backend = "reference"
     logprob, entropy = logprobs_of_shard(logits, flat_labels, temps, temp_scalar, ignore_index, with_entropy, shard,
-                                         backend)  # fmt: skip
+                                         backend, inplace_backward)  # fmt: skip
     reshape = lambda t: t.view(token_shape)  # noqa: E731
     return (reshape(logprob) if labels is not None else None), (reshape(entropy) if with_entropy else None)
 

@@ -81,6 +81,14 @@ def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
                 atol = rtol * float(ref_grad.abs().max()) + 1e-30
                 assert grad.dtype == dtype and torch.isfinite(grad).all(), what
                 assert_close_to_reference(grad, ref_grad, rtol, atol, what=f"grad {what}")
+                if backend != "reference":  # inplace_backward: the same gradient, written over the (non-leaf) shard
+                    leaf = logits[:, start:stop].clone().requires_grad_()
+                    shard_x = leaf * 1.0
+                    with fastrl.use_backend(backend):
+                        lp_i, ent_i = fastrl.logprobs_and_entropy(shard_x, labels, temperature=temperature.float(),
+                                                                  group=group, inplace_backward=True)  # fmt: skip
+                        ((lp_i * w_lp).sum() + (ent_i * w_ent).sum()).backward()
+                    assert torch.equal(leaf.grad, grad) and torch.equal(shard_x.detach(), grad), f"inplace {what}"
                 with fastrl.use_backend(backend):
                     only_lp = fastrl.logprobs_from_logits(logits[:, start:stop], labels, temperature=temperature.float(),
                                                           group=group)  # fmt: skip
