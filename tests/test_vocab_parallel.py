@@ -31,6 +31,12 @@ def _all_equal_across_ranks(t: torch.Tensor, group) -> bool:
     return all(torch.equal(g.nan_to_num(0.5), gathered[0].nan_to_num(0.5)) for g in gathered)
 
 
+def _uneven_bounds(vocab: int, world: int) -> list[int]:
+    """Random shard boundaries [0, ..., vocab] (uneven, none empty), the same on
+    every rank when the ranks seed alike."""
+    return [0, *sorted((torch.randperm(vocab - 1)[: world - 1] + 1).tolist()), vocab]
+
+
 def _expect_error_everywhere(match: str, call, error=ValueError) -> None:
     with pytest.raises(error, match=match):
         call()
@@ -45,8 +51,7 @@ def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
     try:
         torch.manual_seed(seed)  # every rank draws the same full tensors
         n_rows, vocab = 7, 1031
-        cuts = sorted((torch.randperm(vocab - 1)[: world - 1] + 1).tolist())  # uneven shards
-        bounds = [0, *cuts, vocab]
+        bounds = _uneven_bounds(vocab, world)
         start, stop = bounds[rank], bounds[rank + 1]
         temperature = torch.rand(n_rows, dtype=torch.float64) * 1.5 + 0.4
         w_lp, w_ent = torch.randn(n_rows), torch.randn(n_rows)
@@ -239,8 +244,7 @@ def _lm_head_worker(rank: int, world: int, init_file: str, seed: int) -> None:
     try:
         torch.manual_seed(seed)  # every rank draws the same full tensors
         lead, hidden_size, vocab = (2, 5), 24, 389
-        cuts = sorted((torch.randperm(vocab - 1)[: world - 1] + 1).tolist())  # uneven shards
-        bounds = [0, *cuts, vocab]
+        bounds = _uneven_bounds(vocab, world)
         start, stop = bounds[rank], bounds[rank + 1]
         temperature = torch.rand(lead, dtype=torch.float64) * 1.5 + 0.4
         g_lp, g_ent = torch.randn(lead), torch.randn(lead)
