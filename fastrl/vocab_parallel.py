@@ -265,7 +265,8 @@ def sum_in_rank_order(partial: torch.Tensor, group) -> torch.Tensor:
     2 (world - 1) / world of the tensor) in two steps: an all-to-all gives rank
     r block r of the rows from every rank, which it sums in rank order; an
     all-gather returns the summed blocks to every rank. Memory: two more
-    tensors of ``partial``'s size."""
+    tensors of ``partial``'s size (what the all-to-all receives, the result),
+    and a padded copy of ``partial`` when world does not divide its rows."""
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
@@ -282,9 +283,10 @@ def sum_in_rank_order(partial: torch.Tensor, group) -> torch.Tensor:
     total = received[0].clone()
     for r in range(1, world):
         total += received[r]
-    gathered = [torch.empty_like(total) for _ in range(world)]
-    dist.all_gather(gathered, total, group=group)
-    return torch.cat(gathered)[:rows]
+    del received
+    out = torch.empty_like(padded)
+    dist.all_gather(list(out.view(world, block, *partial.shape[1:]).unbind(0)), total, group=group)
+    return out[:rows]
 
 
 class _GradientSummedOverRanks(torch.autograd.Function):
