@@ -18,7 +18,7 @@ Cases (rows N, vocabulary V split in rank order, bf16 unless ``--dtype``):
   ``fastrl.linear_logprobs_and_entropy(group=)`` against the unfused path,
   ``hidden @ weight_r.T`` then ``fastrl.logprobs_and_entropy(group=)``.
 
-Rank 0 prints a table and writes ``bench/results/tensor-parallel-<device>.json``
+Rank 0 prints a table and writes ``bench/results/tensor-parallel/<device>.json``
 (``--out`` to change) with the machine, versions and commit.
 """
 
@@ -190,7 +190,8 @@ def main() -> None:
                     "B/row = bytes this rank put into collectives per token row, colls = collective calls a call",
         }  # fmt: skip
         root = pathlib.Path(__file__).resolve().parents[1]
-        out = pathlib.Path(args.out) if args.out else root / "bench" / "results" / f"tensor-parallel-{device_slug(device)}.json"
+        # (Its own folder: the suite's report and plots read every results/*.json as the suite's.)
+        out = pathlib.Path(args.out) if args.out else root / "bench" / "results" / "tensor-parallel" / f"{device_slug(device)}.json"
         out.write_text(json.dumps(payload, indent=1) + "\n")
         print(f"written {out}")
     dist.destroy_process_group()
