@@ -328,17 +328,18 @@ def _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index, wit
     statistics, and the ranks' are gathered and combined once at the end."""
     n_tokens = hidden.shape[0]
     new = lambda *shape: torch.empty(shape, dtype=acc, device=hidden.device)  # noqa: E731
-    logprob = new(n_tokens) if labels is not None else new(0)
-    entropy = new(n_tokens) if with_entropy else new(0)
-    stats = new(n_tokens, 2) if with_stats else new(0)
-    local = new(n_tokens, 4) if shard is not None else None
+    whole = shard is None  # (a shard's per-token outputs come from the combination at the end)
+    logprob = new(n_tokens) if labels is not None and whole else new(0)
+    entropy = new(n_tokens) if with_entropy and whole else new(0)
+    stats = new(n_tokens, 2) if with_stats and whole else new(0)
+    local = None if whole else new(n_tokens, 4)
     bias_acc = None if bias is None else bias.to(acc)
     slab = _slab_rows(weight, acc)
     buffer = new(min(rows, n_tokens) * weight.shape[0])
     for t0 in range(0, n_tokens, rows):
         t1 = min(t0 + rows, n_tokens)
         logits, slope = _chunk_logits(hidden[t0:t1], weight, bias_acc, logit_scale, softcap, slab, buffer)
-        if shard is not None:
+        if not whole:
             local[t0:t1] = vocab_parallel.local_stats(
                 row_view(logits), labels[t0:t1], None if temps is None else temps[t0:t1], temp_scalar, shard,
                 with_entropy, backend,
@@ -354,7 +355,7 @@ def _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index, wit
             entropy[t0:t1] = ent
         if with_stats:
             stats[t0:t1] = st
-    if shard is not None:
+    if not whole:
         logprob, all_entropy, stats = vocab_parallel.combine_across_ranks(local, labels, temps, temp_scalar,
                                                                           ignore_index, shard)  # fmt: skip
         entropy = all_entropy if with_entropy else entropy
@@ -779,7 +780,7 @@ def policy_loss_from_hidden(
                                     "hidden states and LM head", old_log_probs)  # fmt: skip
         with torch.no_grad():
             loss_of(head, *stand_ins(head))
-        return {f"policy_loss {name}": value for name, value in options.items()}
+        return policy.options_to_agree(options)
 
     head, shard = _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale,
                            softcap, chunk_size, DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes, group,

@@ -143,15 +143,14 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entro
     either None when not asked for, shaped like ``logits.shape[:-1]``. With a
     ``group`` the logits are this rank's vocabulary shard (fastrl.vocab_parallel),
     and ``agree_options`` the caller's options the ranks must also agree on."""
-    if group is not None or vocab_start is not None:
-        if group is None:
-            raise ValueError("vocab_start is for vocabulary-sharded logits: pass the group= they are sharded over")
-        _validation.check_bool(inplace_backward, "inplace_backward")
+    if group is None and vocab_start is not None:
+        raise ValueError("vocab_start is for vocabulary-sharded logits: pass the group= they are sharded over")
+    _validation.check_bool(inplace_backward, "inplace_backward")
+    if group is not None:
         from .vocab_parallel import logprobs_and_entropy_sharded
 
         return logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with_entropy, group, vocab_start,
                                             agree_options or {}, inplace_backward)  # fmt: skip
-    _validation.check_bool(inplace_backward, "inplace_backward")
     temperature = check_arguments(logits, labels, temperature, ignore_index)
     token_shape = logits.shape[:-1]
     acc = reference.compute_dtype(logits)

@@ -312,6 +312,12 @@ def policy_loss(
     return loss, metrics
 
 
+def options_to_agree(options: dict) -> dict:
+    """:func:`policy_loss`'s keyword arguments as options the ranks of a
+    vocabulary-sharded call must agree on (fastrl.vocab_parallel.agree)."""
+    return {f"policy_loss {name}": value for name, value in options.items()}
+
+
 @_validation.keyword_only_options
 def policy_loss_from_logits(
     logits: torch.Tensor,
@@ -349,7 +355,7 @@ def policy_loss_from_logits(
     if group is None:  # (a sharded call checks the logits on every rank together, before its collectives)
         _validation.check_logits(logits)
     log_probs, entropy = _logprobs_run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy,
-                                       group, vocab_start, {f"policy_loss {k}": v for k, v in options.items()})  # fmt: skip
+                                       group, vocab_start, options_to_agree(options))  # fmt: skip
     _validation.check_per_token(old_log_probs, "old_log_probs")
     check_current_policy(logits, "logits", old_log_probs)
     return policy_loss(log_probs, old_log_probs, advantages, response_mask, entropy=entropy, **options)

@@ -360,13 +360,14 @@ class _ShardedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard, backend, inplace_backward):
-        local = local_stats(row_view(logits), labels, temps, temp_scalar, shard, with_entropy, backend)
+        rows = row_view(logits)
+        local = local_stats(rows, labels, temps, temp_scalar, shard, with_entropy, backend)
         logprob, entropy, stats = combine_across_ranks(local, labels, temps, temp_scalar, ignore_index, shard)
         ctx.save_for_backward(logits, labels, temps, stats, entropy if with_entropy else None)
         ctx.temp_scalar, ctx.ignore_index, ctx.shard, ctx.backend = temp_scalar, ignore_index, shard, backend
         ctx.with_entropy = with_entropy
         # (as logprobs._LogprobsEntropy; the reference backend's gradient is always a fresh tensor)
-        ctx.inplace_backward = inplace_backward and backend != "reference" and can_overwrite(logits, row_view(logits))
+        ctx.inplace_backward = inplace_backward and backend != "reference" and can_overwrite(logits, rows)
         ctx.set_materialize_grads(False)
         empty = logits.new_empty(0, dtype=stats.dtype)
         return (empty if logprob is None else logprob), (entropy if with_entropy else empty)

@@ -42,181 +42,14 @@ def _expect_error_everywhere(match: str, call, error=ValueError) -> None:
         call()
 
 
-def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
-    """One rank: every check of this module's test, in one process group."""
+def _rank_main(rank: int, check, world: int, init_file: str, seed: int) -> None:
+    """One spawned rank: ``check(rank, world, group, seed)`` in a gloo group of
+    ``world`` ranks (a module-level function: spawn pickles it by name)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    group = dist.group.WORLD
     try:
-        torch.manual_seed(seed)  # every rank draws the same full tensors
-        n_rows, vocab = 7, 1031
-        bounds = _uneven_bounds(vocab, world)
-        start, stop = bounds[rank], bounds[rank + 1]
-        temperature = torch.rand(n_rows, dtype=torch.float64) * 1.5 + 0.4
-        w_lp, w_ent = torch.randn(n_rows), torch.randn(n_rows)
-        backends = kernel_backends("cpu") + ["reference"]
-        for dtype in (torch.float32, torch.bfloat16):
-            logits = make_logits((n_rows,), vocab, dtype, std=3.0)
-            logits[1, : bounds[1]] = float("-inf")  # rank 0's part of row 1 is all -inf
-            logits[1, -1] = 5.0  # (the row's max elsewhere)
-            labels = make_labels(logits)
-            labels[2] = bounds[1] - 1  # the last entry of rank 0, and the first of the next non-empty shard
-            labels[3] = bounds[2] if bounds[2] < vocab else 0
-            x64 = logits.double().requires_grad_()
-            ref_lp, ref_ent = reference.logprobs_and_entropy(x64, labels, temperature=temperature)
-            ((ref_lp * w_lp.double()).sum() + (ref_ent * w_ent.double()).sum()).backward()
-            ref_grad = x64.grad[:, start:stop]
-            for backend in backends:
-                results = []
-                for _ in range(2):  # run to run
-                    x = logits[:, start:stop].clone().requires_grad_()
-                    with fastrl.use_backend(backend):
-                        lp, ent = fastrl.logprobs_and_entropy(x, labels, temperature=temperature.float(), group=group)
-                        ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
-                    results.append((lp, ent, x.grad))
-                (lp, ent, grad), again = results
-                what = f"{dtype} {backend} rank {rank}/{world}"
-                assert all(torch.equal(a, b) for a, b in zip(results[0], again, strict=True)), what
-                assert _all_equal_across_ranks(lp, group) and _all_equal_across_ranks(ent, group), what
-                tol = output_tolerance(vocab)
-                assert_close_to_reference(lp, ref_lp, tol, what=f"logprob {what}")
-                assert_close_to_reference(ent, ref_ent, tol, what=f"entropy {what}")
-                rtol = GRAD_RTOL[dtype] * (4 if backend == "reference" else 1)  # as test_logprobs
-                atol = rtol * float(ref_grad.abs().max()) + 1e-30
-                assert grad.dtype == dtype and torch.isfinite(grad).all(), what
-                assert_close_to_reference(grad, ref_grad, rtol, atol, what=f"grad {what}")
-                if backend != "reference":  # inplace_backward: the same gradient, written over the (non-leaf) shard
-                    leaf = logits[:, start:stop].clone().requires_grad_()
-                    shard_x = leaf * 1.0
-                    with fastrl.use_backend(backend):
-                        lp_i, ent_i = fastrl.logprobs_and_entropy(shard_x, labels, temperature=temperature.float(),
-                                                                  group=group, inplace_backward=True)  # fmt: skip
-                        ((lp_i * w_lp).sum() + (ent_i * w_ent).sum()).backward()
-                    assert torch.equal(leaf.grad, grad) and torch.equal(shard_x.detach(), grad), f"inplace {what}"
-                with fastrl.use_backend(backend):
-                    only_lp = fastrl.logprobs_from_logits(logits[:, start:stop], labels, temperature=temperature.float(),
-                                                          group=group)  # fmt: skip
-                    only_ent = fastrl.entropy_from_logits(logits[:, start:stop], temperature=temperature.float(),
-                                                          group=group)  # fmt: skip
-                assert_close_to_reference(only_lp, ref_lp, tol, what=f"logprobs_from_logits {what}")
-                assert_close_to_reference(only_ent, ref_ent, tol, what=f"entropy_from_logits {what}")
-
-        # full_kl on the shards: the whole vocabulary's KL and each shard's slice of its gradient (as test_kl).
-        logits = make_logits((5,), vocab, torch.float32, std=3.0)
-        ref_logits = (logits.double() + 0.3 * torch.randn(logits.shape, dtype=torch.float64)).float()
-        ref_logits[-1, : bounds[1]] = float("-inf")  # p_ref = 0 < p on rank 0's shard: the KL is inf
-        temp = torch.rand(5, dtype=torch.float64) + 0.5
-        x64 = logits.double().requires_grad_()
-        truth = reference.full_kl(x64, ref_logits.double(), temperature=temp)
-        (truth[:-1] * w_lp[:4].double()).sum().backward()
-        for backend in backends:
-            x = logits[:, start:stop].clone().requires_grad_()
-            with fastrl.use_backend(backend):
-                kl = fastrl.full_kl(x, ref_logits[:, start:stop], temperature=temp.float(), group=group)
-                (kl[:-1] * w_lp[:4]).sum().backward()
-            assert _all_equal_across_ranks(kl.detach(), group), backend
-            assert_close_to_reference(kl, truth.detach(), 1e-5, what=f"full_kl {backend}")
-            grad_truth = x64.grad[:-1, start:stop]
-            atol = 4e-5 * float(grad_truth.abs().max())  # test_kl's 1e-5, x4 for the reference backend as above
-            assert_close_to_reference(x.grad[:-1], grad_truth, 4e-5, atol=atol, what=f"full_kl grad {backend}")
-
-        # policy_loss_from_logits on the shards: the unsharded loss, and each shard its slice of the gradient.
-        logits = make_logits((2, 5), vocab, torch.float32)
-        labels = make_labels(logits)
-        old, advantages = torch.randn(2, 5) - 7.0, torch.randn(2, 5)
-        mask = torch.rand(2, 5) < 0.8
-        full = logits.clone().requires_grad_()
-        loss, _ = fastrl.policy_loss_from_logits(full, labels, old, advantages, mask, entropy_coef=0.01)
-        loss.backward()
-        part = logits[..., start:stop].clone().requires_grad_()
-        loss_s, _ = fastrl.policy_loss_from_logits(part, labels, old, advantages, mask, entropy_coef=0.01, group=group)
-        loss_s.backward()
-        assert _all_equal_across_ranks(loss_s.detach(), group)
-        # Each within 1e-5 (relative, and of the largest gradient entry) of the float64 truth, so 2e-5 of each other.
-        torch.testing.assert_close(loss_s, loss, rtol=2e-5, atol=2e-5)
-        torch.testing.assert_close(part.grad, full.grad[..., start:stop], rtol=2e-5,
-                                   atol=2e-5 * float(full.grad.abs().max()))  # fmt: skip
-
-        # A NaN in one shard's part of a row, a row all -inf, and a NaN among a shard's -inf (whose max is
-        # -inf, as an empty shard's: still a NaN row): NaN, as unsharded; the full KL too.
-        logits = make_logits((5,), vocab, torch.float32)
-        logits[4] = torch.randn(vocab)
-        logits[4, 3] = 48.0  # a peaked row on rank 0's shard: entropy ~ V e^-46 ~ 1e-17
-        logits[0, vocab - 1] = float("nan")
-        logits[1] = float("-inf")
-        logits[2, : bounds[1]] = float("-inf")
-        logits[2, 0] = float("nan")
-        labels = torch.tensor([0, 1, 2, 3, 4])
-        ref_lp, ref_ent = reference.logprobs_and_entropy(logits.double(), labels)
-        ref_kl = reference.full_kl(logits.double(), torch.zeros(5, vocab, dtype=torch.float64))
-        for backend in backends:
-            with fastrl.use_backend(backend):
-                lp, ent = fastrl.logprobs_and_entropy(logits[:, start:stop], labels, group=group)
-                kl = fastrl.full_kl(logits[:, start:stop], torch.zeros(5, stop - start), group=group)
-            assert_close_to_reference(lp, ref_lp, 1e-5, what=f"special rows logprob {backend}")
-            assert_close_to_reference(ent, ref_ent, 1e-5, what=f"special rows entropy {backend}")
-            assert_close_to_reference(kl, ref_kl, 1e-5, what=f"special rows full_kl {backend}")
-            for tensor, name in ((kl, "kl"), (lp, "logprob")):
-                assert tensor[[0, 2]].isnan().all(), f"{name} {backend}"
-            # The peaked row's tiny entropy to its own precision, as unsharded (the kernels' 1e-5 relative; the
-            # combination must not take it as the difference of two log-sum-exps ~ 48).
-            assert abs(float(ent[4]) / float(ref_ent[4]) - 1) < 1e-4, f"peaked entropy {backend}"
-
-        # Shards out of rank order, placed by vocab_start: rank r holds the (world-1-r)-th block.
-        block = -(-vocab // world)
-        mine = world - 1 - rank
-        lo, hi = min(mine * block, vocab), min((mine + 1) * block, vocab)
-        logits = make_logits((4,), vocab, torch.float32)
-        labels = make_labels(logits)
-        ref_lp, ref_ent = reference.logprobs_and_entropy(logits.double(), labels)
-        lp, ent = fastrl.logprobs_and_entropy(logits[:, lo:hi], labels, group=group, vocab_start=lo)
-        assert_close_to_reference(lp, ref_lp, 1e-5, what="out of order")
-        assert_close_to_reference(ent, ref_ent, 1e-5, what="out of order")
-
-        # Bad input raises on every rank (a ValueError here, naming the rank for others).
-        shard = logits[:, lo:hi]
-        _expect_error_everywhere("disagree on their token shapes",
-                                 lambda: fastrl.logprobs_from_logits(shard[: 4 - (rank == 0)], labels[: 4 - (rank == 0)],
-                                                                     group=group, vocab_start=lo))  # fmt: skip
-        too_big = labels.clone()
-        too_big[0] = vocab + rank
-        _expect_error_everywhere(
-            r"labels must lie in \[0, 1031\)",
-            lambda: fastrl.logprobs_from_logits(shard, too_big, group=group, vocab_start=lo),
-        )
-        _expect_error_everywhere("on every rank of the group or on none",
-                                 lambda: fastrl.logprobs_from_logits(shard, labels, group=group,
-                                                                     vocab_start=lo if rank == 0 else None))  # fmt: skip
-        _expect_error_everywhere(
-            "do not tile the vocabulary", lambda: fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=0)
-        )
-        _expect_error_everywhere("disagree on their options",
-                                 lambda: fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=lo,
-                                                                     temperature=1.0 + rank))  # fmt: skip
-        _expect_error_everywhere("disagree on their options",  # (Python's hash(0.5) == hash(2.0**60): not compared so)
-                                 lambda: fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=lo,
-                                                                     temperature=0.5 if rank == 0 else 2.0**60))  # fmt: skip
-        mask4 = torch.ones(4, dtype=torch.bool)
-        _expect_error_everywhere("disagree on their options",
-                                 lambda: fastrl.policy_loss_from_logits(shard, labels, torch.zeros(4), torch.ones(4), mask4,
-                                                                        group=group, vocab_start=lo,
-                                                                        loss_agg_mode="token-mean" if rank else "token-sum"))  # fmt: skip
-        bad_temperature = 0.0 if rank == world - 1 else 1.0
-        _expect_error_everywhere("temperature" if rank == world - 1 else rf"rank\(s\) \[{world - 1}\]",
-                                 lambda: fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=lo,
-                                                                     temperature=bad_temperature))  # fmt: skip
-        _expect_error_everywhere(r"ref_logits must have the shape" if rank == 0 else r"rank\(s\) \[0\]",
-                                 lambda: fastrl.full_kl(shard, shard[: 3 if rank == 0 else 4], group=group,
-                                                        vocab_start=lo))  # fmt: skip
-        # The group is still in step after the errors.
-        lp = fastrl.logprobs_from_logits(shard, labels.int(), group=group, vocab_start=lo)
-        assert_close_to_reference(lp, ref_lp, 1e-5, what="after the errors, int32 labels")
-        # No tokens (any leading shape): empty results.
-        empty = shard[:0].unsqueeze(1).expand(0, 3, shard.shape[-1])
-        lp, ent = fastrl.logprobs_and_entropy(empty, labels[:0, None].expand(0, 3), group=group, vocab_start=lo)
-        kl = fastrl.full_kl(empty, empty, group=group, vocab_start=lo)
-        assert lp.shape == ent.shape == kl.shape == (0, 3)
+        check(rank, world, dist.group.WORLD, seed)
     finally:
         dist.destroy_process_group()
     # Every check passed: leave without the interpreter's teardown. A process that ran the
@@ -229,145 +62,316 @@ def _worker(rank: int, world: int, init_file: str, seed: int) -> None:
     os._exit(0)
 
 
-def _lm_head_worker(rank: int, world: int, init_file: str, seed: int) -> None:
+def _spawn(check, world: int, tmp_path) -> None:
+    """``check`` on ``world`` spawned ranks, every rank drawing from one fresh seed."""
+    import torch.multiprocessing as mp
+
+    seed = int(torch.randint(2**31, ()))
+    mp.spawn(_rank_main, args=(check, world, str(tmp_path / "store"), seed), nprocs=world)
+
+
+def _check_logits_ops(rank: int, world: int, group, seed: int) -> None:
+    """One rank of test_sharded_logprobs_and_entropy_match_the_unsharded_reference."""
+    torch.manual_seed(seed)  # every rank draws the same full tensors
+    n_rows, vocab = 7, 1031
+    bounds = _uneven_bounds(vocab, world)
+    start, stop = bounds[rank], bounds[rank + 1]
+    temperature = torch.rand(n_rows, dtype=torch.float64) * 1.5 + 0.4
+    w_lp, w_ent = torch.randn(n_rows), torch.randn(n_rows)
+    backends = kernel_backends("cpu") + ["reference"]
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = make_logits((n_rows,), vocab, dtype, std=3.0)
+        logits[1, : bounds[1]] = float("-inf")  # rank 0's part of row 1 is all -inf
+        logits[1, -1] = 5.0  # (the row's max elsewhere)
+        labels = make_labels(logits)
+        labels[2] = bounds[1] - 1  # the last entry of rank 0, and the first of the next non-empty shard
+        labels[3] = bounds[2] if bounds[2] < vocab else 0
+        x64 = logits.double().requires_grad_()
+        ref_lp, ref_ent = reference.logprobs_and_entropy(x64, labels, temperature=temperature)
+        ((ref_lp * w_lp.double()).sum() + (ref_ent * w_ent.double()).sum()).backward()
+        ref_grad = x64.grad[:, start:stop]
+        for backend in backends:
+            results = []
+            for _ in range(2):  # run to run
+                x = logits[:, start:stop].clone().requires_grad_()
+                with fastrl.use_backend(backend):
+                    lp, ent = fastrl.logprobs_and_entropy(x, labels, temperature=temperature.float(), group=group)
+                    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+                results.append((lp, ent, x.grad))
+            (lp, ent, grad), again = results
+            what = f"{dtype} {backend} rank {rank}/{world}"
+            assert all(torch.equal(a, b) for a, b in zip(results[0], again, strict=True)), what
+            assert _all_equal_across_ranks(lp, group) and _all_equal_across_ranks(ent, group), what
+            tol = output_tolerance(vocab)
+            assert_close_to_reference(lp, ref_lp, tol, what=f"logprob {what}")
+            assert_close_to_reference(ent, ref_ent, tol, what=f"entropy {what}")
+            rtol = GRAD_RTOL[dtype] * (4 if backend == "reference" else 1)  # as test_logprobs
+            atol = rtol * float(ref_grad.abs().max()) + 1e-30
+            assert grad.dtype == dtype and torch.isfinite(grad).all(), what
+            assert_close_to_reference(grad, ref_grad, rtol, atol, what=f"grad {what}")
+            if backend != "reference":  # inplace_backward: the same gradient, written over the (non-leaf) shard
+                leaf = logits[:, start:stop].clone().requires_grad_()
+                shard_x = leaf * 1.0
+                with fastrl.use_backend(backend):
+                    lp_i, ent_i = fastrl.logprobs_and_entropy(shard_x, labels, temperature=temperature.float(),
+                                                              group=group, inplace_backward=True)  # fmt: skip
+                    ((lp_i * w_lp).sum() + (ent_i * w_ent).sum()).backward()
+                assert torch.equal(leaf.grad, grad) and torch.equal(shard_x.detach(), grad), f"inplace {what}"
+            with fastrl.use_backend(backend):
+                only_lp = fastrl.logprobs_from_logits(logits[:, start:stop], labels, temperature=temperature.float(),
+                                                      group=group)  # fmt: skip
+                only_ent = fastrl.entropy_from_logits(logits[:, start:stop], temperature=temperature.float(),
+                                                      group=group)  # fmt: skip
+            assert_close_to_reference(only_lp, ref_lp, tol, what=f"logprobs_from_logits {what}")
+            assert_close_to_reference(only_ent, ref_ent, tol, what=f"entropy_from_logits {what}")
+
+    # full_kl on the shards: the whole vocabulary's KL and each shard's slice of its gradient (as test_kl).
+    logits = make_logits((5,), vocab, torch.float32, std=3.0)
+    ref_logits = (logits.double() + 0.3 * torch.randn(logits.shape, dtype=torch.float64)).float()
+    ref_logits[-1, : bounds[1]] = float("-inf")  # p_ref = 0 < p on rank 0's shard: the KL is inf
+    temp = torch.rand(5, dtype=torch.float64) + 0.5
+    x64 = logits.double().requires_grad_()
+    truth = reference.full_kl(x64, ref_logits.double(), temperature=temp)
+    (truth[:-1] * w_lp[:4].double()).sum().backward()
+    for backend in backends:
+        x = logits[:, start:stop].clone().requires_grad_()
+        with fastrl.use_backend(backend):
+            kl = fastrl.full_kl(x, ref_logits[:, start:stop], temperature=temp.float(), group=group)
+            (kl[:-1] * w_lp[:4]).sum().backward()
+        assert _all_equal_across_ranks(kl.detach(), group), backend
+        assert_close_to_reference(kl, truth.detach(), 1e-5, what=f"full_kl {backend}")
+        grad_truth = x64.grad[:-1, start:stop]
+        atol = 4e-5 * float(grad_truth.abs().max())  # test_kl's 1e-5, x4 for the reference backend as above
+        assert_close_to_reference(x.grad[:-1], grad_truth, 4e-5, atol=atol, what=f"full_kl grad {backend}")
+
+    # policy_loss_from_logits on the shards: the unsharded loss, and each shard its slice of the gradient.
+    logits = make_logits((2, 5), vocab, torch.float32)
+    labels = make_labels(logits)
+    old, advantages = torch.randn(2, 5) - 7.0, torch.randn(2, 5)
+    mask = torch.rand(2, 5) < 0.8
+    full = logits.clone().requires_grad_()
+    loss, _ = fastrl.policy_loss_from_logits(full, labels, old, advantages, mask, entropy_coef=0.01)
+    loss.backward()
+    part = logits[..., start:stop].clone().requires_grad_()
+    loss_s, _ = fastrl.policy_loss_from_logits(part, labels, old, advantages, mask, entropy_coef=0.01, group=group)
+    loss_s.backward()
+    assert _all_equal_across_ranks(loss_s.detach(), group)
+    # Each within 1e-5 (relative, and of the largest gradient entry) of the float64 truth, so 2e-5 of each other.
+    torch.testing.assert_close(loss_s, loss, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(part.grad, full.grad[..., start:stop], rtol=2e-5,
+                               atol=2e-5 * float(full.grad.abs().max()))  # fmt: skip
+
+    # A NaN in one shard's part of a row, a row all -inf, and a NaN among a shard's -inf (whose max is
+    # -inf, as an empty shard's: still a NaN row): NaN, as unsharded; the full KL too.
+    logits = make_logits((5,), vocab, torch.float32)
+    logits[4] = torch.randn(vocab)
+    logits[4, 3] = 48.0  # a peaked row on rank 0's shard: entropy ~ V e^-46 ~ 1e-17
+    logits[0, vocab - 1] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, : bounds[1]] = float("-inf")
+    logits[2, 0] = float("nan")
+    labels = torch.tensor([0, 1, 2, 3, 4])
+    ref_lp, ref_ent = reference.logprobs_and_entropy(logits.double(), labels)
+    ref_kl = reference.full_kl(logits.double(), torch.zeros(5, vocab, dtype=torch.float64))
+    for backend in backends:
+        with fastrl.use_backend(backend):
+            lp, ent = fastrl.logprobs_and_entropy(logits[:, start:stop], labels, group=group)
+            kl = fastrl.full_kl(logits[:, start:stop], torch.zeros(5, stop - start), group=group)
+        assert_close_to_reference(lp, ref_lp, 1e-5, what=f"special rows logprob {backend}")
+        assert_close_to_reference(ent, ref_ent, 1e-5, what=f"special rows entropy {backend}")
+        assert_close_to_reference(kl, ref_kl, 1e-5, what=f"special rows full_kl {backend}")
+        for tensor, name in ((kl, "kl"), (lp, "logprob")):
+            assert tensor[[0, 2]].isnan().all(), f"{name} {backend}"
+        # The peaked row's tiny entropy to its own precision, as unsharded (the kernels' 1e-5 relative; the
+        # combination must not take it as the difference of two log-sum-exps ~ 48).
+        assert abs(float(ent[4]) / float(ref_ent[4]) - 1) < 1e-4, f"peaked entropy {backend}"
+
+    # Shards out of rank order, placed by vocab_start: rank r holds the (world-1-r)-th block.
+    block = -(-vocab // world)
+    mine = world - 1 - rank
+    lo, hi = min(mine * block, vocab), min((mine + 1) * block, vocab)
+    logits = make_logits((4,), vocab, torch.float32)
+    labels = make_labels(logits)
+    ref_lp, ref_ent = reference.logprobs_and_entropy(logits.double(), labels)
+    lp, ent = fastrl.logprobs_and_entropy(logits[:, lo:hi], labels, group=group, vocab_start=lo)
+    assert_close_to_reference(lp, ref_lp, 1e-5, what="out of order")
+    assert_close_to_reference(ent, ref_ent, 1e-5, what="out of order")
+
+    # Bad input raises on every rank (a ValueError here, naming the rank for others).
+    shard = logits[:, lo:hi]
+    _expect_error_everywhere("disagree on their token shapes",
+                             lambda: fastrl.logprobs_from_logits(shard[: 4 - (rank == 0)], labels[: 4 - (rank == 0)],
+                                                                 group=group, vocab_start=lo))  # fmt: skip
+    too_big = labels.clone()
+    too_big[0] = vocab + rank
+    _expect_error_everywhere(
+        r"labels must lie in \[0, 1031\)",
+        lambda: fastrl.logprobs_from_logits(shard, too_big, group=group, vocab_start=lo),
+    )
+    _expect_error_everywhere("on every rank of the group or on none",
+                             lambda: fastrl.logprobs_from_logits(shard, labels, group=group,
+                                                                 vocab_start=lo if rank == 0 else None))  # fmt: skip
+    _expect_error_everywhere(
+        "do not tile the vocabulary", lambda: fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=0)
+    )
+    _expect_error_everywhere("disagree on their options",
+                             lambda: fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=lo,
+                                                                 temperature=1.0 + rank))  # fmt: skip
+    _expect_error_everywhere("disagree on their options",  # (Python's hash(0.5) == hash(2.0**60): not compared so)
+                             lambda: fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=lo,
+                                                                 temperature=0.5 if rank == 0 else 2.0**60))  # fmt: skip
+    mask4 = torch.ones(4, dtype=torch.bool)
+    _expect_error_everywhere("disagree on their options",
+                             lambda: fastrl.policy_loss_from_logits(shard, labels, torch.zeros(4), torch.ones(4), mask4,
+                                                                    group=group, vocab_start=lo,
+                                                                    loss_agg_mode="token-mean" if rank else "token-sum"))  # fmt: skip
+    bad_temperature = 0.0 if rank == world - 1 else 1.0
+    _expect_error_everywhere("temperature" if rank == world - 1 else rf"rank\(s\) \[{world - 1}\]",
+                             lambda: fastrl.logprobs_from_logits(shard, labels, group=group, vocab_start=lo,
+                                                                 temperature=bad_temperature))  # fmt: skip
+    _expect_error_everywhere(r"ref_logits must have the shape" if rank == 0 else r"rank\(s\) \[0\]",
+                             lambda: fastrl.full_kl(shard, shard[: 3 if rank == 0 else 4], group=group,
+                                                    vocab_start=lo))  # fmt: skip
+    # The group is still in step after the errors.
+    lp = fastrl.logprobs_from_logits(shard, labels.int(), group=group, vocab_start=lo)
+    assert_close_to_reference(lp, ref_lp, 1e-5, what="after the errors, int32 labels")
+    # No tokens (any leading shape): empty results.
+    empty = shard[:0].unsqueeze(1).expand(0, 3, shard.shape[-1])
+    lp, ent = fastrl.logprobs_and_entropy(empty, labels[:0, None].expand(0, 3), group=group, vocab_start=lo)
+    kl = fastrl.full_kl(empty, empty, group=group, vocab_start=lo)
+    assert lp.shape == ent.shape == kl.shape == (0, 3)
+
+
+def _check_lm_head(rank: int, world: int, group, seed: int) -> None:
     """One rank of test_sharded_lm_head_matches_the_unsharded_reference."""
-    import torch.distributed as dist
     from test_linear import OUT_RTOL, _bounds, _check, _inputs
     from test_linear import _reference as head_reference
 
     from fastrl import linear
     from fastrl.vocab_parallel import sum_in_rank_order
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    group = dist.group.WORLD
     linear._BACKWARD_COLS = 64  # several backward slabs a shard, the last one short
-    try:
-        torch.manual_seed(seed)  # every rank draws the same full tensors
-        lead, hidden_size, vocab = (2, 5), 24, 389
-        bounds = _uneven_bounds(vocab, world)
-        start, stop = bounds[rank], bounds[rank + 1]
-        temperature = torch.rand(lead, dtype=torch.float64) * 1.5 + 0.4
-        g_lp, g_ent = torch.randn(lead), torch.randn(lead)
-        backends = kernel_backends("cpu") + ["reference"]
-        cases = [(torch.float32, None, 3, 1.0), (torch.bfloat16, 20.0, None, 1.25)]  # (dtype, softcap, chunk, scale)
-        for dtype, softcap, chunk_size, logit_scale in cases:
-            hidden, weight, bias, labels = _inputs(lead, hidden_size, vocab, dtype, "cpu")
-            labels[0, 1] = bounds[1] - 1  # the last entry of rank 0's shard
-            ref = head_reference(hidden, weight, bias, labels, temperature.float(), logit_scale, softcap, g_lp, g_ent)
-            # As test_linear: the fused op's bounds hold for a shard, whose dL/dhidden sums at most V_r terms a
-            # rank and then world - 1 partial sums (V_r + world - 1 <= V terms of float32 rounding in all).
-            operand_u = 2.0**-8 if linear._operand_dtype(weight, torch.float32) != torch.float32 else 0.0
-            lp_tol, ent_tol, h_tol, w_tol, b_tol = _bounds(ref, hidden, weight, logit_scale, g_lp, g_ent, operand_u)
-            rtol, subnormal = OUT_RTOL[dtype], torch.finfo(dtype).tiny * torch.finfo(dtype).eps
-            for backend in backends:
-                results = []
-                for _ in range(2):  # run to run
-                    leaves = [hidden.clone(), weight[start:stop].clone(), bias[start:stop].clone()]
-                    leaves = [t.requires_grad_() for t in leaves]
-                    with fastrl.use_backend(backend):
-                        lp, ent = fastrl.linear_logprobs_and_entropy(
-                            *leaves[:2], labels, bias=leaves[2], temperature=temperature.float(), softcap=softcap,
-                            logit_scale=logit_scale, chunk_size=chunk_size, group=group,
-                        )  # fmt: skip
-                        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
-                    results.append((lp.detach(), ent.detach(), *(t.grad for t in leaves)))
-                (lp, ent, grad_h, grad_w, grad_b), again = results
-                what = f"{dtype} {backend} rank {rank}/{world}"
-                assert all(torch.equal(a, b) for a, b in zip(results[0], again, strict=True)), what
-                for t in (lp, ent, grad_h):
-                    assert _all_equal_across_ranks(t, group), what
-                _check(lp, ref["lp"], lp_tol, 0.0, f"logprob {what}")
-                _check(ent, ref["ent"], ent_tol, 0.0, f"entropy {what}")
-                for grad, truth, tol, name in ((grad_h, ref["h"], h_tol, "h"), (grad_w, ref["w"][start:stop],
-                                               w_tol[start:stop], "w"), (grad_b, ref["b"][start:stop], b_tol[start:stop], "b")):  # fmt: skip
-                    assert grad.dtype == dtype, what
-                    _check(grad, truth, tol + subnormal, rtol, f"grad {name} {what}")
-
-        # A NaN upstream gradient on an ignored token reaches no gradient (its log-prob is the constant 0).
-        ignored = labels.clone()
-        ignored[0, 0] = -100
+    torch.manual_seed(seed)  # every rank draws the same full tensors
+    lead, hidden_size, vocab = (2, 5), 24, 389
+    bounds = _uneven_bounds(vocab, world)
+    start, stop = bounds[rank], bounds[rank + 1]
+    temperature = torch.rand(lead, dtype=torch.float64) * 1.5 + 0.4
+    g_lp, g_ent = torch.randn(lead), torch.randn(lead)
+    backends = kernel_backends("cpu") + ["reference"]
+    cases = [(torch.float32, None, 3, 1.0), (torch.bfloat16, 20.0, None, 1.25)]  # (dtype, softcap, chunk, scale)
+    for dtype, softcap, chunk_size, logit_scale in cases:
+        hidden, weight, bias, labels = _inputs(lead, hidden_size, vocab, dtype, "cpu")
+        labels[0, 1] = bounds[1] - 1  # the last entry of rank 0's shard
+        ref = head_reference(hidden, weight, bias, labels, temperature.float(), logit_scale, softcap, g_lp, g_ent)
+        # As test_linear: the fused op's bounds hold for a shard, whose dL/dhidden sums at most V_r terms a
+        # rank and then world - 1 partial sums (V_r + world - 1 <= V terms of float32 rounding in all).
+        operand_u = 2.0**-8 if linear._operand_dtype(weight, torch.float32) != torch.float32 else 0.0
+        lp_tol, ent_tol, h_tol, w_tol, b_tol = _bounds(ref, hidden, weight, logit_scale, g_lp, g_ent, operand_u)
+        rtol, subnormal = OUT_RTOL[dtype], torch.finfo(dtype).tiny * torch.finfo(dtype).eps
         for backend in backends:
-            leaves = [hidden.clone().requires_grad_(), weight[start:stop].clone().requires_grad_()]
-            with fastrl.use_backend(backend):
-                lp, _ = fastrl.linear_logprobs_and_entropy(*leaves, ignored, group=group, with_entropy=False)
-            upstream = torch.ones_like(lp)
-            upstream[0, 0] = float("nan")
-            lp.backward(upstream)
-            assert all(torch.isfinite(t.grad).all() for t in leaves), f"NaN upstream on an ignored token, {backend}"
+            results = []
+            for _ in range(2):  # run to run
+                leaves = [hidden.clone(), weight[start:stop].clone(), bias[start:stop].clone()]
+                leaves = [t.requires_grad_() for t in leaves]
+                with fastrl.use_backend(backend):
+                    lp, ent = fastrl.linear_logprobs_and_entropy(
+                        *leaves[:2], labels, bias=leaves[2], temperature=temperature.float(), softcap=softcap,
+                        logit_scale=logit_scale, chunk_size=chunk_size, group=group,
+                    )  # fmt: skip
+                    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+                results.append((lp.detach(), ent.detach(), *(t.grad for t in leaves)))
+            (lp, ent, grad_h, grad_w, grad_b), again = results
+            what = f"{dtype} {backend} rank {rank}/{world}"
+            assert all(torch.equal(a, b) for a, b in zip(results[0], again, strict=True)), what
+            for t in (lp, ent, grad_h):
+                assert _all_equal_across_ranks(t, group), what
+            _check(lp, ref["lp"], lp_tol, 0.0, f"logprob {what}")
+            _check(ent, ref["ent"], ent_tol, 0.0, f"entropy {what}")
+            for grad, truth, tol, name in ((grad_h, ref["h"], h_tol, "h"), (grad_w, ref["w"][start:stop],
+                                           w_tol[start:stop], "w"), (grad_b, ref["b"][start:stop], b_tol[start:stop], "b")):  # fmt: skip
+                assert grad.dtype == dtype, what
+                _check(grad, truth, tol + subnormal, rtol, f"grad {name} {what}")
 
-        # policy_loss_from_hidden on the shards: the unsharded loss, every rank the same.
-        hidden, weight, _, labels = _inputs(lead, hidden_size, vocab, torch.float32, "cpu", bias=False)
-        old, advantages, mask = torch.randn(lead) - 6.0, torch.randn(lead), torch.rand(lead) < 0.8
-        full = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
-        loss, _ = fastrl.policy_loss_from_hidden(*full, labels, old, advantages, mask, entropy_coef=0.01)
-        loss.backward()
-        part = [hidden.clone().requires_grad_(), weight[start:stop].clone().requires_grad_()]
-        loss_s, _ = fastrl.policy_loss_from_hidden(*part, labels, old, advantages, mask, entropy_coef=0.01,
-                                                   group=group)  # fmt: skip
-        loss_s.backward()
-        assert _all_equal_across_ranks(loss_s.detach(), group) and _all_equal_across_ranks(part[0].grad, group)
-        # Both within ~1e-5 of the float64 truth (test_linear's policy-loss bounds at these scales).
-        torch.testing.assert_close(loss_s, loss, rtol=2e-5, atol=2e-5)
-        for g_s, g in ((part[0].grad, full[0].grad), (part[1].grad, full[1].grad[start:stop])):
-            torch.testing.assert_close(g_s, g, rtol=2e-5, atol=2e-5 * float(g.abs().max()))
+    # A NaN upstream gradient on an ignored token reaches no gradient (its log-prob is the constant 0).
+    ignored = labels.clone()
+    ignored[0, 0] = -100
+    for backend in backends:
+        leaves = [hidden.clone().requires_grad_(), weight[start:stop].clone().requires_grad_()]
+        with fastrl.use_backend(backend):
+            lp, _ = fastrl.linear_logprobs_and_entropy(*leaves, ignored, group=group, with_entropy=False)
+        upstream = torch.ones_like(lp)
+        upstream[0, 0] = float("nan")
+        lp.backward(upstream)
+        assert all(torch.isfinite(t.grad).all() for t in leaves), f"NaN upstream on an ignored token, {backend}"
 
-        # The rank-order sum: exact on integers, any row count (padded blocks), the same bits on every rank.
-        for rows in (0, 1, 7, 4 * world):
-            mine = torch.arange(rows * 3, dtype=torch.float32).view(rows, 3) * (rank + 1)
-            total = sum_in_rank_order(mine, group)
-            assert torch.equal(total, torch.arange(rows * 3, dtype=torch.float32).view(rows, 3) * (world * (world + 1) // 2))
+    # policy_loss_from_hidden on the shards: the unsharded loss, every rank the same.
+    hidden, weight, _, labels = _inputs(lead, hidden_size, vocab, torch.float32, "cpu", bias=False)
+    old, advantages, mask = torch.randn(lead) - 6.0, torch.randn(lead), torch.rand(lead) < 0.8
+    full = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+    loss, _ = fastrl.policy_loss_from_hidden(*full, labels, old, advantages, mask, entropy_coef=0.01)
+    loss.backward()
+    part = [hidden.clone().requires_grad_(), weight[start:stop].clone().requires_grad_()]
+    loss_s, _ = fastrl.policy_loss_from_hidden(*part, labels, old, advantages, mask, entropy_coef=0.01,
+                                               group=group)  # fmt: skip
+    loss_s.backward()
+    assert _all_equal_across_ranks(loss_s.detach(), group) and _all_equal_across_ranks(part[0].grad, group)
+    # Both within ~1e-5 of the float64 truth (test_linear's policy-loss bounds at these scales).
+    torch.testing.assert_close(loss_s, loss, rtol=2e-5, atol=2e-5)
+    for g_s, g in ((part[0].grad, full[0].grad), (part[1].grad, full[1].grad[start:stop])):
+        torch.testing.assert_close(g_s, g, rtol=2e-5, atol=2e-5 * float(g.abs().max()))
 
-        # Bad input raises on every rank, the group still in step after it.
-        h, w = hidden, weight[start:stop]
-        _expect_error_everywhere("disagree on their hidden shapes",
-                                 lambda: fastrl.linear_logprobs_and_entropy(h[..., : hidden_size - (rank == 0)],
-                                                                            w[:, : hidden_size - (rank == 0)], labels,
-                                                                            group=group))  # fmt: skip
-        _expect_error_everywhere("disagree on their options",
-                                 lambda: fastrl.linear_logprobs_and_entropy(h, w, labels, group=group,
-                                                                            softcap=30.0 if rank == 0 else None))  # fmt: skip
-        _expect_error_everywhere("disagree on their options",  # (only rank 0 would wait in the backward's sum)
-                                 lambda: fastrl.linear_logprobs_and_entropy(h.clone().requires_grad_(rank == 0), w,
-                                                                            labels, group=group))  # fmt: skip
-        _expect_error_everywhere(r"vocab_start must be in \[0, 2\*\*62\)" if rank == 0 else r"rank\(s\) \[0\]",
-                                 lambda: fastrl.linear_logprobs_and_entropy(h, w, labels, group=group,
-                                                                            vocab_start=2**64 if rank == 0 else 0))  # fmt: skip
-        _expect_error_everywhere("disagree on their options",  # (Python's hash(-1.0) == hash(-2.0): not compared so)
-                                 lambda: fastrl.linear_logprobs_and_entropy(h, w, labels, group=group,
-                                                                            logit_scale=-1.0 - rank))  # fmt: skip
-        _expect_error_everywhere("disagree on their options",
-                                 lambda: fastrl.policy_loss_from_hidden(h, w, labels, old, advantages, mask, group=group,
-                                                                        entropy_coef=0.01 * (rank + 1)))  # fmt: skip
-        # A policy-loss argument refused on one rank alone (a TypeError, and a misshapen old_log_probs) raises
-        # on every rank before any collective, never leaving the others waiting.
-        _expect_error_everywhere("with_entropy=True" if rank == 0 else r"rank\(s\) \[0\]",
-                                 lambda: fastrl.policy_loss_from_hidden(h, w, labels, old, advantages, mask, group=group,
-                                                                        **({"entropy": old} if rank == 0 else {})),
-                                 TypeError if rank == 0 else ValueError)  # fmt: skip
-        _expect_error_everywhere("old_log_probs must have the token shape" if rank == 0 else r"rank\(s\) \[0\]",
-                                 lambda: fastrl.policy_loss_from_hidden(h, w, labels, old[:, 1:] if rank == 0 else old,
-                                                                        advantages, mask, group=group))  # fmt: skip
-        too_big = labels.clone()
-        too_big[0, 0] = vocab + rank
-        _expect_error_everywhere(rf"labels must lie in \[0, {vocab}\)",
-                                 lambda: fastrl.linear_logprobs_and_entropy(h, w, too_big, group=group))  # fmt: skip
-        bad_mode = "no-such-mode" if rank == world - 1 else "token-mean"
-        _expect_error_everywhere("loss_agg_mode" if rank == world - 1 else rf"rank\(s\) \[{world - 1}\]",
-                                 lambda: fastrl.policy_loss_from_hidden(h, w, labels, old, advantages, mask,
-                                                                        loss_agg_mode=bad_mode, group=group))  # fmt: skip
-        lp, _ = fastrl.linear_logprobs_and_entropy(h, w, labels.int(), group=group, with_entropy=False)
-        assert_close_to_reference(lp, reference.linear_logprobs_and_entropy(hidden.double(), weight.double(), labels)[0],
-                                  1e-5, what="after the errors, int32 labels")  # fmt: skip
-        # No tokens: empty results (the reference path on every backend), a zero gradient for the head.
-        w_leaf = w.clone().requires_grad_()
-        lp, ent = fastrl.linear_logprobs_and_entropy(h[:0], w_leaf, labels[:0], group=group)
-        (lp.sum() + ent.sum()).backward()
-        assert lp.shape == ent.shape == (0, 5) and torch.equal(w_leaf.grad, torch.zeros_like(w))
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()  # (see _worker)
-    sys.stderr.flush()
-    os._exit(0)
+    # The rank-order sum: exact on integers, any row count (padded blocks), the same bits on every rank.
+    for rows in (0, 1, 7, 4 * world):
+        mine = torch.arange(rows * 3, dtype=torch.float32).view(rows, 3) * (rank + 1)
+        total = sum_in_rank_order(mine, group)
+        assert torch.equal(total, torch.arange(rows * 3, dtype=torch.float32).view(rows, 3) * (world * (world + 1) // 2))
+
+    # Bad input raises on every rank, the group still in step after it.
+    h, w = hidden, weight[start:stop]
+    _expect_error_everywhere("disagree on their hidden shapes",
+                             lambda: fastrl.linear_logprobs_and_entropy(h[..., : hidden_size - (rank == 0)],
+                                                                        w[:, : hidden_size - (rank == 0)], labels,
+                                                                        group=group))  # fmt: skip
+    _expect_error_everywhere("disagree on their options",
+                             lambda: fastrl.linear_logprobs_and_entropy(h, w, labels, group=group,
+                                                                        softcap=30.0 if rank == 0 else None))  # fmt: skip
+    _expect_error_everywhere("disagree on their options",  # (only rank 0 would wait in the backward's sum)
+                             lambda: fastrl.linear_logprobs_and_entropy(h.clone().requires_grad_(rank == 0), w,
+                                                                        labels, group=group))  # fmt: skip
+    _expect_error_everywhere(r"vocab_start must be in \[0, 2\*\*62\)" if rank == 0 else r"rank\(s\) \[0\]",
+                             lambda: fastrl.linear_logprobs_and_entropy(h, w, labels, group=group,
+                                                                        vocab_start=2**64 if rank == 0 else 0))  # fmt: skip
+    _expect_error_everywhere("disagree on their options",  # (Python's hash(-1.0) == hash(-2.0): not compared so)
+                             lambda: fastrl.linear_logprobs_and_entropy(h, w, labels, group=group,
+                                                                        logit_scale=-1.0 - rank))  # fmt: skip
+    _expect_error_everywhere("disagree on their options",
+                             lambda: fastrl.policy_loss_from_hidden(h, w, labels, old, advantages, mask, group=group,
+                                                                    entropy_coef=0.01 * (rank + 1)))  # fmt: skip
+    # A policy-loss argument refused on one rank alone (a TypeError, and a misshapen old_log_probs) raises
+    # on every rank before any collective, never leaving the others waiting.
+    _expect_error_everywhere("with_entropy=True" if rank == 0 else r"rank\(s\) \[0\]",
+                             lambda: fastrl.policy_loss_from_hidden(h, w, labels, old, advantages, mask, group=group,
+                                                                    **({"entropy": old} if rank == 0 else {})),
+                             TypeError if rank == 0 else ValueError)  # fmt: skip
+    _expect_error_everywhere("old_log_probs must have the token shape" if rank == 0 else r"rank\(s\) \[0\]",
+                             lambda: fastrl.policy_loss_from_hidden(h, w, labels, old[:, 1:] if rank == 0 else old,
+                                                                    advantages, mask, group=group))  # fmt: skip
+    too_big = labels.clone()
+    too_big[0, 0] = vocab + rank
+    _expect_error_everywhere(rf"labels must lie in \[0, {vocab}\)",
+                             lambda: fastrl.linear_logprobs_and_entropy(h, w, too_big, group=group))  # fmt: skip
+    bad_mode = "no-such-mode" if rank == world - 1 else "token-mean"
+    _expect_error_everywhere("loss_agg_mode" if rank == world - 1 else rf"rank\(s\) \[{world - 1}\]",
+                             lambda: fastrl.policy_loss_from_hidden(h, w, labels, old, advantages, mask,
+                                                                    loss_agg_mode=bad_mode, group=group))  # fmt: skip
+    lp, _ = fastrl.linear_logprobs_and_entropy(h, w, labels.int(), group=group, with_entropy=False)
+    assert_close_to_reference(lp, reference.linear_logprobs_and_entropy(hidden.double(), weight.double(), labels)[0],
+                              1e-5, what="after the errors, int32 labels")  # fmt: skip
+    # No tokens: empty results (the reference path on every backend), a zero gradient for the head.
+    w_leaf = w.clone().requires_grad_()
+    lp, ent = fastrl.linear_logprobs_and_entropy(h[:0], w_leaf, labels[:0], group=group)
+    (lp.sum() + ent.sum()).backward()
+    assert lp.shape == ent.shape == (0, 5) and torch.equal(w_leaf.grad, torch.zeros_like(w))
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -376,79 +380,66 @@ def test_sharded_lm_head_matches_the_unsharded_reference(world, tmp_path):
     rows sharded (unevenly) over gloo ranks: outputs and the three gradients
     within test_linear's float64 bounds, every rank and run the same bits;
     the rank-order sum of dL/dhidden; bad input raising on every rank."""
-    import torch.multiprocessing as mp
-
-    seed = int(torch.randint(2**31, ()))
-    mp.spawn(_lm_head_worker, args=(world, str(tmp_path / "store"), seed), nprocs=world)
+    _spawn(_check_lm_head, world, tmp_path)
 
 
-def _verl_worker(rank: int, world: int, init_file: str, seed: int) -> None:
+def _check_verl(rank: int, world: int, group, seed: int) -> None:
     """One rank of test_verl_vocab_parallel_entropy_parity."""
-    import torch.distributed as dist
-
     from fastrl.bench import verl_vocab_parallel_entropy
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    group = dist.group.WORLD
     torch._dynamo.config.disable = True  # veRL compiles a helper inside its forward: run it eagerly (same math)
+    verl_entropy = verl_vocab_parallel_entropy(group)
+    torch.manual_seed(seed)  # every rank draws the same full tensors
+    n_rows, vocab = 6, 1031
+    bounds = [vocab * r // world for r in range(world + 1)]
+    start, stop = bounds[rank], bounds[rank + 1]
+    logits = make_logits((n_rows,), vocab, torch.float32, std=3.0, masked=False)  # (veRL: NaN at -inf logits)
+    weights = torch.randn(n_rows)
+    x64 = logits.double().requires_grad_()
+    truth = reference.entropy_from_logits(x64)
+    (truth * weights.double()).sum().backward()
+    results = {}
+    for name, op in (("fastrl", lambda x: fastrl.entropy_from_logits(x, group=group)), ("veRL", verl_entropy)):
+        x = logits[:, start:stop].clone().requires_grad_()
+        entropy = op(x)
+        (entropy * weights).sum().backward()
+        results[name] = (entropy.detach(), x.grad)
+    # Both against the float64 truth. Each sums p_j x_j (or its terms) over the row in float32: within
+    # (V + 4) u of the sum of |terms| <= max |x| (the p_j sum to 1), plus the entropy's own rounding.
+    # A gradient w p_j (sum p x - x_j) (T = 1) then errs by at most w p_j times that and (V + 4) u of
+    # |sum p x - x_j| <= 2 max |x| (p_j's own relative error): 3 (V + 4) u max |x| w p_j; bounded here
+    # by 4 (V + 4) u (max |x| + 1) w p_j; where p_j is below float32's normal range (tiny), the kernel
+    # may flush it to 0: an error of at most the gradient itself, 2 w tiny max |x|.
+    u, tiny = 2.0**-24, torch.finfo(torch.float32).tiny
+    max_x = logits.abs().amax(dim=-1, keepdim=True).double()
+    bound = (vocab + 4) * u * max_x.squeeze(-1) + 1e-6 * (1 + truth.detach())
+    grad_truth = x64.grad[:, start:stop]
+    p = torch.softmax(logits.double(), dim=-1)[:, start:stop]
+    grad_bound = (4 * (vocab + 4) * u * p + 2 * tiny) * (max_x + 1) * weights.abs().unsqueeze(-1).double()
+    for name, (entropy, grad) in results.items():
+        assert bool(((entropy.double() - truth.detach()).abs() <= bound).all()), name
+        assert bool(((grad.double() - grad_truth).abs() <= grad_bound).all()), f"{name} grad"
+
+    # fastrl.integrations.verl's vocab_parallel op: veRL's Megatron-backend functions run fastrl's on the group.
+    from verl.utils.megatron import tensor_parallel as verl_tp
+
+    import fastrl.integrations.verl as verl_integration
+
+    labels = make_labels(logits)
+    labels[labels < 0] = 0  # (Megatron's cross-entropy has no ignored label)
+    shard = logits[:, start:stop]
+    verl_integration.patch(["vocab_parallel"])
     try:
-        verl_entropy = verl_vocab_parallel_entropy(group)
-        torch.manual_seed(seed)  # every rank draws the same full tensors
-        n_rows, vocab = 6, 1031
-        bounds = [vocab * r // world for r in range(world + 1)]
-        start, stop = bounds[rank], bounds[rank + 1]
-        logits = make_logits((n_rows,), vocab, torch.float32, std=3.0, masked=False)  # (veRL: NaN at -inf logits)
-        weights = torch.randn(n_rows)
-        x64 = logits.double().requires_grad_()
-        truth = reference.entropy_from_logits(x64)
-        (truth * weights.double()).sum().backward()
-        results = {}
-        for name, op in (("fastrl", lambda x: fastrl.entropy_from_logits(x, group=group)), ("veRL", verl_entropy)):
-            x = logits[:, start:stop].clone().requires_grad_()
-            entropy = op(x)
-            (entropy * weights).sum().backward()
-            results[name] = (entropy.detach(), x.grad)
-        # Both against the float64 truth. Each sums p_j x_j (or its terms) over the row in float32: within
-        # (V + 4) u of the sum of |terms| <= max |x| (the p_j sum to 1), plus the entropy's own rounding.
-        # A gradient w p_j (sum p x - x_j) (T = 1) then errs by at most w p_j times that and (V + 4) u of
-        # |sum p x - x_j| <= 2 max |x| (p_j's own relative error): 3 (V + 4) u max |x| w p_j; bounded here
-        # by 4 (V + 4) u (max |x| + 1) w p_j; where p_j is below float32's normal range (tiny), the kernel
-        # may flush it to 0: an error of at most the gradient itself, 2 w tiny max |x|.
-        u, tiny = 2.0**-24, torch.finfo(torch.float32).tiny
-        max_x = logits.abs().amax(dim=-1, keepdim=True).double()
-        bound = (vocab + 4) * u * max_x.squeeze(-1) + 1e-6 * (1 + truth.detach())
-        grad_truth = x64.grad[:, start:stop]
-        p = torch.softmax(logits.double(), dim=-1)[:, start:stop]
-        grad_bound = (4 * (vocab + 4) * u * p + 2 * tiny) * (max_x + 1) * weights.abs().unsqueeze(-1).double()
-        for name, (entropy, grad) in results.items():
-            assert bool(((entropy.double() - truth.detach()).abs() <= bound).all()), name
-            assert bool(((grad.double() - grad_truth).abs() <= grad_bound).all()), f"{name} grad"
-
-        # fastrl.integrations.verl's vocab_parallel op: veRL's Megatron-backend functions run fastrl's on the group.
-        from verl.utils.megatron import tensor_parallel as verl_tp
-
-        import fastrl.integrations.verl as verl_integration
-
-        labels = make_labels(logits)
-        labels[labels < 0] = 0  # (Megatron's cross-entropy has no ignored label)
-        shard = logits[:, start:stop]
-        verl_integration.patch(["vocab_parallel"])
-        try:
-            entropy = verl_tp.vocab_parallel_entropy(shard)
-            log_probs = verl_tp.vocab_parallel_log_probs_from_logits(shard, labels)
-        finally:
-            verl_integration.unpatch(["vocab_parallel"])
-        assert verl_tp.vocab_parallel_entropy is verl_entropy
-        assert torch.equal(entropy, fastrl.entropy_from_logits(shard, group=group))
-        assert log_probs.dtype == torch.float32
-        assert torch.equal(log_probs, fastrl.logprobs_from_logits(shard, labels, group=group))
-        assert_close_to_reference(log_probs, reference.logprobs_from_logits(logits.double(), labels), 1e-5,
-                                  what="patched vocab_parallel_log_probs_from_logits")  # fmt: skip
+        entropy = verl_tp.vocab_parallel_entropy(shard)
+        log_probs = verl_tp.vocab_parallel_log_probs_from_logits(shard, labels)
     finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()  # (see _worker)
-    sys.stderr.flush()
-    os._exit(0)
+        verl_integration.unpatch(["vocab_parallel"])
+    assert verl_tp.vocab_parallel_entropy is verl_entropy
+    assert torch.equal(entropy, fastrl.entropy_from_logits(shard, group=group))
+    assert log_probs.dtype == torch.float32
+    assert torch.equal(log_probs, fastrl.logprobs_from_logits(shard, labels, group=group))
+    assert_close_to_reference(log_probs, reference.logprobs_from_logits(logits.double(), labels), 1e-5,
+                              what="patched vocab_parallel_log_probs_from_logits")  # fmt: skip
 
 
 def test_verl_vocab_parallel_entropy_parity(tmp_path):
@@ -458,18 +449,12 @@ def test_verl_vocab_parallel_entropy_parity(tmp_path):
     truth; fastrl.integrations.verl's vocab_parallel op running fastrl's in
     veRL's Megatron-backend functions."""
     pytest.importorskip("verl")
-    import torch.multiprocessing as mp
-
-    seed = int(torch.randint(2**31, ()))
-    mp.spawn(_verl_worker, args=(2, str(tmp_path / "store"), seed), nprocs=2)
+    _spawn(_check_verl, 2, tmp_path)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_logprobs_and_entropy_match_the_unsharded_reference(world, tmp_path):
-    import torch.multiprocessing as mp
-
-    seed = int(torch.randint(2**31, ()))
-    mp.spawn(_worker, args=(world, str(tmp_path / "store"), seed), nprocs=world)
+    _spawn(_check_logits_ops, world, tmp_path)
 
 
 def test_vocab_start_without_a_group_and_bad_groups():
