@@ -152,10 +152,25 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "truncated_logprobs_backward",
       [](const TruncationTuple& t, std::uintptr_t labels, int label_dtype, std::uintptr_t stats,
-         std::uintptr_t grad_logprob, std::uintptr_t grad_out, const RowsTuple& grad_rows) {
+         std::uintptr_t grad_logprob, std::uintptr_t grad_out, const RowsTuple& grad_rows,
+         int64_t label_base, std::uintptr_t label_kept) {
         fastrl::truncated_logprobs_backward(truncation_args(t), cptr(labels), label_dtype,
                                             cptr(stats), cptr(grad_logprob), mptr(grad_out),
-                                            row_layout(grad_rows));
+                                            row_layout(grad_rows), label_base,
+                                            reinterpret_cast<const uint8_t*>(label_kept));
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "sample_shard_pass",
+      [](const TruncationTuple& t, bool racing, std::uintptr_t seeds, int64_t seed, bool per_row_seeds,
+         std::uintptr_t offset_ptr, int64_t offset, int64_t column_base, std::uintptr_t given,
+         std::uintptr_t labels, int label_dtype, std::uintptr_t sums, std::uintptr_t picks) {
+        const fastrl::RandomArgs rng{reinterpret_cast<const int64_t*>(seeds), seed, per_row_seeds,
+                                     reinterpret_cast<const int64_t*>(offset_ptr), offset};
+        fastrl::sample_shard_pass(truncation_args(t), racing ? &rng : nullptr, column_base, cptr(given),
+                                  cptr(labels), label_dtype, static_cast<double*>(mptr(sums)),
+                                  static_cast<int64_t*>(mptr(picks)));
       },
       py::call_guard<py::gil_scoped_release>());
 

@@ -448,7 +448,7 @@ void truncated_forward_impl(const TruncationArgs& a, const void* labels, int lab
 template <typename In, typename Acc>
 void truncated_backward_impl(const TruncationArgs& a, const void* labels, int label_dtype,
                              const Acc* stats, const Acc* grad_logprob, In* grad_out,
-                             RowLayout grad_rows) {
+                             RowLayout grad_rows, int64_t label_base, const uint8_t* label_kept) {
 #pragma omp parallel for schedule(static) if (a.n_rows * a.vocab > 32768)
   for (int64_t r = 0; r < a.n_rows; ++r) {
     const In* x = static_cast<const In*>(a.logits) + a.rows.offset(r);
@@ -460,14 +460,16 @@ void truncated_backward_impl(const TruncationArgs& a, const void* labels, int la
     sel.threshold = order_key(stats[3 * r + 2]);
     sel.inv_t = prm.t > 0 ? Acc(1) / prm.t : Acc(0);
     sel.log_min_p = prm.min_p > 0 ? std::log(prm.min_p) : neg_inf<Acc>();
-    const int64_t y = load_label(labels, label_dtype, r);
+    // The label's column in this row (outside [0, vocab) when another shard holds it).
+    const int64_t y = load_label(labels, label_dtype, r) - label_base;
     const Acc g = grad_logprob[r];
+    const bool y_kept = label_kept ? label_kept[r] != 0 : y >= 0 && y < a.vocab && is_kept(sel, load_as<Acc>(x, y));
     // Zero gradient where the log-prob is a constant: greedy rows and labels
     // outside the kept set (-inf). NaN rows stay NaN.
     Acc scale = 0;
     if (sel.m != sel.m || sel.log_s_kept != sel.log_s_kept || !prm.valid()) {
       scale = quiet_nan<Acc>();
-    } else if (prm.t > 0 && y >= 0 && y < a.vocab && is_kept(sel, load_as<Acc>(x, y))) {
+    } else if (prm.t > 0 && y_kept) {
       scale = g * sel.inv_t;
     }
     for (int64_t j = 0; j < a.vocab; ++j) {
@@ -478,6 +480,78 @@ void truncated_backward_impl(const TruncationArgs& a, const void* labels, int la
         grad = scale * ((j == y ? Acc(1) : Acc(0)) - q);
       }
       store_from(gx, j, grad);
+    }
+  }
+}
+
+// sample_shard_pass (sampling.h): one read of the shard's row.
+template <typename In, typename Acc>
+void shard_pass_impl(const TruncationArgs& a, const RandomArgs* rng, int64_t column_base, const Acc* given,
+                     const void* labels, int label_dtype, double* sums, int64_t* picks) {
+  const uint64_t offset = rng ? uint64_t(rng->offset_ptr ? *rng->offset_ptr : rng->offset) : 0;
+#pragma omp parallel for schedule(static) if (a.n_rows > 1)
+  for (int64_t r = 0; r < a.n_rows; ++r) {
+    const In* x = static_cast<const In*>(a.logits) + a.rows.offset(r);
+    const RowParams<Acc> prm = row_params<Acc>(a, r);
+    double* out = sums + 4 * r;
+    int64_t* pick = picks + 2 * r;
+    Selection<Acc> sel;
+    sel.m = given[2 * r];
+    sel.threshold = order_key(given[2 * r + 1]);
+    sel.inv_t = prm.t > 0 ? Acc(1) / prm.t : Acc(1);
+    sel.log_min_p = prm.min_p > 0 ? std::log(prm.min_p) : neg_inf<Acc>();
+    out[0] = out[1] = out[2] = out[3] = quiet_nan<double>();
+    pick[0] = pick[1] = -1;
+    if (!(sel.m > neg_inf<Acc>() && sel.m < std::numeric_limits<Acc>::infinity()) || !prm.valid()) continue;
+    int64_t first_max = -1, n_max = 0;
+    for (int64_t i = 0; i < a.vocab; ++i) {
+      if (load_as<Acc>(x, i) != sel.m) continue;
+      if (first_max < 0) first_max = i;
+      ++n_max;
+    }
+    pick[1] = first_max < 0 ? -1 : column_base + first_max;
+    if (prm.t == 0) {  // greedy: the maxima alone
+      out[0] = double(n_max);
+      out[1] = out[2] = out[3] = 0;
+      continue;
+    }
+    const bool racing = rng != nullptr;
+    const uint64_t seed = racing ? uint64_t(rng->per_row_seeds ? rng->seeds[r] : rng->seed) : 0;
+    const uint32_t k0 = uint32_t(seed), k1 = uint32_t(seed >> 32);
+    const uint32_t salt = racing && !rng->per_row_seeds ? uint32_t(r) : 0u;
+    // In double, as select_row sums its masses.
+    double s = 0, s_kept = 0;
+    Acc best = neg_inf<Acc>(), d_best = neg_inf<Acc>();
+    int64_t winner = -1;
+    for (int64_t i = 0; i < a.vocab; ++i) {
+      const Acc v = load_as<Acc>(x, i);
+      const Acc d = (v - sel.m) * sel.inv_t;
+      const Acc e = exp_approx(d);
+      s += e;
+      if (!is_kept(sel, v)) continue;
+      s_kept += e;
+      if (!racing) continue;
+      const Words4 w = philox4x32_10(uint32_t(column_base + i), salt, uint32_t(offset), uint32_t(offset >> 32), k0, k1);
+      const Acc score = d - std::log(Acc(exponential_variate(w.w[0], w.w[1])));
+      if (score > best) {  // ties to the lowest index, as race()
+        best = score;
+        d_best = d;
+        winner = i;
+      }
+    }
+    out[0] = s;
+    out[1] = s_kept;
+    if (racing) {
+      out[2] = best;
+      out[3] = d_best;
+      pick[0] = winner < 0 ? -1 : column_base + winner;
+    } else {
+      const int64_t y = load_label(labels, label_dtype, r) - column_base;
+      if (y >= 0 && y < a.vocab) {
+        const Acc v = load_as<Acc>(x, y);
+        out[2] = is_kept(sel, v) ? (v - sel.m) * sel.inv_t : neg_inf<Acc>();
+      }
+      out[3] = 0;
     }
   }
 }
@@ -501,12 +575,21 @@ void truncated_logprobs_forward(const TruncationArgs& a, const void* labels, int
 
 void truncated_logprobs_backward(const TruncationArgs& a, const void* labels, int label_dtype,
                                  const void* stats, const void* grad_logprob, void* grad_out,
-                                 RowLayout grad_rows) {
+                                 RowLayout grad_rows, int64_t label_base, const uint8_t* label_kept) {
   FASTRL_DISPATCH_LOGITS(a.dtype, "truncated_logprobs_backward",
                          (truncated_backward_impl<In, Acc>(a, labels, label_dtype,
                                                            static_cast<const Acc*>(stats),
                                                            static_cast<const Acc*>(grad_logprob),
-                                                           static_cast<In*>(grad_out), grad_rows)))
+                                                           static_cast<In*>(grad_out), grad_rows,
+                                                           label_base, label_kept)))
+}
+
+void sample_shard_pass(const TruncationArgs& a, const RandomArgs* rng, int64_t column_base,
+                       const void* given, const void* labels, int label_dtype, double* sums,
+                       int64_t* picks) {
+  FASTRL_DISPATCH_LOGITS(a.dtype, "sample_shard_pass",
+                         (shard_pass_impl<In, Acc>(a, rng, column_base, static_cast<const Acc*>(given),
+                                                   labels, label_dtype, sums, picks)))
 }
 
 }  // namespace fastrl

@@ -58,8 +58,31 @@ void truncated_logprobs_forward(const TruncationArgs& args, const void* labels, 
 // dL/dlogits for the kept set held fixed: (1/T) g ([j == label] - q_j) over the
 // kept tokens j when the label is kept; zero for rows whose label is not kept,
 // greedy rows and ignore rows. grad_out has the logits' dtype.
+// A vocabulary shard (fastrl/vocab_parallel.py) passes label_base, where its
+// columns start (labels are global ids), and label_kept (one byte a row):
+// whether the label is kept, which the shard cannot see when another holds it.
 void truncated_logprobs_backward(const TruncationArgs& args, const void* labels, int label_dtype,
                                  const void* stats, const void* grad_logprob, void* grad_out,
-                                 RowLayout grad_rows);
+                                 RowLayout grad_rows, int64_t label_base, const uint8_t* label_kept);
+
+// One vocabulary shard's part of a row of the tensor-parallel sampler
+// (fastrl/vocab_parallel.py). The ranks have agreed on the row's max logit m
+// and kept threshold tau (given [n_rows, 2], accumulation type): the kept
+// tokens are x >= tau with (x - m) / T >= log(min_p); top_k and top_p are not
+// read. The shard's columns are the global indices column_base + j, which are
+// also the Philox counters, so the race is the unsharded one. Writes, per row:
+//   sums [n_rows, 4] float64: s = sum_j e_j over the shard, s_kept over its kept
+//     tokens (e_j = exp((x_j - m) / T)); then with rng the best race score
+//     d_j - log E_j of its kept tokens (-inf: none) and that token's d_j, or
+//     with labels d of the label where the shard holds it (-inf when not kept,
+//     NaN when another shard holds it) and 0. Greedy rows: s = the number of
+//     logits equal to m, the rest 0.
+//   picks [n_rows, 2] int64: the race winner and the first logit equal to m,
+//     as global indices, -1 for none.
+// A row whose m is not finite or whose parameters are invalid is left to the
+// caller (its outputs hold NaN and -1).
+void sample_shard_pass(const TruncationArgs& args, const RandomArgs* rng, int64_t column_base,
+                       const void* given, const void* labels, int label_dtype, double* sums,
+                       int64_t* picks);
 
 }  // namespace fastrl

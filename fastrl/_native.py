@@ -171,13 +171,29 @@ def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_
     return out, stats
 
 
-def truncated_backward(logits, labels, stats, grad_logprob, grad_out, *, temperature, top_k, top_p, min_p):
+def truncated_backward(logits, labels, stats, grad_logprob, grad_out, *, temperature, top_k, top_p, min_p,
+                       label_base=0, label_kept=None):  # fmt: skip
     """The contract of ``fastrl.kernels.sampling.truncated_backward``, on the C++ kernels."""
     native_module().truncated_logprobs_backward(
         _truncation(logits, temperature, top_k, top_p, min_p),
         labels.data_ptr(), DTYPE_CODES[labels.dtype], stats.data_ptr(), grad_logprob.data_ptr(),
-        grad_out.data_ptr(), row_layout(grad_out),
+        grad_out.data_ptr(), row_layout(grad_out), label_base, _ptr(label_kept),
     )  # fmt: skip
+
+
+def sample_shard_pass(logits, given, *, temperature, min_p, column_base, seed=None, offset=0, labels=None):
+    """The contract of ``fastrl.kernels.sampling.sample_shard_pass``, on the C++ kernels."""
+    n_rows = row_count(logits)
+    sums = torch.empty(n_rows, 4, dtype=torch.float64, device=logits.device)
+    picks = torch.empty(n_rows, 2, dtype=torch.int64, device=logits.device)
+    per_row_seeds = isinstance(seed, torch.Tensor)
+    native_module().sample_shard_pass(
+        _truncation(logits, temperature, 0, 1.0, min_p), labels is None,
+        seed.data_ptr() if per_row_seeds else 0, 0 if per_row_seeds or seed is None else seed, per_row_seeds,
+        *_row_param(offset), column_base, given.data_ptr(), _ptr(labels),
+        DTYPE_CODES[labels.dtype] if labels is not None else -1, sums.data_ptr(), picks.data_ptr(),
+    )  # fmt: skip
+    return sums, picks
 
 
 def kl_penalty_forward(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, *, estimator: int) -> torch.Tensor:

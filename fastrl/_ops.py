@@ -227,16 +227,42 @@ truncated_forward = _define(
 
 
 def _truncated_backward(logits, labels, stats, grad_logprob, grad_out, *args):
-    *truncation, backend = args
+    *truncation, label_base, label_kept, backend = args
     launchers(backend, "sampling").truncated_backward(
-        logits, labels, stats, grad_logprob, grad_out, **_truncation(*truncation)
-    )
+        logits, labels, stats, grad_logprob, grad_out, **_truncation(*truncation), label_base=label_base,
+        label_kept=label_kept,
+    )  # fmt: skip
 
 
+# label_base / label_kept: a vocabulary shard's (fastrl.vocab_parallel); 0 / None unsharded.
 truncated_backward = _define(
     "truncated_backward(Tensor logits, Tensor labels, Tensor stats, Tensor grad_logprob, Tensor(a!) grad_out, "
-    + _TRUNCATION + ", str backend) -> ()",
+    + _TRUNCATION + ", int label_base, Tensor? label_kept, str backend) -> ()",
     _truncated_backward, _no_output,
+)  # fmt: skip
+
+
+def _sample_shard_pass(logits, given, temperature_rows, temperature, min_p_rows, min_p, column_base, seed_rows, seed,
+                       offset_tensor, offset, labels, backend):  # fmt: skip
+    return launchers(backend, "sampling").sample_shard_pass(
+        logits, given, temperature=row_param(temperature_rows, temperature), min_p=row_param(min_p_rows, min_p),
+        column_base=column_base, seed=row_param(seed_rows, seed), offset=row_param(offset_tensor, offset),
+        labels=labels,
+    )  # fmt: skip
+
+
+def _sample_shard_pass_fake(logits, *args):
+    n_rows = math.prod(logits.shape[:-1])
+    return _new(logits, n_rows, 4, dtype=torch.float64), _new(logits, n_rows, 2, dtype=torch.int64)
+
+
+# A vocabulary shard's pass of the tensor-parallel sampler (fastrl.vocab_parallel): the race
+# (labels None) or the truncated log-prob's terms (labels given), from the agreed max and threshold.
+sample_shard_pass = _define(
+    "sample_shard_pass(Tensor logits, Tensor given, " + _TEMPERATURE + ", Tensor? min_p_rows, float min_p, "
+    "int column_base, Tensor? seed_rows, int seed, Tensor? offset_tensor, int offset, Tensor? labels, str backend) "
+    "-> (Tensor sums, Tensor picks)",
+    _sample_shard_pass, _sample_shard_pass_fake,
 )  # fmt: skip
 
 

@@ -151,6 +151,8 @@ def sample(
     min_p: float | torch.Tensor | None = None,
     seed: int | torch.Tensor | None = None,
     offset: int | torch.Tensor = 0,
+    group: object = None,
+    vocab_start: int | None = None,
 ) -> SampleOutput:
     """Draw one token per row of ``logits [..., V]`` from the processed
     distribution (module docstring), returning it with its processed and raw
@@ -162,10 +164,32 @@ def sample(
     generator). ``offset``: the decoding step, an int or a one-element tensor
     (device tensors keep the call capturable in a CUDA graph). No host sync on
     CUDA; there a bad row gets token -1 and NaN log-probs, on CPU a ValueError.
+
+    ``group``: a ``torch.distributed`` process group over whose ranks the
+    vocabulary is sharded (tensor parallelism): ``logits`` is this rank's
+    ``[..., V_r]`` slice, starting at ``vocab_start`` (default: the ranks'
+    shards in rank order), and every rank gets the unsharded op's result
+    (fastrl.vocab_parallel): the same tokens for the same seed, since the
+    Philox counter is the global vocabulary index. Pass the same ``seed`` on
+    every rank (a seed drawn from each rank's own generator must agree, or
+    the call raises).
     """
+    rows = logits.shape[:-1] if isinstance(logits, torch.Tensor) else None
+    if group is not None:
+        from .vocab_parallel import sample_sharded
+
+        def check():
+            _validation.check_logits(logits)
+            params = _truncation(logits, temperature, top_k, top_p, min_p)
+            return (params, *_seed_and_offset(seed, offset, rows, logits.device))
+
+        tokens, logprobs, raw = sample_sharded(logits, check, group, vocab_start)
+        if _rejects_bad_rows(logits.device):
+            _reject_bad_rows(tokens < 0, rows)
+        return SampleOutput(tokens.view(rows), logprobs.view(rows), raw.view(rows))
+    _no_vocab_start(vocab_start)
     _validation.check_logits(logits)
     params = _truncation(logits, temperature, top_k, top_p, min_p)
-    rows = logits.shape[:-1]
     seed, offset = _seed_and_offset(seed, offset, rows, logits.device)
     backend = select_backend(logits.device)
     if logits.numel() == 0:
@@ -183,6 +207,11 @@ def sample(
     if _rejects_bad_rows(logits.device):
         _reject_bad_rows(tokens < 0, rows)
     return SampleOutput(tokens.view(rows), logprobs.view(rows), raw.view(rows))
+
+
+def _no_vocab_start(vocab_start) -> None:
+    if vocab_start is not None:
+        raise ValueError("vocab_start is for vocabulary-sharded logits: pass the group= they are sharded over")
 
 
 def _truncation_args(params: dict) -> tuple:
@@ -209,7 +238,7 @@ class _TruncatedLogprobs(torch.autograd.Function):
         truncation = [x for pair in zip(tensors, ctx.scalars) for x in pair]
         grad_rows = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
         _ops.truncated_backward(
-            rows, labels, stats, grad_out.to(stats.dtype).contiguous(), grad_rows, *truncation, ctx.backend
+            rows, labels, stats, grad_out.to(stats.dtype).contiguous(), grad_rows, *truncation, 0, None, ctx.backend
         )
         return grad_rows.reshape(ctx.logits_shape), None, None, None
 
@@ -223,6 +252,8 @@ def truncated_logprobs(
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
+    group: object = None,
+    vocab_start: int | None = None,
 ) -> torch.Tensor:
     """Log-prob of ``labels`` under the processed distribution that
     :func:`sample` draws from (the same kept set on the same logits, so trainer
@@ -231,7 +262,25 @@ def truncated_logprobs(
     Differentiable w.r.t. ``logits`` with the kept set held fixed:
     d/dlogit_j = (1/T) ([j == label] - q_j) over the kept tokens (zero for a
     label outside the kept set and for greedy rows). Float32 output (float64 for
-    float64 logits)."""
+    float64 logits).
+
+    ``group`` / ``vocab_start``: vocabulary-sharded logits, as :func:`sample`;
+    ``labels`` are then global ids. The backward needs no collective."""
+    if group is not None:
+        from .vocab_parallel import truncated_logprobs_sharded
+
+        def check():
+            _validation.check_logits(logits)
+            # Labels only >= 0 here: their range is checked against the whole vocabulary once the ranks agree.
+            _validation.check_token_labels(labels, logits.shape[:-1], _validation.INT64.stop - 1, logits.device,
+                                           ignore_index=None)  # fmt: skip
+            return _truncation(logits, temperature, top_k, top_p, min_p)
+
+        out = truncated_logprobs_sharded(logits, labels, check, group, vocab_start)
+        if _rejects_bad_rows(logits.device):
+            _reject_bad_rows(out.isnan(), logits.shape[:-1])
+        return out.view(logits.shape[:-1])
+    _no_vocab_start(vocab_start)
     _validation.check_logits(logits)
     _validation.check_labels(labels, logits, ignore_index=None)
     params = _truncation(logits, temperature, top_k, top_p, min_p)

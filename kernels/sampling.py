@@ -1035,10 +1035,12 @@ def _truncated_fwd_kernel(
 def _truncated_bwd_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V, labels_ptr, stats_ptr, grad_logprob_ptr,
     grad_ptr, grad_inner, grad_outer_stride, grad_inner_stride,
-    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p, label_base, label_kept_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    LABEL_KEPT_GIVEN: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
+    """As csrc/sampling.h's truncated_logprobs_backward: a vocabulary shard
+    passes label_base and (LABEL_KEPT_GIVEN) whether each row's label is kept."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
     grad_row_ptr = row_start(grad_ptr, row, grad_inner, grad_outer_stride, grad_inner_stride)
@@ -1051,10 +1053,13 @@ def _truncated_bwd_kernel(
     threshold = _order_key(tl.load(stats_ptr + 3 * row + 2).to(ACC))
     inv_t = tl.where(t > 0, 1.0 / t, 0.0).to(ACC)
     log_min_p = tl.where(mp > 0, tl.log(mp), float("-inf")).to(ACC)
-    label = tl.load(labels_ptr + row).to(tl.int64)
+    label = tl.load(labels_ptr + row).to(tl.int64) - label_base
     in_range = (label >= 0) & (label < V)
-    x_label = tl.load(row_ptr + label, mask=in_range, other=0.0).to(ACC)
-    label_kept = in_range & (_order_key(x_label) >= threshold) & ((x_label - m) * inv_t >= log_min_p) & (t > 0)
+    if LABEL_KEPT_GIVEN:
+        label_kept = (tl.load(label_kept_ptr + row) != 0) & (t > 0)
+    else:
+        x_label = tl.load(row_ptr + label, mask=in_range, other=0.0).to(ACC)
+        label_kept = in_range & (_order_key(x_label) >= threshold) & ((x_label - m) * inv_t >= log_min_p) & (t > 0)
     g = tl.load(grad_logprob_ptr + row).to(ACC)
     # Zero where the log-prob is a constant (greedy rows, labels outside the
     # kept set); NaN rows stay NaN.
@@ -1246,14 +1251,128 @@ def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_
     return out, stats
 
 
-def truncated_backward(logits, labels, stats, grad_logprob, grad_out, *, temperature, top_k, top_p, min_p):
+def truncated_backward(logits, labels, stats, grad_logprob, grad_out, *, temperature, top_k, top_p, min_p,
+                       label_base=0, label_kept=None):  # fmt: skip
     """Writes dL/dlogits into ``grad_out`` (the logits' rows, in its own layout)
-    with the kept set held fixed."""
+    with the kept set held fixed. A vocabulary shard passes where its columns
+    start (``label_base``; labels are global ids) and ``label_kept`` (bool [N]:
+    whether each row's label is kept, which another shard may hold)."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
     _, acc_tl = _acc(logits)
     args, flags = _params(temperature, top_k, top_p, min_p)
     block = _row_block(vocab)
     _truncated_bwd_kernel[(n_rows,)](
         logits, *row_layout(logits), vocab, labels, stats, grad_logprob, grad_out, *row_layout(grad_out),
-        *args, **flags, ACC=acc_tl, BLOCK_V=block, num_warps=8 if block >= 2048 else 4, **CONTRACTED,
+        *args, label_base, label_kept, **flags, LABEL_KEPT_GIVEN=label_kept is not None, ACC=acc_tl,
+        BLOCK_V=block, num_warps=8 if block >= 2048 else 4, **CONTRACTED,
     )  # fmt: skip
+
+
+@triton.jit
+def _shard_pass_kernel(
+    logits_ptr, inner, outer_stride, inner_stride, V, given_ptr,
+    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p, column_base,
+    seeds_ptr, seed, offset_ptr, offset, labels_ptr, sums_ptr, picks_ptr,
+    PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
+    RACE: tl.constexpr, PER_ROW_SEED: tl.constexpr,
+    OFFSET_FROM_PTR: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """csrc/sampling.h's sample_shard_pass: one program a row reads the shard's
+    row once. The race's score d - log E rounds as _sample_kernel's (the same
+    functions, compiled without fused multiply-adds), so the winner is the
+    unsharded sampler's."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+    t, _, _, mp, valid = _row_params(row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+                                     PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC)  # fmt: skip
+    m = tl.load(given_ptr + 2 * row).to(ACC)
+    threshold = _order_key(tl.load(given_ptr + 2 * row + 1).to(ACC))
+    inv_t = _inverse_temperature(t, valid, ACC)
+    log_min_p = tl.where(mp > 0, tl.log(mp), float("-inf")).to(ACC)
+    ok = (m > float("-inf")) & (m < float("inf")) & valid
+    greedy = t == 0
+    row_seed = _row_param(seeds_ptr, seed, row, PER_ROW_SEED, tl.int64)
+    k0 = (row_seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((row_seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    salt = tl.where(PER_ROW_SEED, 0, row).to(tl.uint32)
+    off = _row_param(offset_ptr, offset, 0, OFFSET_FROM_PTR, tl.int64)
+    c2 = (off & 0xFFFFFFFF).to(tl.uint32)
+    c3 = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    s = tl.zeros([BLOCK_V], tl.float64)
+    s_kept = tl.zeros([BLOCK_V], tl.float64)
+    n_max = tl.zeros([BLOCK_V], tl.int32)
+    first_max = V + tl.zeros([], tl.int64)
+    best = tl.full([], float("-inf"), ACC)
+    d_best = tl.full([], float("-inf"), ACC)
+    winner = V + tl.zeros([], tl.int64)
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        live = offs < V
+        x = tl.load(row_ptr + offs, mask=live, other=float("-inf")).to(ACC)
+        d = (x - m) * inv_t
+        e = tl.where(live, tl.exp(d), 0.0)
+        kept = live & (_order_key(x) >= threshold) & (d >= log_min_p)
+        s += e.to(tl.float64)
+        s_kept += tl.where(kept, e, 0.0).to(tl.float64)
+        at_max = live & (x == m)
+        n_max += at_max.to(tl.int32)
+        first_max = tl.minimum(first_max, tl.min(tl.where(at_max, offs, V), axis=0).to(tl.int64))
+        if RACE:
+            index = (offs + column_base).to(tl.uint32)
+            zeros = tl.zeros([BLOCK_V], tl.uint32)
+            w0, w1, _, _ = philox4x32_10(index, zeros + salt, zeros + c2, zeros + c3, zeros + k0, zeros + k1)
+            race = tl.where(kept, d - tl.log(exponential_variate(w0, w1).to(ACC)), float("-inf"))
+            b_best = tl.max(race, axis=0)
+            b_arg = tl.min(tl.where(race == b_best, offs, V), axis=0).to(tl.int64)
+            b_d = tl.max(tl.where(offs == b_arg, d, float("-inf")), axis=0)
+            wins = b_best > best  # ties to the lowest index: an earlier tile keeps its winner
+            winner = tl.where(wins, b_arg, winner)
+            d_best = tl.where(wins, b_d, d_best)
+            best = tl.maximum(best, b_best)
+    nan = float("nan")
+    s_all = tl.where(greedy, tl.sum(n_max, axis=0).to(tl.float64), tl.sum(s, axis=0))
+    s_k = tl.where(greedy, 0.0, tl.sum(s_kept, axis=0))
+    if RACE:
+        third = tl.where(greedy, 0.0, best.to(tl.float64))
+        fourth = tl.where(greedy, 0.0, d_best.to(tl.float64))
+        win = tl.where(greedy | (winner >= V), -1, winner + column_base)
+    else:
+        label = tl.load(labels_ptr + row).to(tl.int64) - column_base
+        here = (label >= 0) & (label < V)
+        x_label = tl.load(row_ptr + label, mask=here, other=0.0).to(ACC)
+        d_label = (x_label - m) * inv_t
+        kept_label = (_order_key(x_label) >= threshold) & (d_label >= log_min_p)
+        third = tl.where(greedy, 0.0, tl.where(here, tl.where(kept_label, d_label, float("-inf")), nan).to(tl.float64))
+        fourth = tl.zeros([], tl.float64)
+        win = tl.full([], -1, tl.int64)
+    tl.store(sums_ptr + 4 * row, tl.where(ok, s_all, nan))
+    tl.store(sums_ptr + 4 * row + 1, tl.where(ok, s_k, nan))
+    tl.store(sums_ptr + 4 * row + 2, tl.where(ok, third, nan))
+    tl.store(sums_ptr + 4 * row + 3, tl.where(ok, fourth, nan))
+    tl.store(picks_ptr + 2 * row, tl.where(ok, win, -1))
+    tl.store(picks_ptr + 2 * row + 1, tl.where(ok & (first_max < V), first_max + column_base, -1))
+
+
+def sample_shard_pass(logits, given, *, temperature, min_p, column_base, seed=None, offset=0, labels=None):
+    """One vocabulary shard's pass of the tensor-parallel sampler (csrc/sampling.h,
+    sample_shard_pass): (sums float64 [N, 4], picks int64 [N, 2]) of ``logits``
+    [N, V_r] (or [outer, inner, V_r]) from ``given`` [N, 2] (max, threshold
+    logit) in the accumulation dtype; the race with ``seed`` / ``offset`` as
+    sample_forward's, or with ``labels`` (global ids) the truncated log-prob's
+    terms."""
+    n_rows, vocab = row_count(logits), logits.shape[-1]
+    _, acc_tl = _acc(logits)
+    sums = torch.empty(n_rows, 4, dtype=torch.float64, device=logits.device)
+    picks = torch.empty(n_rows, 2, dtype=torch.int64, device=logits.device)
+    args, flags = _params(temperature, 0, 1.0, min_p)
+    per_row_seed, offset_from_ptr = isinstance(seed, torch.Tensor), isinstance(offset, torch.Tensor)
+    block = _row_block(vocab)
+    _shard_pass_kernel[(n_rows,)](
+        logits, *row_layout(logits), vocab, given, *args, column_base,
+        seed if per_row_seed else None, 0 if per_row_seed or seed is None else seed,
+        offset if offset_from_ptr else None, 0 if offset_from_ptr else offset, labels, sums, picks,
+        **flags, RACE=labels is None,
+        PER_ROW_SEED=per_row_seed, OFFSET_FROM_PTR=offset_from_ptr, BLOCK_V=block, ACC=acc_tl,
+        num_warps=8 if block >= 2048 else 4, **_EXACT,
+    )  # fmt: skip
+    return sums, picks
