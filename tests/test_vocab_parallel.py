@@ -457,12 +457,131 @@ def test_sharded_logprobs_and_entropy_match_the_unsharded_reference(world, tmp_p
     _spawn(_check_logits_ops, world, tmp_path)
 
 
+def _check_sampling(rank: int, world: int, group, seed: int) -> None:
+    """One rank of test_sharded_sampling_matches_the_unsharded_sampler."""
+    torch.manual_seed(seed)  # every rank draws the same full tensors
+    n_rows, vocab = 10, 1031
+    bounds = _uneven_bounds(vocab, world)
+    start, stop = bounds[rank], bounds[rank + 1]
+    logits = make_logits((n_rows,), vocab, torch.float64, std=3.0)
+    logits[1, : bounds[1]] = float("-inf")  # rank 0's part of row 1 is all -inf
+    logits[1, -1] = 5.0
+    top = float(logits[2].max()) + 1.0
+    logits[2, bounds[1] - 1 : bounds[1] + 1] = top  # the max tied across two shards: greedy takes the first
+    logits[3, bounds[-2] - 3 : bounds[-2] + 3] = float(logits[3].max()) + 0.5  # six tied at the top-k threshold
+    temperature = torch.rand(n_rows, dtype=torch.float64) * 1.2 + 0.3
+    temperature[2] = 0.0
+    per_row = dict(temperature=temperature, top_k=torch.randint(0, 80, (n_rows,)), top_p=torch.rand(n_rows) * 0.5 + 0.5,
+                   min_p=torch.rand(n_rows) * 0.05)  # fmt: skip
+    configs = [dict(temperature=0.8, top_k=50), dict(temperature=1.1, top_p=0.9), dict(temperature=0.7, min_p=0.02),
+               dict(temperature=0.9, top_k=40, top_p=0.85, min_p=0.01), dict(temperature=0.0), dict(top_k=6),
+               per_row]  # fmt: skip
+    weights = torch.randn(n_rows, dtype=torch.float64)
+    # Every configuration in float32; bfloat16 and float64 (8 radix rounds) on the combined filters and
+    # per-row parameters; the Triton interpreter (~40 ms a row) float32 on three (each sharded call is a
+    # dozen collectives: 4 ranks on 2 cores take ~10 ms each).
+    cases = [(torch.float32, configs), (torch.bfloat16, configs[3:4] + configs[6:]), (torch.float64, configs[1:2] + configs[6:])]
+    for backend in kernel_backends("cpu") + ["reference"]:
+        for dtype, chosen in cases[:1] if backend == "triton" else cases:
+            x = logits.to(dtype)
+            acc = reference.compute_dtype(x)
+            for kw in chosen[4:] if backend == "triton" else chosen:
+                kw = {k: v.to(acc) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kw.items()}
+                what = f"{backend} {dtype} {sorted(kw)} rank {rank}/{world}"
+                with fastrl.use_backend(backend):
+                    expected = fastrl.sample(x, **kw, seed=seed, offset=3)
+                    out = fastrl.sample(x[:, start:stop], **kw, seed=seed, offset=3, group=group)
+                    again = fastrl.sample(x[:, start:stop], **kw, seed=seed, offset=3, group=group)
+                # The same race over the same kept set (top-p's masses agree within 2^-42 V: module comment).
+                assert torch.equal(out.tokens, expected.tokens), (what, out.tokens, expected.tokens)
+                assert all(torch.equal(a, b) for a, b in zip(out, again, strict=True)), what
+                assert all(_all_equal_across_ranks(t, group) for t in out), what
+                kw64 = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                        for k, v in kw.items()}  # fmt: skip
+                truth = reference.truncated_logprobs(x.double(), out.tokens, **kw64)
+                raw_truth = reference.raw_logprobs(x.double(), out.tokens, kw64.get("temperature", 1.0))
+                assert_close_to_reference(out.logprobs, truth, 1e-5, what=f"logprobs {what}")
+                assert_close_to_reference(out.raw_logprobs, raw_truth, 1e-5, what=f"raw {what}")
+                # truncated_logprobs: the sampled tokens' log-probs (the same kept set, so the rollout's), others'
+                # -inf outside it, and the gradient within the float64 autograd's of the unsharded spec.
+                labels = torch.where(torch.rand(n_rows) < 0.5, out.tokens, torch.randint(vocab, (n_rows,)))
+                part = x[:, start:stop].clone().requires_grad_()
+                with fastrl.use_backend(backend):
+                    lp = fastrl.truncated_logprobs(part, labels, **kw, group=group)
+                    (lp.nan_to_num(0.0, 0.0, 0.0) * weights.to(lp.dtype)).sum().backward()
+                x64 = x.to(torch.float64, copy=True).requires_grad_()
+                lp_truth = reference.truncated_logprobs(x64, labels, **kw64)
+                (lp_truth.nan_to_num(0.0, 0.0, 0.0) * weights).sum().backward()
+                assert _all_equal_across_ranks(lp.detach(), group), what
+                assert_close_to_reference(lp, lp_truth, 1e-5, what=f"truncated {what}")
+                kept_label = labels == out.tokens
+                assert torch.equal(lp[kept_label], out.logprobs[kept_label]), f"trainer and rollout agree: {what}"
+                grad_truth = x64.grad[:, start:stop]
+                rtol = GRAD_RTOL.get(dtype, 1e-12) * (4 if backend == "reference" else 1)  # as test_logprobs
+                assert part.grad is not None, what
+                assert_close_to_reference(part.grad, grad_truth, rtol, rtol * float(grad_truth.abs().max()) + 1e-30,
+                                          what=f"truncated grad {what}")  # fmt: skip
+
+    # Per-row seeds and a tensor offset: each row's own stream, as unsharded.
+    x = logits.float()
+    seeds, offset = torch.randint(-(2**62), 2**62, (n_rows,)), torch.tensor([7])
+    expected = fastrl.sample(x, top_k=20, seed=seeds, offset=offset)
+    out = fastrl.sample(x[:, start:stop], top_k=20, seed=seeds, offset=offset, group=group)
+    assert torch.equal(out.tokens, expected.tokens)
+    # Shards out of rank order, placed by vocab_start: rank r holds the (world-1-r)-th block.
+    block = -(-vocab // world)
+    mine = world - 1 - rank
+    lo, hi = min(mine * block, vocab), min((mine + 1) * block, vocab)
+    out = fastrl.sample(x[:, lo:hi], top_p=0.8, seed=5, group=group, vocab_start=lo)
+    assert torch.equal(out.tokens, fastrl.sample(x, top_p=0.8, seed=5).tokens)
+
+    # Bad input raises on every rank; rows with nothing to sample raise on CPU as unsharded.
+    shard = x[:, start:stop]
+    _expect_error_everywhere("disagree on their options",
+                             lambda: fastrl.sample(shard, seed=rank, group=group))  # fmt: skip
+    torch.manual_seed(seed + rank)  # each rank's own default generator: seed=None draws differ
+    _expect_error_everywhere("disagree on their options", lambda: fastrl.sample(shard, group=group))
+    _expect_error_everywhere("disagree on their options",
+                             lambda: fastrl.truncated_logprobs(shard, out.tokens, top_k=5 + rank, group=group))  # fmt: skip
+    too_big = out.tokens.clone()
+    too_big[0] = vocab + rank
+    _expect_error_everywhere(r"labels must lie in \[0, 1031\)",
+                             lambda: fastrl.truncated_logprobs(shard, too_big, group=group))  # fmt: skip
+    nan_row = shard.clone()
+    if rank == world - 1:
+        nan_row[4, 0] = float("nan")
+    _expect_error_everywhere(r"logits rows \[\[4\]\]", lambda: fastrl.sample(nan_row, seed=1, group=group))
+    _expect_error_everywhere(r"logits rows \[\[4\]\]",
+                             lambda: fastrl.truncated_logprobs(nan_row, out.tokens, group=group))  # fmt: skip
+    # No tokens: empty results.
+    empty = shard[:0].unsqueeze(1).expand(0, 3, shard.shape[-1])
+    tokens, logprobs, raw = fastrl.sample(empty, seed=1, group=group)
+    lp = fastrl.truncated_logprobs(empty, torch.zeros(0, 3, dtype=torch.int64), group=group)
+    assert tokens.shape == logprobs.shape == raw.shape == lp.shape == (0, 3)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_sampling_matches_the_unsharded_sampler(world, tmp_path):
+    """sample / truncated_logprobs on vocabulary shards (uneven, out of
+    order): the unsharded sampler's tokens for the same seed and offset (every
+    filter, per-row parameters and seeds, greedy ties across shards, ties at the
+    top-k threshold), log-probs and gradients within the float64 spec's
+    bounds, every rank and run the same bits; bad input raising on every rank."""
+    _spawn(_check_sampling, world, tmp_path)
+
+
 def test_vocab_start_without_a_group_and_bad_groups():
     logits, labels = torch.randn(3, 5), torch.tensor([0, 1, 2])
     with pytest.raises(ValueError, match="pass the group="):
         fastrl.logprobs_from_logits(logits, labels, vocab_start=0)
     with pytest.raises((TypeError, ValueError), match="group"):
         fastrl.logprobs_and_entropy(logits, labels, group="tp")
+    with pytest.raises(ValueError, match="pass the group="):
+        fastrl.sample(logits, vocab_start=0)
+    with pytest.raises(ValueError, match="pass the group="):
+        fastrl.truncated_logprobs(logits, labels, vocab_start=0)
+    with pytest.raises((TypeError, ValueError), match="group"):
+        fastrl.sample(logits, group="tp")
 
 
 def test_the_torchrun_example_runs():
