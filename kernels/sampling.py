@@ -105,6 +105,9 @@ _SPLIT_SM_SHARE = 0.5
 _EXACT = {"enable_fp_fusion": False}
 # A split row's statistics fold 8 tiles a trip (_split_rows_kernel): their loads issued together.
 _FOLD_GROUP = tl.constexpr(8)
+# The tile of the tensor-parallel shard pass (_shard_pass_kernel) over 4 warps: 8 bf16 (128 bits) a
+# thread, and its two float64 lane sums in 16 registers a thread each.
+_SHARD_PASS_BLOCK = 1024
 # A split row's record (_split_rows_kernel, _record_list): 6 int64, padded to 8.
 _SPLIT_RECORD = tl.constexpr(8)
 
@@ -1283,8 +1286,8 @@ def _shard_pass_kernel(
     unsharded sampler's."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
-    t, _, _, mp, valid = _row_params(row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
-                                     PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC)  # fmt: skip
+    t, _k, _p, mp, valid = _row_params(row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+                                       PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC)  # fmt: skip
     m = tl.load(given_ptr + 2 * row).to(ACC)
     threshold = _order_key(tl.load(given_ptr + 2 * row + 1).to(ACC))
     inv_t = _inverse_temperature(t, valid, ACC)
@@ -1298,13 +1301,14 @@ def _shard_pass_kernel(
     off = _row_param(offset_ptr, offset, 0, OFFSET_FROM_PTR, tl.int64)
     c2 = (off & 0xFFFFFFFF).to(tl.uint32)
     c3 = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    # Lane-wise state, reduced once after the loop: no reduction across threads per tile but the race's
+    # test for kept tokens, which skips Philox in the tiles that hold none (all but a few at top-k 50).
     s = tl.zeros([BLOCK_V], tl.float64)
     s_kept = tl.zeros([BLOCK_V], tl.float64)
     n_max = tl.zeros([BLOCK_V], tl.int32)
-    first_max = V + tl.zeros([], tl.int64)
-    best = tl.full([], float("-inf"), ACC)
-    d_best = tl.full([], float("-inf"), ACC)
-    winner = V + tl.zeros([], tl.int64)
+    first_max = tl.full([BLOCK_V], V, tl.int32)
+    best = tl.full([BLOCK_V], float("-inf"), ACC)
+    winner = tl.full([BLOCK_V], V, tl.int32)
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         live = offs < V
@@ -1316,26 +1320,27 @@ def _shard_pass_kernel(
         s_kept += tl.where(kept, e, 0.0).to(tl.float64)
         at_max = live & (x == m)
         n_max += at_max.to(tl.int32)
-        first_max = tl.minimum(first_max, tl.min(tl.where(at_max, offs, V), axis=0).to(tl.int64))
+        first_max = tl.minimum(first_max, tl.where(at_max, offs, V))
         if RACE:
-            index = (offs + column_base).to(tl.uint32)
-            zeros = tl.zeros([BLOCK_V], tl.uint32)
-            w0, w1, _, _ = philox4x32_10(index, zeros + salt, zeros + c2, zeros + c3, zeros + k0, zeros + k1)
-            race = tl.where(kept, d - tl.log(exponential_variate(w0, w1).to(ACC)), float("-inf"))
-            b_best = tl.max(race, axis=0)
-            b_arg = tl.min(tl.where(race == b_best, offs, V), axis=0).to(tl.int64)
-            b_d = tl.max(tl.where(offs == b_arg, d, float("-inf")), axis=0)
-            wins = b_best > best  # ties to the lowest index: an earlier tile keeps its winner
-            winner = tl.where(wins, b_arg, winner)
-            d_best = tl.where(wins, b_d, d_best)
-            best = tl.maximum(best, b_best)
+            if tl.max(kept.to(tl.int32), axis=0) > 0:
+                index = (offs + column_base).to(tl.uint32)
+                zeros = tl.zeros([BLOCK_V], tl.uint32)
+                w0, w1, _w2, _w3 = philox4x32_10(index, zeros + salt, zeros + c2, zeros + c3, zeros + k0, zeros + k1)
+                race = tl.where(kept, d - tl.log(exponential_variate(w0, w1).to(ACC)), float("-inf"))
+                wins = race > best  # a lane's tiles in index order: ties keep the earlier
+                winner = tl.where(wins, offs, winner)
+                best = tl.maximum(best, race)
+    top = tl.max(best, axis=0)
+    win_at = tl.min(tl.where((best == top) & (winner < V), winner, V), axis=0).to(tl.int64)  # ties: the lowest
+    d_win = (tl.load(row_ptr + win_at, mask=win_at < V, other=0.0).to(ACC) - m) * inv_t
+    first = tl.min(first_max, axis=0).to(tl.int64)
     nan = float("nan")
     s_all = tl.where(greedy, tl.sum(n_max, axis=0).to(tl.float64), tl.sum(s, axis=0))
     s_k = tl.where(greedy, 0.0, tl.sum(s_kept, axis=0))
     if RACE:
-        third = tl.where(greedy, 0.0, best.to(tl.float64))
-        fourth = tl.where(greedy, 0.0, d_best.to(tl.float64))
-        win = tl.where(greedy | (winner >= V), -1, winner + column_base)
+        third = tl.where(greedy, 0.0, top.to(tl.float64))
+        fourth = tl.where(greedy | (win_at >= V), 0.0, d_win.to(tl.float64))
+        win = tl.where(greedy | (win_at >= V), -1, win_at + column_base)
     else:
         label = tl.load(labels_ptr + row).to(tl.int64) - column_base
         here = (label >= 0) & (label < V)
@@ -1350,7 +1355,7 @@ def _shard_pass_kernel(
     tl.store(sums_ptr + 4 * row + 2, tl.where(ok, third, nan))
     tl.store(sums_ptr + 4 * row + 3, tl.where(ok, fourth, nan))
     tl.store(picks_ptr + 2 * row, tl.where(ok, win, -1))
-    tl.store(picks_ptr + 2 * row + 1, tl.where(ok & (first_max < V), first_max + column_base, -1))
+    tl.store(picks_ptr + 2 * row + 1, tl.where(ok & (first < V), first + column_base, -1))
 
 
 def sample_shard_pass(logits, given, *, temperature, min_p, column_base, seed=None, offset=0, labels=None):
@@ -1366,13 +1371,13 @@ def sample_shard_pass(logits, given, *, temperature, min_p, column_base, seed=No
     picks = torch.empty(n_rows, 2, dtype=torch.int64, device=logits.device)
     args, flags = _params(temperature, 0, 1.0, min_p)
     per_row_seed, offset_from_ptr = isinstance(seed, torch.Tensor), isinstance(offset, torch.Tensor)
-    block = _row_block(vocab)
+    block = min(triton.next_power_of_2(vocab), _SHARD_PASS_BLOCK)
     _shard_pass_kernel[(n_rows,)](
         logits, *row_layout(logits), vocab, given, *args, column_base,
         seed if per_row_seed else None, 0 if per_row_seed or seed is None else seed,
         offset if offset_from_ptr else None, 0 if offset_from_ptr else offset, labels, sums, picks,
         **flags, RACE=labels is None,
         PER_ROW_SEED=per_row_seed, OFFSET_FROM_PTR=offset_from_ptr, BLOCK_V=block, ACC=acc_tl,
-        num_warps=8 if block >= 2048 else 4, **_EXACT,
+        num_warps=4, **_EXACT,
     )  # fmt: skip
     return sums, picks

@@ -154,7 +154,10 @@ def _opcheck_cases(device: str, backend: str) -> dict:
         "logprobs_backward": (logits, labels, None, 0.7, -100, stats, entropy, ones, ones, grad(), 0, -1, backend),
         "sample_forward": (logits, *truncation, None, 11, torch.zeros(1, dtype=torch.int64, device=dev), 0, backend),
         "truncated_forward": (logits, labels, *truncation, True, backend),
-        "truncated_backward": (logits, labels, truncated_stats, ones, grad(), *truncation, backend),
+        "truncated_backward": (logits, labels, truncated_stats, ones, grad(), *truncation, 0, None, backend),
+        # (a vocabulary shard's: its columns start at 33 of a 66-entry vocabulary)
+        "sample_shard_pass": (logits, truncated_stats[:, :2].contiguous(), temps, 0.0, None, 0.01, 33, None, 11,
+                              torch.zeros(1, dtype=torch.int64, device=dev), 0, None, backend),  # fmt: skip
         "kl_penalty_forward": (lp.flatten(), old.flatten(), 3, backend),
         "kl_penalty_backward": (lp.flatten(), old.flatten(), torch.ones(18, device=dev), 3, True, backend),
         "full_kl_forward": (logits, logits.flip(1), None, 0.9, True, backend),

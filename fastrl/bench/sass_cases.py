@@ -34,6 +34,7 @@ SAMPLING_BATCHES = (1, 64, 256, 1024)
 SAMPLING_VOCAB = 151936
 SAMPLING_TEMPERATURE = 0.7
 TRUNCATED_SHAPE = (16384, 151936, BF16)
+SHARD_VOCAB = SAMPLING_VOCAB // 2  # a rank's shard of the vocabulary at tensor-parallel size 2
 POLICY_SHAPE = (64, 8192)  # [B, L] tokens, float32
 
 
@@ -160,6 +161,17 @@ def _truncated(n: int, v: int, dtype: torch.dtype) -> Callable[[], None]:
     return run
 
 
+def _shard_pass(batch: int, v: int) -> Callable[[], None]:
+    from fastrl.kernels import sampling
+
+    def run() -> None:
+        with role("sample shard pass"):
+            sampling.sample_shard_pass(meta(batch, v, dtype=BF16), meta(batch, 2, dtype=F32),
+                                       temperature=SAMPLING_TEMPERATURE, min_p=0.0, column_base=v, seed=0, offset=0)  # fmt: skip
+
+    return run
+
+
 # The sampler's runtime branches (kernels/sampling.py, _select). Its steps after
 # the compaction loop over the row's candidate list, whose length the kernel
 # computes: the model counts one trip of each (1024 entries), as for an LLM's
@@ -201,6 +213,9 @@ def _sampling_cases() -> list[Case]:
         out.append(Case("sample top-p 0.9", (batch, SAMPLING_VOCAB), BF16, roles,
                         _sample(batch, SAMPLING_VOCAB, {"top_p": 0.9}), untaken=(TOP_K_SEARCH, STATS_ALONE),
                         compaction=COMPACTION))  # fmt: skip
+    for batch in (64, 1024):  # the tensor-parallel sampler's read of a rank's shard (tp = 2)
+        out.append(Case("sample shard pass top-k 50", (batch, SHARD_VOCAB), BF16, ("sample shard pass",),
+                        _shard_pass(batch, SHARD_VOCAB)))  # fmt: skip
     n, v, dtype = TRUNCATED_SHAPE
     out.append(Case("truncated_logprobs top-k 50 fwd+bwd", (n, v), dtype,
                     ("truncated_logprobs fwd", "truncated_logprobs bwd"), _truncated(n, v, dtype),
@@ -319,6 +334,14 @@ def coverage() -> None:
             sampling.sample_forward(x, **params, seed=meta(n, dtype=I64), offset=meta(1, dtype=I64))
             _, trunc_stats = sampling.truncated_forward(x, labels, **params, with_stats=True)
             sampling.truncated_backward(x, labels, trunc_stats, meta(n), meta(n, v, dtype=dtype), **params)
+            # a vocabulary shard's (fastrl.vocab_parallel): the truncated log-probs' pass and backward
+            given = meta(n, 2, dtype=F32)
+            sampling.sample_shard_pass(x, given, temperature=params["temperature"], min_p=params["min_p"],
+                                       column_base=v, labels=labels)  # fmt: skip
+            sampling.sample_shard_pass(x, given, temperature=params["temperature"], min_p=params["min_p"],
+                                       column_base=v, seed=meta(n, dtype=I64), offset=meta(1, dtype=I64))  # fmt: skip
+            sampling.truncated_backward(x, labels, trunc_stats, meta(n), meta(n, v, dtype=dtype), **params,
+                                        label_base=v, label_kept=meta(n, dtype=torch.bool))  # fmt: skip
         # one row: split over many programs (kernels/sampling.py, _split_selection)
         one, one_temp = meta(1, v, dtype=dtype), meta(1, dtype=F32)
         split_params = {"temperature": one_temp, "top_k": meta(1, dtype=I64), "top_p": one_temp, "min_p": one_temp}
