@@ -16,7 +16,10 @@ Cases (rows N, vocabulary V split in rank order, bf16 unless ``--dtype``):
   needs megatron-core: measured only where it imports);
 - the LM head ([N_head, H] hidden states, the head's rows sharded):
   ``fastrl.linear_logprobs_and_entropy(group=)`` against the unfused path,
-  ``hidden @ weight_r.T`` then ``fastrl.logprobs_and_entropy(group=)``.
+  ``hidden @ weight_r.T`` then ``fastrl.logprobs_and_entropy(group=)``;
+- sampling ([B, V / tp], T = 0.7, top-k 50 and top-p 0.9): ``fastrl.sample(group=)``
+  against what a tensor-parallel engine without it does (vLLM, SGLang): gather
+  the logits, then sample the whole row (``fastrl.sample`` on every rank).
 
 Rank 0 prints a table and writes ``bench/results/tensor-parallel/<device>.json``
 (``--out`` to change) with the machine, versions and commit.
@@ -90,6 +93,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--head-rows", type=int, default=1024, help="tokens of the LM head case")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the LM head case")
+    parser.add_argument("--sample-rows", type=int, default=64, help="rows of the sampling cases")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--repeats", type=int, default=5)
@@ -169,6 +173,22 @@ def main() -> None:
 
         record("LM head", "fastrl linear_logprobs_and_entropy", head_shape, backward, fused)
         record("LM head", "unfused: hidden @ weight_r.T, then fastrl", head_shape, backward, unfused)
+
+    sample_logits = logits[: args.sample_rows]
+    sample_shape = tuple(sample_logits.shape)
+    for name, filters in (("sample top-k 50", {"top_k": 50}), ("sample top-p 0.9", {"top_p": 0.9})):
+        def sharded(filters=filters):
+            fastrl.sample(sample_logits, temperature=0.7, **filters, seed=0, group=group)
+
+        def gathered(filters=filters):
+            parts = [torch.empty(sample_logits.shape[0], stop_r - start_r, dtype=dtype, device=device)
+                     for start_r, stop_r in zip(bounds[:-1], bounds[1:])]  # fmt: skip
+            dist.all_gather(parts, sample_logits.contiguous(), group=group)
+            fastrl.sample(torch.cat(parts, dim=-1), temperature=0.7, **filters, seed=0)
+
+        record(name, "fastrl", sample_shape, False, sharded)
+        if len(set(b - a for a, b in zip(bounds[:-1], bounds[1:]))) == 1:  # (all_gather: equal shards)
+            record(name, "gather the logits, then fastrl.sample", sample_shape, False, gathered)
 
     if rank == 0:
         by_case = {}

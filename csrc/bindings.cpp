@@ -162,6 +162,16 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
+      "shard_digit_histogram",
+      [](const TruncationTuple& t, std::uintptr_t prefix, int shift, std::uintptr_t given, double unit_scale,
+         std::uintptr_t counts, std::uintptr_t units) {
+        fastrl::shard_digit_histogram(truncation_args(t), reinterpret_cast<const int64_t*>(prefix), shift,
+                                      cptr(given), unit_scale, static_cast<int64_t*>(mptr(counts)),
+                                      static_cast<int64_t*>(mptr(units)));
+      },
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
       "sample_shard_pass",
       [](const TruncationTuple& t, bool racing, std::uintptr_t seeds, int64_t seed, bool per_row_seeds,
          std::uintptr_t offset_ptr, int64_t offset, int64_t column_base, std::uintptr_t given,

@@ -556,6 +556,37 @@ void shard_pass_impl(const TruncationArgs& a, const RandomArgs* rng, int64_t col
   }
 }
 
+// shard_digit_histogram (sampling.h): one read of the shard's row.
+template <typename In, typename Acc>
+void digit_histogram_impl(const TruncationArgs& a, const int64_t* prefix, int shift, const Acc* given,
+                          double unit_scale, int64_t* counts, int64_t* units) {
+  using Key = KeyOf<Acc>;
+  constexpr int kKeyBits = int(sizeof(Key)) * 8;
+  const int above = shift + 8;  // the prefix's bits: those above the digit (none in the first round)
+#pragma omp parallel for schedule(static) if (a.n_rows > 1)
+  for (int64_t r = 0; r < a.n_rows; ++r) {
+    const In* x = static_cast<const In*>(a.logits) + a.rows.offset(r);
+    int64_t* count = counts + 256 * r;
+    int64_t* unit = units ? units + 256 * r : nullptr;
+    std::fill(count, count + 256, int64_t(0));
+    if (unit) std::fill(unit, unit + 256, int64_t(0));
+    const Key want = Key(uint64_t(prefix[r]));
+    const Acc m = given ? given[2 * r] : Acc(0), floor = given ? given[2 * r + 1] : neg_inf<Acc>();
+    const RowParams<Acc> prm = row_params<Acc>(a, r);
+    const Acc inv_t = prm.t > 0 ? Acc(1) / prm.t : Acc(1);
+    for (int64_t i = 0; i < a.vocab; ++i) {
+      const Acc v = load_as<Acc>(x, i);
+      const Key key = order_key(v);
+      if (above < kKeyBits && ((key ^ want) >> above) != 0) continue;
+      if (given && !(v >= floor)) continue;
+      const int digit = int((key >> shift) & 0xff);
+      ++count[digit];
+      // (e <= 1 below the row's max; the clamp keeps a row the caller ignores (bad) from overflowing)
+      if (unit) unit[digit] += int64_t(double(std::min(exp_approx((v - m) * inv_t), Acc(1))) * unit_scale + 0.5);
+    }
+  }
+}
+
 }  // namespace
 
 void sample_forward(const TruncationArgs& a, const RandomArgs& rng, int64_t* tokens, void* logprobs,
@@ -590,6 +621,13 @@ void sample_shard_pass(const TruncationArgs& a, const RandomArgs* rng, int64_t c
   FASTRL_DISPATCH_LOGITS(a.dtype, "sample_shard_pass",
                          (shard_pass_impl<In, Acc>(a, rng, column_base, static_cast<const Acc*>(given),
                                                    labels, label_dtype, sums, picks)))
+}
+
+void shard_digit_histogram(const TruncationArgs& a, const int64_t* prefix, int shift, const void* given,
+                           double unit_scale, int64_t* counts, int64_t* units) {
+  FASTRL_DISPATCH_LOGITS(a.dtype, "shard_digit_histogram",
+                         (digit_histogram_impl<In, Acc>(a, prefix, shift, static_cast<const Acc*>(given),
+                                                        unit_scale, counts, units)))
 }
 
 }  // namespace fastrl

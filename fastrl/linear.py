@@ -487,7 +487,8 @@ def _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entro
                                      "hidden shapes")  # fmt: skip
 
     outputs = vocab_parallel.LABELED | (vocab_parallel.ENTROPY if with_entropy else 0)
-    shard = vocab_parallel.agree(group, layout, vocab_start, outputs, vocab_parallel.label_range(labels, ignore_index))
+    shard = vocab_parallel.agree(group, layout, vocab_start, outputs, vocab_parallel.label_range(labels, ignore_index),
+                                 lambda: (labels, checked["head"].temps))  # fmt: skip
     return checked["head"], shard
 
 

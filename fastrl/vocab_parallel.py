@@ -1,5 +1,5 @@
-"""Log-probs, entropy and the full KL of vocabulary-sharded logits and LM heads (tensor
-parallelism) over torch.distributed.
+"""Log-probs, entropy, the full KL, sampling and truncated log-probs of vocabulary-sharded
+logits and LM heads (tensor parallelism) over torch.distributed.
 
 Megatron-style tensor parallelism shards the LM head by vocabulary: rank r of
 the group holds logits ``[..., V_r]`` for the global entries ``[start_r, start_r
@@ -57,10 +57,10 @@ from ._backend import select_backend
 from .kl import full_kl_gradient
 from .logprobs import can_overwrite, check_arguments, row_view
 
-__all__ = ["full_kl_sharded", "logprobs_and_entropy_sharded"]
+__all__ = ["full_kl_sharded", "logprobs_and_entropy_sharded", "sample_sharded", "truncated_logprobs_sharded"]
 
 # The agreement's fields, one int64 each per rank.
-_FIELDS = ("error", "shape", "vocab", "start", "dtype", "outputs", "options", "label_min", "label_max")
+_FIELDS = ("error", "shape", "vocab", "start", "dtype", "outputs", "options", "values", "label_min", "label_max")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 # The agreement's "outputs" code: bits of what the call computes.
 LABELED, ENTROPY, FULL_KL = 1, 2, 4
@@ -143,13 +143,41 @@ def label_range(labels: torch.Tensor | None, ignore_index: int):
     return on_device
 
 
-def agree(group, check, vocab_start: object, outputs: int, labels=lambda: None) -> Shard:
+def _fingerprint(tensors) -> torch.Tensor:
+    """A 64-bit fingerprint (int64 [1], on the tensors' device: no host sync) of the values and
+    order of ``tensors`` (anything not a tensor skipped: the options digest compares scalars); a sum over elements of a mix of each one's bits, its
+    position and its tensor's place, so that a different value, a permutation or a swap
+    between tensors changes it (but for a 2^-64 chance). Integer products wrap, as intended."""
+    total = None
+    for place, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            continue
+        flat = t.reshape(-1)
+        if flat.dtype == torch.float64:
+            bits = flat.view(torch.int64)
+        elif flat.dtype == torch.float32:
+            bits = flat.view(torch.int32).to(torch.int64)
+        elif flat.dtype in (torch.bfloat16, torch.float16):
+            bits = flat.view(torch.int16).to(torch.int64)
+        else:
+            bits = flat.to(torch.int64)
+        position = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device)
+        mixed = (bits + position * 0x632BE59BD9B4E019 + place) * -0x61C8864680B583EB  # 2^64 / golden ratio
+        mixed = (mixed ^ (mixed >> 31)) * 0x5851F42D4C957F2D
+        part = mixed.sum().reshape(1)
+        total = part if total is None else total + part
+    return total
+
+
+def agree(group, check, vocab_start: object, outputs: int, labels=lambda: None, values=lambda: ()) -> Shard:
     """Runs ``check()`` (this rank's argument checks, returning its
     :class:`Layout`), then the one all-gather that agrees the call across
     ``group``; raises on every rank alike when any rank's checks failed or the
     ranks disagree. ``outputs``: a code of what the caller computes;
     ``labels()``: ``label_range``'s callable, whose range is checked against
-    the whole vocabulary."""
+    the whole vocabulary; ``values()``: the per-token tensors (labels, per-row
+    parameters and seeds) whose values every rank must pass alike, compared by
+    ``_fingerprint``."""
     import torch.distributed as dist
 
     world = _check_group(group)
@@ -179,6 +207,9 @@ def agree(group, check, vocab_start: object, outputs: int, labels=lambda: None) 
     label_min_max = labels() if error is None else None
     if label_min_max is not None:  # written on the device: the gathered table below is the call's one host sync
         local[_FIELDS.index("label_min") :] = label_min_max.to(device)
+    fingerprint = _fingerprint(values()) if error is None else None
+    if fingerprint is not None:
+        local[_FIELDS.index("values")] = fingerprint.to(device)[0]
     gathered = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(gathered, local, group=group)
     table = [dict(zip(_FIELDS, row, strict=True)) for row in torch.stack(gathered).tolist()]
@@ -214,6 +245,9 @@ def agree(group, check, vocab_start: object, outputs: int, labels=lambda: None) 
             bad = t["label_min"] if t["label_min"] < 0 else t["label_max"]
             raise ValueError(f"labels must lie in [0, {vocab}) (the sharded vocabulary) or equal ignore_index; "
                              f"rank {r} has {bad}")  # fmt: skip
+    if len({t["values"] for t in table}) > 1:
+        raise ValueError("the ranks of the group pass different values in their labels or per-token tensors (per-row "
+                         "temperatures, top_k / top_p / min_p, seeds, offset): every rank must pass the same")  # fmt: skip
     return Shard(group, starts[rank], sizes[rank], vocab, starts, sizes)
 
 
@@ -447,7 +481,8 @@ def logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with
         return logits_layout(logits, temperature=temperature_, ignore_index=ignore_index, **agree_options)
 
     outputs = (LABELED if labels is not None else 0) | (ENTROPY if with_entropy else 0)
-    shard = agree(group, check, vocab_start, outputs, label_range(labels, ignore_index))
+    shard = agree(group, check, vocab_start, outputs, label_range(labels, ignore_index),
+                  lambda: (labels, checked["temperature"]))
     token_shape = logits.shape[:-1]
     acc = reference.compute_dtype(logits)
     temps, temp_scalar = _ops.split_row_param(_validation.flat_per_row(checked["temperature"], token_shape, acc))
@@ -540,7 +575,7 @@ def full_kl_sharded(logits, ref_logits, temperature, group, vocab_start, check_k
         checked["temperature"] = check_kl_arguments()
         return logits_layout(logits, temperature=checked["temperature"])
 
-    shard = agree(group, check, vocab_start, FULL_KL)
+    shard = agree(group, check, vocab_start, FULL_KL, values=lambda: (checked["temperature"],))
     token_shape = logits.shape[:-1]
     acc = reference.compute_dtype(logits)
     temps, temp_scalar = _ops.split_row_param(_validation.flat_per_row(checked["temperature"], token_shape, acc))
@@ -559,8 +594,9 @@ def full_kl_sharded(logits, ref_logits, temperature, group, vocab_start, check_k
 #      8 bits a round (4 rounds for float32 keys, 8 for float64): each rank counts its tokens of each
 #      digit under the prefix found so far, one all-reduce (int64, exact in any order) sums the counts;
 #   3. top-p: the same descent weighted by mass, among the top-k tokens: the largest key u with
-#      mass(key >= u) >= p * mass(top-k set), masses in fixed point (floor(e * 2^42), int64: exact sums,
-#      as kernels/sampling.py's _mass_units) with their counts, one all-reduce a round;
+#      mass(key >= u) >= p * mass(top-k set), masses in fixed point (e * 2^(62 - bits of V) rounded to
+#      an int64, so that V of them cannot overflow: exact sums in any order) with their counts, one
+#      all-reduce a round;
 #   4. the shard pass (kernel): the shard's masses s and s_kept (float64), and the exponential race
 #      over its kept tokens with the global index as Philox counter, so each rank's best score is the
 #      unsharded race's over those tokens (the same d = (x - M) / T, the same variates); one all-gather
@@ -568,11 +604,15 @@ def full_kl_sharded(logits, ref_logits, temperature, group, vocab_start, check_k
 #      masses in rank order.
 #
 # The sampled token equals the unsharded sampler's unless a top-p boundary falls within the masses'
-# rounding (relative 2^-42 V here, float64 sums unsharded); log-probs are the unsharded ones within
-# float rounding, and every rank gets the same bits.
+# rounding (half a unit a token: 2^-45 relative at V = 151936, against float64 sums unsharded);
+# log-probs are the unsharded ones within float rounding, and every rank gets the same bits.
 
-# Fixed-point units of a token's mass e = exp(d) in [0, 1] (step 3): V * 2^42 < 2^63 for V < 2^21.
-_MASS_UNITS = 2.0**42
+
+def _mass_units(vocab: int) -> float:
+    """The fixed-point scale of a token's mass e = exp(d) in [0, 1] (step 3): V masses of at most
+    2^(62 - bits of V) + 1/2 each sum below 2^63."""
+    return 2.0 ** (62 - vocab.bit_length())
+
 # Tokens a histogram pass reads at once (its int64 temporaries: 16 MiB each).
 _CHUNK_ELEMENTS = 1 << 21
 
@@ -616,13 +656,48 @@ def _all_reduce_sum(t: torch.Tensor, shard: Shard) -> torch.Tensor:
     return t
 
 
-def _digit_histograms(rows, shard: Shard, prefix, shift, floor=None, m=None, inv_t=None) -> torch.Tensor:
+# The key bits a logit dtype can set (sign, exponent, mantissa of its float32 or float64 value): bf16's
+# float32 keys vary in their top 16 bits only (the low 16 are all zeros, or all ones for negative
+# values), fp16's in their top 19: the search's rounds stop at the lowest digit that varies.
+_KEY_BITS = {torch.bfloat16: 16, torch.float16: 19, torch.float32: 32, torch.float64: 64}
+
+
+def _digit_shifts(dtype: torch.dtype) -> range:
+    """The shifts of the 8-bit digits the threshold search finds, most significant first."""
+    width = 64 if dtype == torch.float64 else 32
+    return range(width - 8, width - _KEY_BITS[dtype] - 8, -8)
+
+
+def _completed_key(prefix: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``prefix`` (the digits found) with the bits below them as every key of ``dtype`` has them:
+    zeros for positive values (key's top bit set), ones for negative ones."""
+    low = _digit_shifts(dtype)[-1]
+    if low == 0:
+        return prefix
+    top = prefix < 0 if dtype == torch.float64 else prefix >= 2**31
+    return torch.where(top, prefix, prefix | ((1 << low) - 1))
+
+
+def _digit_histograms(rows, shard: Shard, prefix, shift, backend, params, floor=None, m=None) -> torch.Tensor:
     """[N, 256] counts (or with ``floor``, [N, 2, 256] counts and mass units of the tokens x >=
     floor) of the keys' 8-bit digit at ``shift`` among the row's keys that share ``prefix``'s bits
-    above it, summed over the ranks."""
-    n_rows, bits = prefix.shape[0], 64 if rows.dtype == torch.float64 else 32
+    above it, summed over the ranks (csrc/sampling.h, shard_digit_histogram: the native kernel;
+    plain torch, chunked, on the other backends)."""
+    n_rows = prefix.shape[0]
+    acc = reference.compute_dtype(rows)
+    bits = 64 if acc == torch.float64 else 32
     planes = 1 if floor is None else 2
+    if backend == "native":
+        given = None if floor is None else torch.stack([m, floor], -1).contiguous()
+        counts, units = _ops.launchers("native", "sampling").shard_digit_histogram(
+            rows, prefix.contiguous(), shift, given, temperature=params["temperature"],
+            unit_scale=_mass_units(shard.vocab),
+        )  # fmt: skip
+        hist = counts.unsqueeze(1) if units is None else torch.stack([counts, units], 1)
+        return _all_reduce_sum(hist, shard)[:, 0] if floor is None else _all_reduce_sum(hist, shard)
     hist = torch.zeros(n_rows, planes, 257, dtype=torch.int64, device=prefix.device)
+    t = _per_row_values(params["temperature"], n_rows, acc, prefix.device)
+    inv_t = torch.where(t > 0, 1.0 / torch.where(t > 0, t, 1.0), 1.0)
     for first, x in _row_chunks(rows):
         last = first + x.shape[0]
         keys = _order_keys(x)
@@ -634,38 +709,38 @@ def _digit_histograms(rows, shard: Shard, prefix, shift, floor=None, m=None, inv
         digit = torch.where(member, (keys >> shift) & 255, 256)
         hist[first:last, 0].scatter_add_(1, digit, torch.ones_like(digit))
         if floor is not None:
-            e = torch.exp((x - m[first:last, None]) * inv_t[first:last, None])
-            hist[first:last, 1].scatter_add_(1, digit, (e * _MASS_UNITS).to(torch.int64))
+            e = torch.exp((x - m[first:last, None]) * inv_t[first:last, None]).clamp(max=1.0)
+            hist[first:last, 1].scatter_add_(1, digit, (e * _mass_units(shard.vocab)).round().to(torch.int64))
     hist = _all_reduce_sum(hist[..., :256].contiguous(), shard)
     return hist[:, 0] if floor is None else hist
 
 
-def _top_k_threshold(rows, shard: Shard, k: torch.Tensor, dtype) -> torch.Tensor:
+def _top_k_threshold(rows, shard: Shard, k: torch.Tensor, backend, params) -> torch.Tensor:
     """The k-th largest logit of each row over all shards (radix select, module comment)."""
-    bits = 64 if dtype == torch.float64 else 32
+    dtype = rows.dtype
     prefix = torch.zeros_like(k)
     need = k.clamp(min=1)
-    for shift in range(bits - 8, -1, -8):
-        hist = _digit_histograms(rows, shard, prefix, shift)
+    for shift in _digit_shifts(dtype):
+        hist = _digit_histograms(rows, shard, prefix, shift, backend, params)
         at_or_above = hist.flip(-1).cumsum(-1).flip(-1)  # tokens in this digit or a higher one
         # the highest digit from which down the count reaches `need` (0 if none: a row not selecting)
         digit = ((at_or_above >= need.unsqueeze(-1)).sum(-1) - 1).clamp(min=0)
         need = need - (at_or_above.gather(1, digit.unsqueeze(-1)) - hist.gather(1, digit.unsqueeze(-1))).squeeze(-1)
         prefix = prefix | (digit << shift)
-    return _key_values(prefix, dtype)
+    return _key_values(_completed_key(prefix, dtype), reference.compute_dtype(rows))
 
 
-def _top_p_threshold(rows, shard: Shard, p, floor, m, inv_t, dtype) -> torch.Tensor:
+def _top_p_threshold(rows, shard: Shard, p, floor, m, backend, params) -> torch.Tensor:
     """The largest logit u with mass(x >= u) >= p * mass(x >= floor) among the tokens x >= floor
     (the top-k set), per row over all shards; the lowest such logit when rounding leaves every
     mass short of the target (as csrc/sampling.cpp's mass_threshold_key)."""
-    bits = 64 if dtype == torch.float64 else 32
+    dtype = rows.dtype
     prefix = torch.zeros(p.shape[0], dtype=torch.int64, device=p.device)
     above = torch.zeros_like(prefix)  # mass units strictly above the current prefix's range
     target = None
     digits = torch.arange(256, device=p.device)
-    for shift in range(bits - 8, -1, -8):
-        counts, units = _digit_histograms(rows, shard, prefix, shift, floor, m, inv_t).unbind(1)
+    for shift in _digit_shifts(dtype):
+        counts, units = _digit_histograms(rows, shard, prefix, shift, backend, params, floor, m).unbind(1)
         if target is None:
             target = p.double() * units.sum(-1).double()
         reached = above.unsqueeze(-1) + units.flip(-1).cumsum(-1).flip(-1)  # mass of this digit and up
@@ -676,7 +751,7 @@ def _top_p_threshold(rows, shard: Shard, p, floor, m, inv_t, dtype) -> torch.Ten
         digit = torch.where(highest_ok >= 0, highest_ok, lowest_present)
         above = (reached.gather(1, digit.unsqueeze(-1)) - units.gather(1, digit.unsqueeze(-1))).squeeze(-1)
         prefix = prefix | (digit << shift)
-    return _key_values(prefix, dtype)
+    return _key_values(_completed_key(prefix, dtype), reference.compute_dtype(rows))
 
 
 def _reference_shard_pass(rows, given, temps, temp_scalar, min_p, shard: Shard, seed=None, offset=0, labels=None):
@@ -698,8 +773,7 @@ def _reference_shard_pass(rows, given, temps, temp_scalar, min_p, shard: Shard, 
     picks = torch.full((n_rows, 2), -1, dtype=torch.int64, device=x.device)
     sums[:, 0] = torch.where(greedy.squeeze(-1), at_max.sum(-1).double(), e.sum(-1))
     sums[:, 1] = torch.where(greedy.squeeze(-1), 0.0, torch.where(kept, e, 0.0).sum(-1))
-    if vocab:
-        picks[:, 1] = torch.where(at_max.any(-1), columns[at_max.to(torch.int8).argmax(-1)], -1)
+    picks[:, 1] = torch.where(at_max.any(-1), columns[at_max.to(torch.int8).argmax(-1)], -1)
     if labels is None:
         if isinstance(seed, torch.Tensor):
             seeds, salt = seed.unsqueeze(-1), torch.zeros(n_rows, 1, dtype=torch.int64, device=x.device)
@@ -711,19 +785,16 @@ def _reference_shard_pass(rows, given, temps, temp_scalar, min_p, shard: Shard, 
         w0, w1, _, _ = reference.philox4x32_10(columns.unsqueeze(0), salt, off & mask, off >> 32, seeds & mask,
                                                (seeds >> 32) & mask)  # fmt: skip
         score = torch.where(kept, d - torch.log(reference.exponential_variate(w0, w1).to(acc)), -torch.inf)
-        if vocab:
-            best, winner = score.max(-1)  # (ties: the first index)
-            won = best > -torch.inf
-            sums[:, 2] = torch.where(greedy.squeeze(-1), 0.0, best.double())
-            sums[:, 3] = torch.where(greedy.squeeze(-1), 0.0, d.gather(1, winner.unsqueeze(-1)).squeeze(-1).double())
-            picks[:, 0] = torch.where(won & ~greedy.squeeze(-1), winner + shard.start, -1)
-        else:
-            sums[:, 2:] = torch.where(greedy, 0.0, -torch.inf)
+        best, winner = score.max(-1)  # (ties: the first index)
+        won = best > -torch.inf
+        sums[:, 2] = torch.where(greedy.squeeze(-1), 0.0, best.double())
+        sums[:, 3] = torch.where(greedy.squeeze(-1), 0.0, d.gather(1, winner.unsqueeze(-1)).squeeze(-1).double())
+        picks[:, 0] = torch.where(won & ~greedy.squeeze(-1), winner + shard.start, -1)
     else:
         local = labels.long() - shard.start
         here = (local >= 0) & (local < vocab)
-        at = local.clamp(0, max(vocab - 1, 0)).unsqueeze(-1)
-        d_label = torch.where(kept.gather(1, at), d.gather(1, at), -torch.inf).squeeze(-1) if vocab else d[:, 0]
+        at = local.clamp(0, vocab - 1).unsqueeze(-1)
+        d_label = torch.where(kept.gather(1, at), d.gather(1, at), -torch.inf).squeeze(-1)
         sums[:, 2] = torch.where(greedy.squeeze(-1), 0.0, torch.where(here, d_label.double(), torch.nan))
     bad = ~(torch.isfinite(given[:, 0]))
     sums[bad] = torch.nan
@@ -735,7 +806,7 @@ def _shard_pass(rows, given, params, shard: Shard, backend, seed=None, offset=0,
     """This shard's (sums [N, 4] float64, picks [N, 2] int64) (csrc/sampling.h, sample_shard_pass)."""
     temps, temp_scalar = _ops.split_row_param(params["temperature"])
     min_p_rows, min_p = _ops.split_row_param(params["min_p"])
-    if backend == "reference" or rows.shape[-1] == 0:
+    if backend == "reference":
         return _reference_shard_pass(rows, given, temps, temp_scalar, params["min_p"], shard, seed, offset, labels)
     seed_rows, seed_scalar = _ops.split_row_param(0 if seed is None else seed)
     offset_tensor, offset_scalar = _ops.split_row_param(offset)
@@ -743,14 +814,14 @@ def _shard_pass(rows, given, params, shard: Shard, backend, seed=None, offset=0,
                                   seed_scalar, offset_tensor, offset_scalar, labels, backend)  # fmt: skip
 
 
-def _kept_threshold(rows, params, shard: Shard, top_k_on: bool, top_p_on: bool):
+def _kept_threshold(rows, params, shard: Shard, top_k_on: bool, top_p_on: bool, backend):
     """(given [N, 2] = (M, tau) in the compute dtype, bad [N]): the row's global max and kept
     threshold (module comment, steps 1-3), and the rows with nothing to sample or an invalid
     parameter."""
     outer, inner, vocab = rows.shape
     n_rows = outer * inner
     acc = reference.compute_dtype(rows)
-    local_max = (rows.amax(-1) if vocab else rows.new_full((outer, inner), -torch.inf)).reshape(n_rows).to(acc)
+    local_max = rows.amax(-1).reshape(n_rows).to(acc)
     maxima = _all_gather(local_max, shard)
     m = maxima.amax(0)
     per_row = lambda name, dtype: params[name] if isinstance(params[name], torch.Tensor) else torch.full(  # noqa: E731
@@ -761,14 +832,13 @@ def _kept_threshold(rows, params, shard: Shard, top_k_on: bool, top_p_on: bool):
     bad = maxima.isnan().any(0) | ~torch.isfinite(m) | ~valid
     active = ~bad & (t > 0)
     m_safe = torch.where(bad, 0.0, m)
-    inv_t = torch.where(active, 1.0 / torch.where(active, t, 1.0), 1.0)
     tau = torch.full_like(m, -torch.inf)
     if top_k_on:
         k_on = active & (k > 0) & (k < shard.vocab)
-        tau = torch.where(k_on, _top_k_threshold(rows, shard, torch.where(k_on, k, 1), acc), tau)
+        tau = torch.where(k_on, _top_k_threshold(rows, shard, torch.where(k_on, k, 1), backend, params), tau)
     if top_p_on:
         p_on = active & (p < 1)
-        tau = torch.where(p_on, _top_p_threshold(rows, shard, p, tau, m_safe, inv_t, acc), tau)
+        tau = torch.where(p_on, _top_p_threshold(rows, shard, p, tau, m_safe, backend, params), tau)
     return torch.stack([torch.where(bad, torch.nan, m), tau], -1), bad
 
 
@@ -820,15 +890,17 @@ def sample_sharded(logits, check, group, vocab_start):
         checked["params"], checked["seed"], checked["offset"] = check()
         return _truncation_layout(logits, checked["params"], seed=checked["seed"], offset=checked["offset"])
 
-    shard = agree(group, layout, vocab_start, 0)
+    shard = agree(group, layout, vocab_start, 0, values=lambda: (*checked["params"].values(), checked["seed"],
+                                                                   checked["offset"]))  # fmt: skip
     params, seed, offset = checked["params"], checked["seed"], checked["offset"]
     rows, n_rows = row_view(logits), logits.shape[:-1].numel()
     acc = reference.compute_dtype(logits)
     if n_rows == 0:
         empty = lambda dt: torch.empty(n_rows, dtype=dt, device=logits.device)  # noqa: E731
         return empty(torch.int64), empty(acc), empty(acc)
-    given, bad = _kept_threshold(rows, params, shard, *_filters_on(params))
-    sums, picks = _shard_pass(rows, given, params, shard, select_backend(logits.device), seed=seed, offset=offset)
+    backend = select_backend(logits.device)
+    given, bad = _kept_threshold(rows, params, shard, *_filters_on(params), backend)
+    sums, picks = _shard_pass(rows, given, params, shard, backend, seed=seed, offset=offset)
     token, d, total, total_kept, _, _ = _combine_shard_passes(sums, picks, shard)
     greedy = _per_row_values(params["temperature"], n_rows, acc, logits.device) == 0
     logprob = torch.where(greedy, 0.0, d.to(acc) - torch.log(total_kept).to(acc))
@@ -845,7 +917,7 @@ class _ShardedTruncated(torch.autograd.Function):
     def forward(ctx, logits, labels, params, shard, backend):
         rows = row_view(logits)
         n_rows = labels.shape[0]
-        given, bad = _kept_threshold(rows, params, shard, *_filters_on(params))
+        given, bad = _kept_threshold(rows, params, shard, *_filters_on(params), backend)
         sums, picks = _shard_pass(rows, given, params, shard, backend, labels=labels)
         _, _, _, total_kept, label_d, first_max = _combine_shard_passes(sums, picks, shard)
         acc = given.dtype
@@ -911,8 +983,9 @@ def truncated_logprobs_sharded(logits, labels, check, group, vocab_start):
         checked["params"] = check()
         return _truncation_layout(logits, checked["params"])
 
-    shard = agree(group, layout, vocab_start, LABELED, label_range(labels, None))
-    if logits.shape[:-1].numel() == 0:
-        return torch.empty(0, dtype=reference.compute_dtype(logits), device=logits.device)
+    shard = agree(group, layout, vocab_start, LABELED, label_range(labels, None),
+                  lambda: (labels, *checked["params"].values()))
+    if logits.shape[:-1].numel() == 0:  # (the empty result still joins the graph: a backward gives a zero gradient)
+        return logits.to(reference.compute_dtype(logits)).sum(-1).reshape(0)
     flat = labels.reshape(-1).contiguous()
     return _ShardedTruncated.apply(logits, flat, checked["params"], shard, select_backend(logits.device))

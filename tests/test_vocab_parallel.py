@@ -547,17 +547,37 @@ def _check_sampling(rank: int, world: int, group, seed: int) -> None:
     too_big[0] = vocab + rank
     _expect_error_everywhere(r"labels must lie in \[0, 1031\)",
                              lambda: fastrl.truncated_logprobs(shard, too_big, group=group))  # fmt: skip
+    # Per-row tensors and labels that differ across ranks (in range, so no rank's own checks see it): the
+    # fingerprint in the agreement catches them, on the logits ops too.
+    per_rank = dict(temperature=torch.full((n_rows,), 0.5 + rank), top_k=torch.full((n_rows,), 5 + rank),
+                    seed=torch.full((n_rows,), rank), offset=torch.tensor([rank]))  # fmt: skip
+    for name, value in per_rank.items():
+        kw = {"seed": 1, name: value}
+        _expect_error_everywhere("pass different values", lambda kw=kw: fastrl.sample(shard, **kw, group=group))
+    _expect_error_everywhere("pass different values",
+                             lambda: fastrl.truncated_logprobs(shard, out.tokens.roll(rank), group=group))  # fmt: skip
+    _expect_error_everywhere("pass different values",
+                             lambda: fastrl.logprobs_from_logits(shard, out.tokens.roll(rank), group=group))  # fmt: skip
     nan_row = shard.clone()
     if rank == world - 1:
         nan_row[4, 0] = float("nan")
     _expect_error_everywhere(r"logits rows \[\[4\]\]", lambda: fastrl.sample(nan_row, seed=1, group=group))
     _expect_error_everywhere(r"logits rows \[\[4\]\]",
                              lambda: fastrl.truncated_logprobs(nan_row, out.tokens, group=group))  # fmt: skip
-    # No tokens: empty results.
-    empty = shard[:0].unsqueeze(1).expand(0, 3, shard.shape[-1])
+    # No tokens: empty results, the truncated log-probs still differentiable (a zero gradient).
+    empty = shard[:0].unsqueeze(1).expand(0, 3, shard.shape[-1]).clone().requires_grad_()
     tokens, logprobs, raw = fastrl.sample(empty, seed=1, group=group)
-    lp = fastrl.truncated_logprobs(empty, torch.zeros(0, 3, dtype=torch.int64), group=group)
-    assert tokens.shape == logprobs.shape == raw.shape == lp.shape == (0, 3)
+    lp = fastrl.truncated_logprobs(empty, torch.zeros(0, 3, dtype=torch.int64), top_k=3, group=group)
+    lp.sum().backward()
+    assert tokens.shape == logprobs.shape == raw.shape == lp.shape == (0, 3) and empty.grad.shape == empty.shape
+
+    # A vocabulary of 3 * 2^20 (the masses' fixed point scales with V: at a fixed 2^-42 their sum overflowed
+    # int64 past 2^21 tokens, and top-p kept the wrong set): every token is kept at top-p 0.9.
+    wide = torch.zeros(1, 3 * 2**20)
+    wide[0, 1::2] = -1e-3
+    lo, hi = wide.shape[-1] * rank // world, wide.shape[-1] * (rank + 1) // world
+    lp = fastrl.truncated_logprobs(wide[:, lo:hi], torch.tensor([1]), top_p=0.9, group=group)
+    assert_close_to_reference(lp, reference.truncated_logprobs(wide.double(), torch.tensor([1]), top_p=0.9), 1e-5)
 
 
 @pytest.mark.parametrize("world", [2, 4])
