@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import time
 
@@ -205,7 +206,10 @@ def main() -> None:
                       f"{row['fastrl_speedup']:>6.2f}")  # fmt: skip
         payload = {
             **environment(device), "ranks": world, "backend": dist.get_backend(group), "dtype": args.dtype,
-            "repeats": args.repeats, "threads_per_rank": torch.get_num_threads(), "rows": rows,
+            "repeats": args.repeats, "threads_per_rank": torch.get_num_threads(),
+            # (torch's switch for transparent huge pages on big CPU allocations: fresh gradients fault in
+            # 2 MiB pages instead of 4 KiB ones)
+            "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"), "rows": rows,
             "note": "x = median time / fastrl's median time in the same case and pass (> 1: fastrl faster); "
                     "B/row = bytes this rank put into collectives per token row, colls = collective calls a call",
         }  # fmt: skip

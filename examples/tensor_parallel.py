@@ -1,6 +1,6 @@
 """Log-probs, entropy and the GRPO policy loss on vocabulary-sharded logits, as a
-Megatron-style tensor-parallel LM head leaves them, and the fused LM head with its
-rows sharded alike. Runs on CPU (gloo):
+Megatron-style tensor-parallel LM head leaves them, the fused LM head with its
+rows sharded alike, and sampling on the shards. Runs on CPU (gloo):
 
     torchrun --nproc-per-node 2 examples/tensor_parallel.py
 
@@ -59,9 +59,17 @@ def main() -> None:
     torch.testing.assert_close(head_log_probs, full_head_log_probs, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(hidden_r.grad, hidden_full.grad, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(head_r.grad, head_full.grad[bounds[rank] : bounds[rank + 1]], rtol=2e-5, atol=2e-5)
+
+    # Sampling on the shards: the same seed draws the unsharded sampler's tokens (the Philox
+    # counter is the global vocabulary index), and the trainer's truncated log-probs match.
+    sampled = fastrl.sample(shard.detach(), temperature=0.7, top_k=50, top_p=0.9, seed=1234, group=group)
+    full_sampled = fastrl.sample(logits, temperature=0.7, top_k=50, top_p=0.9, seed=1234)
+    assert torch.equal(sampled.tokens, full_sampled.tokens)
+    again = fastrl.truncated_logprobs(shard.detach(), sampled.tokens, temperature=0.7, top_k=50, top_p=0.9, group=group)
+    torch.testing.assert_close(again, full_sampled.logprobs, rtol=2e-5, atol=2e-5)
     if rank == 0:
         print(f"{world} ranks: log-probs and entropy match the unsharded op (logits and LM head); loss {loss.item():.6f}, "
-              f"clip fraction {metrics['pg_clipfrac'].item():.3f}")  # fmt: skip
+              f"clip fraction {metrics['pg_clipfrac'].item():.3f}; sampled tokens {sampled.tokens.tolist()}")  # fmt: skip
     dist.destroy_process_group()
 
 

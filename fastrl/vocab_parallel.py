@@ -43,7 +43,9 @@ which outputs, the scalar options (temperature, ignore_index, softcap, ...),
 each rank's label range, and whether each rank's arguments passed their
 checks, so a bad argument on one rank raises on every rank (a ValueError
 naming the rank) instead of leaving the others waiting in a collective.
-Per-token temperature tensors are not compared (that would move them).
+Per-token tensors (labels, per-row temperatures and sampling parameters,
+seeds) are compared by a 64-bit fingerprint computed on their device; the LM
+head's hidden states and the policy loss's per-token inputs are not.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class Layout:
     """What the ranks of a call must agree on, from this rank's checked
     arguments: ``shape`` (what ``shape_name`` says), this shard's ``vocab``
     entries, the dtype, and the call's scalar ``options`` by name (numbers,
-    None, or a tensor, whose values are not compared)."""
+    None, or a tensor, whose values ``agree`` fingerprints instead)."""
 
     shape: tuple[int, ...]
     vocab: int
@@ -97,7 +99,7 @@ class Layout:
         """The options as one int64, the same in every process: a 64-bit
         BLAKE2 digest of their exact text (floats in hex, so no two values
         share it as they may share Python's hash: hash(-1.0) == hash(-2.0));
-        tensors by a code, their values not compared."""
+        tensors by a code (``agree`` compares their values by fingerprint)."""
         import hashlib
 
         def exact(value) -> str:
@@ -591,8 +593,10 @@ def full_kl_sharded(logits, ref_logits, temperature, group, vocab_start, check_k
 #
 #   1. one all-gather of the shards' maxima: M, and the rows with nothing to sample (NaN, +inf, all -inf);
 #   2. top-k: a radix select of the k-th largest order key (the kernels' keys) over the whole row,
-#      8 bits a round (4 rounds for float32 keys, 8 for float64): each rank counts its tokens of each
-#      digit under the prefix found so far, one all-reduce (int64, exact in any order) sums the counts;
+#      8 bits a round, over the bits the logits' dtype sets (2 rounds for bf16, 3 fp16, 4 fp32, 8
+#      fp64): each rank counts its tokens of each digit under the prefix found so far (the native
+#      kernel shard_digit_histogram, or plain torch), one all-reduce (int64, exact in any order) sums
+#      the counts;
 #   3. top-p: the same descent weighted by mass, among the top-k tokens: the largest key u with
 #      mass(key >= u) >= p * mass(top-k set), masses in fixed point (e * 2^(62 - bits of V) rounded to
 #      an int64, so that V of them cannot overflow: exact sums in any order) with their counts, one
@@ -612,6 +616,7 @@ def _mass_units(vocab: int) -> float:
     """The fixed-point scale of a token's mass e = exp(d) in [0, 1] (step 3): V masses of at most
     2^(62 - bits of V) + 1/2 each sum below 2^63."""
     return 2.0 ** (62 - vocab.bit_length())
+
 
 # Tokens a histogram pass reads at once (its int64 temporaries: 16 MiB each).
 _CHUNK_ELEMENTS = 1 << 21
@@ -685,33 +690,32 @@ def _digit_histograms(rows, shard: Shard, prefix, shift, backend, params, floor=
     plain torch, chunked, on the other backends)."""
     n_rows = prefix.shape[0]
     acc = reference.compute_dtype(rows)
-    bits = 64 if acc == torch.float64 else 32
-    planes = 1 if floor is None else 2
     if backend == "native":
         given = None if floor is None else torch.stack([m, floor], -1).contiguous()
         counts, units = _ops.launchers("native", "sampling").shard_digit_histogram(
             rows, prefix.contiguous(), shift, given, temperature=params["temperature"],
             unit_scale=_mass_units(shard.vocab),
         )  # fmt: skip
-        hist = counts.unsqueeze(1) if units is None else torch.stack([counts, units], 1)
-        return _all_reduce_sum(hist, shard)[:, 0] if floor is None else _all_reduce_sum(hist, shard)
-    hist = torch.zeros(n_rows, planes, 257, dtype=torch.int64, device=prefix.device)
-    t = _per_row_values(params["temperature"], n_rows, acc, prefix.device)
-    inv_t = torch.where(t > 0, 1.0 / torch.where(t > 0, t, 1.0), 1.0)
-    for first, x in _row_chunks(rows):
-        last = first + x.shape[0]
-        keys = _order_keys(x)
-        member = torch.ones_like(keys, dtype=torch.bool)
-        if shift + 8 < bits:
-            member = ((keys ^ prefix[first:last, None]) >> (shift + 8)) == 0
-        if floor is not None:
-            member &= x >= floor[first:last, None]
-        digit = torch.where(member, (keys >> shift) & 255, 256)
-        hist[first:last, 0].scatter_add_(1, digit, torch.ones_like(digit))
-        if floor is not None:
-            e = torch.exp((x - m[first:last, None]) * inv_t[first:last, None]).clamp(max=1.0)
-            hist[first:last, 1].scatter_add_(1, digit, (e * _mass_units(shard.vocab)).round().to(torch.int64))
-    hist = _all_reduce_sum(hist[..., :256].contiguous(), shard)
+        hist = torch.stack([counts] if units is None else [counts, units], 1)
+    else:
+        hist = torch.zeros(n_rows, 1 if floor is None else 2, 257, dtype=torch.int64, device=prefix.device)
+        t = reference._per_row(params["temperature"], (n_rows,), acc, prefix.device)[:, 0]
+        inv_t = torch.where(t > 0, 1.0 / torch.where(t > 0, t, 1.0), 1.0)
+        for first, x in _row_chunks(rows):
+            last = first + x.shape[0]
+            keys = _order_keys(x)
+            member = torch.ones_like(keys, dtype=torch.bool)
+            if shift + 8 < (64 if acc == torch.float64 else 32):
+                member = ((keys ^ prefix[first:last, None]) >> (shift + 8)) == 0
+            if floor is not None:
+                member &= x >= floor[first:last, None]
+            digit = torch.where(member, (keys >> shift) & 255, 256)  # (bin 256: not counted)
+            hist[first:last, 0].scatter_add_(1, digit, torch.ones_like(digit))
+            if floor is not None:
+                e = torch.exp((x - m[first:last, None]) * inv_t[first:last, None]).clamp(max=1.0)
+                hist[first:last, 1].scatter_add_(1, digit, (e * _mass_units(shard.vocab)).round().to(torch.int64))
+        hist = hist[..., :256].contiguous()
+    hist = _all_reduce_sum(hist, shard)
     return hist[:, 0] if floor is None else hist
 
 
@@ -760,8 +764,8 @@ def _reference_shard_pass(rows, given, temps, temp_scalar, min_p, shard: Shard, 
     n_rows = outer * inner
     acc = given.dtype
     x = rows.reshape(n_rows, vocab).to(acc)
-    t = temps if temps is not None else torch.full((n_rows,), temp_scalar, dtype=acc, device=x.device)
-    mp = min_p if isinstance(min_p, torch.Tensor) else torch.full((n_rows,), min_p, dtype=acc, device=x.device)
+    t = reference._per_row(temps if temps is not None else temp_scalar, (n_rows,), acc, x.device)[:, 0]
+    mp = reference._per_row(min_p, (n_rows,), acc, x.device)[:, 0]
     m, tau = given[:, :1], given[:, 1:]
     greedy = (t == 0).unsqueeze(-1)
     d = (x - m) * torch.where(greedy, 1.0, 1.0 / t.unsqueeze(-1))
@@ -824,9 +828,8 @@ def _kept_threshold(rows, params, shard: Shard, top_k_on: bool, top_p_on: bool, 
     local_max = rows.amax(-1).reshape(n_rows).to(acc)
     maxima = _all_gather(local_max, shard)
     m = maxima.amax(0)
-    per_row = lambda name, dtype: params[name] if isinstance(params[name], torch.Tensor) else torch.full(  # noqa: E731
-        (n_rows,), params[name], dtype=dtype, device=rows.device)
-    t, k, p, mp = per_row("temperature", acc), per_row("top_k", torch.int64), per_row("top_p", acc), per_row("min_p", acc)
+    t, k, p, mp = (reference._per_row(params[name], (n_rows,), dtype, rows.device)[:, 0]
+                   for name, dtype in (("temperature", acc), ("top_k", torch.int64), ("top_p", acc), ("min_p", acc)))  # fmt: skip
     t_ok = (t == 0) | ((t > 0) & torch.isfinite(t) & torch.isfinite(1.0 / t))
     valid = t_ok & (k >= 0) & (p > 0) & (p <= 1) & (mp >= 0) & (mp <= 1)
     bad = maxima.isnan().any(0) | ~torch.isfinite(m) | ~valid
@@ -868,10 +871,6 @@ def _combine_shard_passes(sums, picks, shard: Shard):
     return torch.where(torch.isinf(token), -1, token).long(), d, total, total_kept, label_d, first_max
 
 
-def _truncation_layout(logits, params, **more) -> Layout:
-    return logits_layout(logits, **params, **more)
-
-
 def _filters_on(params) -> tuple[bool, bool]:
     """Whether the call runs top-k's and top-p's rounds: decided from the arguments' kind, which
     the ranks have agreed on (a per-row tensor, or a scalar that is on), never from values that
@@ -888,7 +887,7 @@ def sample_sharded(logits, check, group, vocab_start):
 
     def layout():
         checked["params"], checked["seed"], checked["offset"] = check()
-        return _truncation_layout(logits, checked["params"], seed=checked["seed"], offset=checked["offset"])
+        return logits_layout(logits, **checked["params"], seed=checked["seed"], offset=checked["offset"])
 
     shard = agree(group, layout, vocab_start, 0, values=lambda: (*checked["params"].values(), checked["seed"],
                                                                    checked["offset"]))  # fmt: skip
@@ -902,14 +901,10 @@ def sample_sharded(logits, check, group, vocab_start):
     given, bad = _kept_threshold(rows, params, shard, *_filters_on(params), backend)
     sums, picks = _shard_pass(rows, given, params, shard, backend, seed=seed, offset=offset)
     token, d, total, total_kept, _, _ = _combine_shard_passes(sums, picks, shard)
-    greedy = _per_row_values(params["temperature"], n_rows, acc, logits.device) == 0
+    greedy = reference._per_row(params["temperature"], (n_rows,), acc, logits.device)[:, 0] == 0
     logprob = torch.where(greedy, 0.0, d.to(acc) - torch.log(total_kept).to(acc))
     raw = torch.where(greedy, -torch.log(total).to(acc), d.to(acc) - torch.log(total).to(acc))
     return token.masked_fill(bad, -1), logprob.masked_fill(bad, torch.nan), raw.masked_fill(bad, torch.nan)
-
-
-def _per_row_values(value, n_rows, dtype, device) -> torch.Tensor:
-    return value if isinstance(value, torch.Tensor) else torch.full((n_rows,), value, dtype=dtype, device=device)
 
 
 class _ShardedTruncated(torch.autograd.Function):
@@ -921,7 +916,7 @@ class _ShardedTruncated(torch.autograd.Function):
         sums, picks = _shard_pass(rows, given, params, shard, backend, labels=labels)
         _, _, _, total_kept, label_d, first_max = _combine_shard_passes(sums, picks, shard)
         acc = given.dtype
-        greedy = _per_row_values(params["temperature"], n_rows, acc, logits.device) == 0
+        greedy = reference._per_row(params["temperature"], (n_rows,), acc, logits.device)[:, 0] == 0
         log_kept = torch.log(total_kept).to(acc)
         out = torch.where(greedy, torch.where(labels == first_max, 0.0, -torch.inf).to(acc), label_d.to(acc) - log_kept)
         out = out.masked_fill(bad, torch.nan)
@@ -958,8 +953,8 @@ def _reference_truncated_backward(rows, labels, stats, label_kept, grad_out, par
     n_rows = outer * inner
     acc = stats.dtype
     x = rows.reshape(n_rows, vocab).to(acc)
-    t = _per_row_values(params["temperature"], n_rows, acc, x.device)
-    mp = _per_row_values(params["min_p"], n_rows, acc, x.device)
+    t = reference._per_row(params["temperature"], (n_rows,), acc, x.device)[:, 0]
+    mp = reference._per_row(params["min_p"], (n_rows,), acc, x.device)[:, 0]
     inv_t = torch.where(t > 0, 1.0 / torch.where(t > 0, t, 1.0), 0.0).unsqueeze(-1)
     m, log_kept, tau = stats.unbind(-1)
     d = (x - m.unsqueeze(-1)) * inv_t
@@ -981,7 +976,7 @@ def truncated_logprobs_sharded(logits, labels, check, group, vocab_start):
 
     def layout():
         checked["params"] = check()
-        return _truncation_layout(logits, checked["params"])
+        return logits_layout(logits, **checked["params"])
 
     shard = agree(group, layout, vocab_start, LABELED, label_range(labels, None),
                   lambda: (labels, *checked["params"].values()))
