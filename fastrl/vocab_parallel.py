@@ -594,9 +594,9 @@ def full_kl_sharded(logits, ref_logits, temperature, group, vocab_start, check_k
 #   1. one all-gather of the shards' maxima: M, and the rows with nothing to sample (NaN, +inf, all -inf);
 #   2. top-k: a radix select of the k-th largest order key (the kernels' keys) over the whole row,
 #      8 bits a round, over the bits the logits' dtype sets (2 rounds for bf16, 3 fp16, 4 fp32, 8
-#      fp64): each rank counts its tokens of each digit under the prefix found so far (the native
-#      kernel shard_digit_histogram, or plain torch), one all-reduce (int64, exact in any order) sums
-#      the counts;
+#      fp64): each rank counts its tokens of each digit under the prefix found so far (the kernel
+#      shard_digit_histogram, or plain torch), one all-reduce (int64, exact in any order) sums the
+#      counts;
 #   3. top-p: the same descent weighted by mass, among the top-k tokens: the largest key u with
 #      mass(key >= u) >= p * mass(top-k set), masses in fixed point (e * 2^(62 - bits of V) rounded to
 #      an int64, so that V of them cannot overflow: exact sums in any order) with their counts, one
@@ -686,13 +686,13 @@ def _completed_key(prefix: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _digit_histograms(rows, shard: Shard, prefix, shift, backend, params, floor=None, m=None) -> torch.Tensor:
     """[N, 256] counts (or with ``floor``, [N, 2, 256] counts and mass units of the tokens x >=
     floor) of the keys' 8-bit digit at ``shift`` among the row's keys that share ``prefix``'s bits
-    above it, summed over the ranks (csrc/sampling.h, shard_digit_histogram: the native kernel;
-    plain torch, chunked, on the other backends)."""
+    above it, summed over the ranks (csrc/sampling.h, shard_digit_histogram; plain torch, chunked,
+    on the reference backend)."""
     n_rows = prefix.shape[0]
     acc = reference.compute_dtype(rows)
-    if backend == "native":
+    if backend != "reference":
         given = None if floor is None else torch.stack([m, floor], -1).contiguous()
-        counts, units = _ops.launchers("native", "sampling").shard_digit_histogram(
+        counts, units = _ops.launchers(backend, "sampling").shard_digit_histogram(
             rows, prefix.contiguous(), shift, given, temperature=params["temperature"],
             unit_scale=_mass_units(shard.vocab),
         )  # fmt: skip

@@ -195,6 +195,12 @@ BUDGETS: dict[str, Budget] = {
         vector_loads=True, max_passes=1,
         why="issue 16: one read of the shard's row, 128-bit loads",
     ),
+    # A round of its threshold search (_digit_histogram_kernel): one read of the row, an integer atomic
+    # a counted token.
+    "sample shard histogram": Budget(
+        vector_loads=True, max_passes=1,
+        why="issue 16: one read of the shard's row a round, 128-bit loads",
+    ),
     "truncated_logprobs fwd": Budget(
         vector_loads=True,
         min_active_sms=0.5,

@@ -162,12 +162,18 @@ def _truncated(n: int, v: int, dtype: torch.dtype) -> Callable[[], None]:
 
 
 def _shard_pass(batch: int, v: int) -> Callable[[], None]:
+    """A tp = 2 rank's sample at top-k 50 (fastrl.vocab_parallel): the top-k radix select's two
+    rounds over the shard (bf16 keys), then the shard pass."""
     from fastrl.kernels import sampling
 
     def run() -> None:
+        logits, prefix = meta(batch, v, dtype=BF16), meta(batch, dtype=I64)
+        for shift in (24, 16):
+            with role("sample shard histogram"):
+                sampling.shard_digit_histogram(logits, prefix, shift, temperature=SAMPLING_TEMPERATURE)
         with role("sample shard pass"):
-            sampling.sample_shard_pass(meta(batch, v, dtype=BF16), meta(batch, 2, dtype=F32),
-                                       temperature=SAMPLING_TEMPERATURE, min_p=0.0, column_base=v, seed=0, offset=0)  # fmt: skip
+            sampling.sample_shard_pass(logits, meta(batch, 2, dtype=F32), temperature=SAMPLING_TEMPERATURE,
+                                       min_p=0.0, column_base=v, seed=0, offset=0)  # fmt: skip
 
     return run
 
@@ -214,7 +220,8 @@ def _sampling_cases() -> list[Case]:
                         _sample(batch, SAMPLING_VOCAB, {"top_p": 0.9}), untaken=(TOP_K_SEARCH, STATS_ALONE),
                         compaction=COMPACTION))  # fmt: skip
     for batch in (64, 1024):  # the tensor-parallel sampler's read of a rank's shard (tp = 2)
-        out.append(Case("sample shard pass top-k 50", (batch, SHARD_VOCAB), BF16, ("sample shard pass",),
+        out.append(Case("sample shard top-k 50", (batch, SHARD_VOCAB), BF16,
+                        ("sample shard histogram", "sample shard histogram", "sample shard pass"),
                         _shard_pass(batch, SHARD_VOCAB)))  # fmt: skip
     n, v, dtype = TRUNCATED_SHAPE
     out.append(Case("truncated_logprobs top-k 50 fwd+bwd", (n, v), dtype,
@@ -342,6 +349,11 @@ def coverage() -> None:
                                        column_base=v, seed=meta(n, dtype=I64), offset=meta(1, dtype=I64))  # fmt: skip
             sampling.truncated_backward(x, labels, trunc_stats, meta(n), meta(n, v, dtype=dtype), **params,
                                         label_base=v, label_kept=meta(n, dtype=torch.bool))  # fmt: skip
+            # top-p's weighted rounds of the threshold search
+            sampling.shard_digit_histogram(x, meta(n, dtype=I64), 24, given, temperature=params["temperature"],
+                                           unit_scale=2.0**44)  # fmt: skip
+            sampling.shard_digit_histogram(x, meta(n, dtype=I64), 16, given, temperature=params["temperature"],
+                                           unit_scale=2.0**44)  # fmt: skip
         # one row: split over many programs (kernels/sampling.py, _split_selection)
         one, one_temp = meta(1, v, dtype=dtype), meta(1, dtype=F32)
         split_params = {"temperature": one_temp, "top_k": meta(1, dtype=I64), "top_p": one_temp, "min_p": one_temp}
