@@ -45,6 +45,14 @@ last launch works on the list as above. The one-program pass folds its tiles
 the same way (reduce.softmax_stats, FOLD_TILES), and every launch compiles
 without fused multiply-adds, so both paths give the same bits and a row's
 result does not depend on the batch it comes in.
+
+A vocabulary shard of the tensor-parallel sampler (fastrl.vocab_parallel) takes
+three kernels, a program a tile of a row each but the fold: the threshold
+search's digit histogram (_digit_histogram_kernel, integer atomics: exact in
+any order), then the shard pass: each tile's masses, maxima and race winner
+(_shard_tile_kernel, the race's score rounding as _sample_kernel's, Philox only
+in tiles holding a kept token), folded a row at a time in a fixed tree
+(_shard_fold_kernel).
 """
 
 from __future__ import annotations
@@ -105,8 +113,8 @@ _SPLIT_SM_SHARE = 0.5
 _EXACT = {"enable_fp_fusion": False}
 # A split row's statistics fold 8 tiles a trip (_split_rows_kernel): their loads issued together.
 _FOLD_GROUP = tl.constexpr(8)
-# The tile of the tensor-parallel shard pass (_shard_pass_kernel) over 4 warps: 8 bf16 (128 bits) a
-# thread, and its two float64 lane sums in 16 registers a thread each.
+# The tile of the tensor-parallel shard pass (_shard_tile_kernel) and threshold search
+# (_digit_histogram_kernel), a program each, over 4 warps: 8 bf16 (128 bits) a thread.
 _SHARD_PASS_BLOCK = 1024
 # A split row's record (_split_rows_kernel, _record_list): 6 int64, padded to 8.
 _SPLIT_RECORD = tl.constexpr(8)
@@ -1272,76 +1280,104 @@ def truncated_backward(logits, labels, stats, grad_logprob, grad_out, *, tempera
 
 
 @triton.jit
-def _shard_pass_kernel(
-    logits_ptr, inner, outer_stride, inner_stride, V, given_ptr,
+def _shard_tile_kernel(
+    logits_ptr, inner, outer_stride, inner_stride, V, given_bits_ptr,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p, column_base,
-    seeds_ptr, seed, offset_ptr, offset, labels_ptr, sums_ptr, picks_ptr,
+    seeds_ptr, seed, offset_ptr, offset, masses_ptr, marks_ptr, TILES,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
     RACE: tl.constexpr, PER_ROW_SEED: tl.constexpr,
     OFFSET_FROM_PTR: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """csrc/sampling.h's sample_shard_pass: one program a row reads the shard's
-    row once. The race's score d - log E rounds as _sample_kernel's (the same
-    functions, compiled without fused multiply-adds), so the winner is the
-    unsharded sampler's."""
+    """The first launch of csrc/sampling.h's sample_shard_pass: a program a tile of a row (grid
+    axis 1) writes the tile's (s, s_kept, best race score) in float64 to ``masses`` and (number of
+    maxima, first maximum, race winner) as int32 shard indices to ``marks`` ([N, TILES, 3] each).
+    The race's score d - log E rounds as _sample_kernel's (the same functions, compiled without
+    fused multiply-adds), so its winner is the unsharded sampler's; Philox runs only in a tile
+    that holds a kept token."""
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+    t, _k, _p, mp, valid = _row_params(row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+                                       PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC)  # fmt: skip
+    # (given's two scalars read as their bits: the static model holds every float load
+    # of a loop-free kernel to the row stream's 128 bits)
+    m = tl.load(given_bits_ptr + 2 * row).to(ACC, bitcast=True)
+    threshold = _order_key(tl.load(given_bits_ptr + 2 * row + 1).to(ACC, bitcast=True))
+    inv_t = _inverse_temperature(t, valid, ACC)
+    log_min_p = tl.where(mp > 0, tl.log(mp), float("-inf")).to(ACC)
+    offs = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+    live = offs < V
+    x = tl.load(row_ptr + offs, mask=live, other=float("-inf")).to(ACC)
+    d = (x - m) * inv_t
+    e = tl.where(live, tl.exp(d), 0.0)
+    kept = live & (_order_key(x) >= threshold) & (d >= log_min_p)
+    at_max = live & (x == m)
+    best = tl.full([], float("-inf"), ACC)
+    winner = V + tl.zeros([], tl.int32)
+    if RACE:
+        if tl.max(kept.to(tl.int32), axis=0) > 0:
+            row_seed = _row_param(seeds_ptr, seed, row, PER_ROW_SEED, tl.int64)
+            k0 = (row_seed & 0xFFFFFFFF).to(tl.uint32)
+            k1 = ((row_seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+            salt = tl.where(PER_ROW_SEED, 0, row).to(tl.uint32)
+            off = _row_param(offset_ptr, offset, 0, OFFSET_FROM_PTR, tl.int64)
+            c2 = (off & 0xFFFFFFFF).to(tl.uint32)
+            c3 = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
+            zeros = tl.zeros([BLOCK_V], tl.uint32)
+            w0, w1, _w2, _w3 = philox4x32_10((offs + column_base).to(tl.uint32), zeros + salt, zeros + c2,
+                                             zeros + c3, zeros + k0, zeros + k1)  # fmt: skip
+            race = tl.where(kept, d - tl.log(exponential_variate(w0, w1).to(ACC)), float("-inf"))
+            best = tl.max(race, axis=0)
+            winner = tl.min(tl.where((race == best) & kept, offs, V), axis=0)  # ties: the lowest index
+    at = (row * TILES + tile) * 3
+    tl.store(masses_ptr + at, tl.sum(e.to(tl.float64), axis=0))
+    tl.store(masses_ptr + at + 1, tl.sum(tl.where(kept, e, 0.0).to(tl.float64), axis=0))
+    tl.store(masses_ptr + at + 2, best.to(tl.float64))
+    tl.store(marks_ptr + at, tl.sum(at_max.to(tl.int32), axis=0))
+    tl.store(marks_ptr + at + 1, tl.min(tl.where(at_max, offs, V), axis=0))
+    tl.store(marks_ptr + at + 2, winner)
+
+
+@triton.jit
+def _shard_fold_kernel(
+    logits_ptr, inner, outer_stride, inner_stride, V, given_ptr,
+    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p, column_base,
+    labels_ptr, masses_ptr, marks_ptr, sums_ptr, picks_ptr, TILES,
+    PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
+    RACE: tl.constexpr, TILE_BLOCK: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """The second launch: one program a row folds its tiles' records in a fixed tree (the same
+    for every batch: a row's bits do not depend on the rows beside it) into the row's sums
+    [N, 4] and picks [N, 2] (csrc/sampling.h)."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
     t, _k, _p, mp, valid = _row_params(row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
                                        PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC)  # fmt: skip
     m = tl.load(given_ptr + 2 * row).to(ACC)
-    threshold = _order_key(tl.load(given_ptr + 2 * row + 1).to(ACC))
-    inv_t = _inverse_temperature(t, valid, ACC)
-    log_min_p = tl.where(mp > 0, tl.log(mp), float("-inf")).to(ACC)
     ok = (m > float("-inf")) & (m < float("inf")) & valid
     greedy = t == 0
-    row_seed = _row_param(seeds_ptr, seed, row, PER_ROW_SEED, tl.int64)
-    k0 = (row_seed & 0xFFFFFFFF).to(tl.uint32)
-    k1 = ((row_seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    salt = tl.where(PER_ROW_SEED, 0, row).to(tl.uint32)
-    off = _row_param(offset_ptr, offset, 0, OFFSET_FROM_PTR, tl.int64)
-    c2 = (off & 0xFFFFFFFF).to(tl.uint32)
-    c3 = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    # Lane-wise state, reduced once after the loop: no reduction across threads per tile but the race's
-    # test for kept tokens, which skips Philox in the tiles that hold none (all but a few at top-k 50).
-    s = tl.zeros([BLOCK_V], tl.float64)
-    s_kept = tl.zeros([BLOCK_V], tl.float64)
-    n_max = tl.zeros([BLOCK_V], tl.int32)
-    first_max = tl.full([BLOCK_V], V, tl.int32)
-    best = tl.full([BLOCK_V], float("-inf"), ACC)
-    winner = tl.full([BLOCK_V], V, tl.int32)
-    for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        live = offs < V
-        x = tl.load(row_ptr + offs, mask=live, other=float("-inf")).to(ACC)
-        d = (x - m) * inv_t
-        e = tl.where(live, tl.exp(d), 0.0)
-        kept = live & (_order_key(x) >= threshold) & (d >= log_min_p)
-        s += e.to(tl.float64)
-        s_kept += tl.where(kept, e, 0.0).to(tl.float64)
-        at_max = live & (x == m)
-        n_max += at_max.to(tl.int32)
-        first_max = tl.minimum(first_max, tl.where(at_max, offs, V))
-        if RACE:
-            if tl.max(kept.to(tl.int32), axis=0) > 0:
-                index = (offs + column_base).to(tl.uint32)
-                zeros = tl.zeros([BLOCK_V], tl.uint32)
-                w0, w1, _w2, _w3 = philox4x32_10(index, zeros + salt, zeros + c2, zeros + c3, zeros + k0, zeros + k1)
-                race = tl.where(kept, d - tl.log(exponential_variate(w0, w1).to(ACC)), float("-inf"))
-                wins = race > best  # a lane's tiles in index order: ties keep the earlier
-                winner = tl.where(wins, offs, winner)
-                best = tl.maximum(best, race)
-    top = tl.max(best, axis=0)
-    win_at = tl.min(tl.where((best == top) & (winner < V), winner, V), axis=0).to(tl.int64)  # ties: the lowest
-    d_win = (tl.load(row_ptr + win_at, mask=win_at < V, other=0.0).to(ACC) - m) * inv_t
-    first = tl.min(first_max, axis=0).to(tl.int64)
+    tiles = tl.arange(0, TILE_BLOCK)
+    on = tiles < TILES
+    at = (row * TILES + tiles) * 3
+    s = tl.sum(tl.load(masses_ptr + at, mask=on, other=0.0), axis=0)
+    s_kept = tl.sum(tl.load(masses_ptr + at + 1, mask=on, other=0.0), axis=0)
+    n_max = tl.sum(tl.load(marks_ptr + at, mask=on, other=0), axis=0)
+    first = tl.min(tl.load(marks_ptr + at + 1, mask=on, other=V), axis=0).to(tl.int64)
     nan = float("nan")
-    s_all = tl.where(greedy, tl.sum(n_max, axis=0).to(tl.float64), tl.sum(s, axis=0))
-    s_k = tl.where(greedy, 0.0, tl.sum(s_kept, axis=0))
     if RACE:
-        third = tl.where(greedy, 0.0, top.to(tl.float64))
+        scores = tl.load(masses_ptr + at + 2, mask=on, other=float("-inf"))
+        winners = tl.load(marks_ptr + at + 2, mask=on, other=V)
+        top = tl.max(scores, axis=0)
+        win_at = tl.min(tl.where((scores == top) & (winners < V), winners, V), axis=0).to(tl.int64)  # the lowest
+        inv_t = _inverse_temperature(t, valid, ACC)
+        d_win = (tl.load(row_ptr + win_at, mask=win_at < V, other=0.0).to(ACC) - m) * inv_t
+        third = tl.where(greedy, 0.0, top)
         fourth = tl.where(greedy | (win_at >= V), 0.0, d_win.to(tl.float64))
         win = tl.where(greedy | (win_at >= V), -1, win_at + column_base)
     else:
+        threshold = _order_key(tl.load(given_ptr + 2 * row + 1).to(ACC))
+        inv_t = _inverse_temperature(t, valid, ACC)
+        log_min_p = tl.where(mp > 0, tl.log(mp), float("-inf")).to(ACC)
         label = tl.load(labels_ptr + row).to(tl.int64) - column_base
         here = (label >= 0) & (label < V)
         x_label = tl.load(row_ptr + label, mask=here, other=0.0).to(ACC)
@@ -1350,8 +1386,8 @@ def _shard_pass_kernel(
         third = tl.where(greedy, 0.0, tl.where(here, tl.where(kept_label, d_label, float("-inf")), nan).to(tl.float64))
         fourth = tl.zeros([], tl.float64)
         win = tl.full([], -1, tl.int64)
-    tl.store(sums_ptr + 4 * row, tl.where(ok, s_all, nan))
-    tl.store(sums_ptr + 4 * row + 1, tl.where(ok, s_k, nan))
+    tl.store(sums_ptr + 4 * row, tl.where(ok, tl.where(greedy, n_max.to(tl.float64), s), nan))
+    tl.store(sums_ptr + 4 * row + 1, tl.where(ok, tl.where(greedy, 0.0, s_kept), nan))
     tl.store(sums_ptr + 4 * row + 2, tl.where(ok, third, nan))
     tl.store(sums_ptr + 4 * row + 3, tl.where(ok, fourth, nan))
     tl.store(picks_ptr + 2 * row, tl.where(ok, win, -1))
@@ -1429,12 +1465,19 @@ def sample_shard_pass(logits, given, *, temperature, min_p, column_base, seed=No
     args, flags = _params(temperature, 0, 1.0, min_p)
     per_row_seed, offset_from_ptr = isinstance(seed, torch.Tensor), isinstance(offset, torch.Tensor)
     block = min(triton.next_power_of_2(vocab), _SHARD_PASS_BLOCK)
-    _shard_pass_kernel[(n_rows,)](
-        logits, *row_layout(logits), vocab, given, *args, column_base,
+    tiles = triton.cdiv(vocab, block)
+    masses = torch.empty(n_rows, tiles, 3, dtype=torch.float64, device=logits.device)
+    marks = torch.empty(n_rows, tiles, 3, dtype=torch.int32, device=logits.device)
+    given_bits = given.view(torch.int64 if acc_tl == tl.float64 else torch.int32)
+    _shard_tile_kernel[(n_rows, tiles)](
+        logits, *row_layout(logits), vocab, given_bits, *args, column_base,
         seed if per_row_seed else None, 0 if per_row_seed or seed is None else seed,
-        offset if offset_from_ptr else None, 0 if offset_from_ptr else offset, labels, sums, picks,
-        **flags, RACE=labels is None,
-        PER_ROW_SEED=per_row_seed, OFFSET_FROM_PTR=offset_from_ptr, BLOCK_V=block, ACC=acc_tl,
-        num_warps=4, **_EXACT,
+        offset if offset_from_ptr else None, 0 if offset_from_ptr else offset, masses, marks, tiles,
+        **flags, RACE=labels is None, PER_ROW_SEED=per_row_seed, OFFSET_FROM_PTR=offset_from_ptr, BLOCK_V=block,
+        ACC=acc_tl, num_warps=4, **_EXACT,
+    )  # fmt: skip
+    _shard_fold_kernel[(n_rows,)](
+        logits, *row_layout(logits), vocab, given, *args, column_base, labels, masses, marks, sums, picks, tiles,
+        **flags, RACE=labels is None, TILE_BLOCK=triton.next_power_of_2(tiles), ACC=acc_tl, num_warps=4, **_EXACT,
     )  # fmt: skip
     return sums, picks

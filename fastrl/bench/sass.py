@@ -188,13 +188,14 @@ BUDGETS: dict[str, Budget] = {
     ),
     "sample rows": Budget(why="one program a row folds its tiles' statistics: latency-bound by design"),
     "sample list": Budget(why="one program a row over its candidate list: latency-bound by design"),
-    # The tensor-parallel sampler's pass over a rank's shard (kernels/sampling.py, _shard_pass_kernel): one
-    # read of the row, Philox in the tiles holding kept tokens only (the model counts it in every tile).
-    # One program a row: a batch below the SM count leaves SMs idle, against the call's dozen collectives.
-    "sample shard pass": Budget(
-        vector_loads=True, max_passes=1,
-        why="issue 16: one read of the shard's row, 128-bit loads",
+    # The tensor-parallel sampler's pass over a rank's shard (kernels/sampling.py, _shard_tile_kernel): a
+    # program a tile, Philox in the tiles holding kept tokens only (the model counts it in every tile);
+    # then one program a row folds the tiles' records (_shard_fold_kernel).
+    "sample shard tiles": Budget(
+        vector_loads=True, min_active_sms=0.5, max_passes=1,
+        why="issue 16: one read of the shard's row, 128-bit loads, every SM busy",
     ),
+    "sample shard fold": Budget(why="one program a row over its tiles' records: latency-bound by design"),
     # A round of its threshold search (_digit_histogram_kernel): one read of the row, an integer atomic
     # a counted token.
     "sample shard histogram": Budget(

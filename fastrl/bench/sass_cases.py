@@ -163,7 +163,7 @@ def _truncated(n: int, v: int, dtype: torch.dtype) -> Callable[[], None]:
 
 def _shard_pass(batch: int, v: int) -> Callable[[], None]:
     """A tp = 2 rank's sample at top-k 50 (fastrl.vocab_parallel): the top-k radix select's two
-    rounds over the shard (bf16 keys), then the shard pass."""
+    rounds over the shard (bf16 keys), then the shard pass (its tiles, then their fold)."""
     from fastrl.kernels import sampling
 
     def run() -> None:
@@ -221,7 +221,7 @@ def _sampling_cases() -> list[Case]:
                         compaction=COMPACTION))  # fmt: skip
     for batch in (64, 1024):  # the tensor-parallel sampler's read of a rank's shard (tp = 2)
         out.append(Case("sample shard top-k 50", (batch, SHARD_VOCAB), BF16,
-                        ("sample shard histogram", "sample shard histogram", "sample shard pass"),
+                        ("sample shard histogram", "sample shard histogram", "sample shard tiles", "sample shard fold"),
                         _shard_pass(batch, SHARD_VOCAB)))  # fmt: skip
     n, v, dtype = TRUNCATED_SHAPE
     out.append(Case("truncated_logprobs top-k 50 fwd+bwd", (n, v), dtype,
