@@ -946,6 +946,19 @@ def _split_compact_kernel(
 
 
 @triton.jit
+def _race_key(row, seeds_ptr, seed, offset_ptr, offset, PER_ROW_SEED: tl.constexpr, OFFSET_FROM_PTR: tl.constexpr):
+    """The race's Philox key and counter words but the first (the vocabulary index): (k0, k1) =
+    the row's seed, then (salt, offset low, offset high), salt = the row for a batch-wide seed
+    and 0 for per-row seeds (fastrl/sampling.py)."""
+    row_seed = _row_param(seeds_ptr, seed, row, PER_ROW_SEED, tl.int64)
+    k0 = (row_seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((row_seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    salt = tl.where(PER_ROW_SEED, 0, row).to(tl.uint32)
+    off = _row_param(offset_ptr, offset, 0, OFFSET_FROM_PTR, tl.int64)
+    return k0, k1, salt, (off & 0xFFFFFFFF).to(tl.uint32), ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
@@ -970,15 +983,8 @@ def _sample_kernel(
         LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
     )  # fmt: skip
 
-    # Philox key = the row's seed; counter = (vocab index, salt, offset): the
-    # list's entries draw the variates of their own tokens.
-    row_seed = _row_param(seeds_ptr, seed, row, PER_ROW_SEED, tl.int64)
-    k0 = (row_seed & 0xFFFFFFFF).to(tl.uint32)
-    k1 = ((row_seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    salt = tl.where(PER_ROW_SEED, 0, row).to(tl.uint32)
-    off = _row_param(offset_ptr, offset, 0, OFFSET_FROM_PTR, tl.int64)
-    c2 = (off & 0xFFFFFFFF).to(tl.uint32)
-    c3 = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    # The list's entries draw the variates of their own tokens.
+    k0, k1, salt, c2, c3 = _race_key(row, seeds_ptr, seed, offset_ptr, offset, PER_ROW_SEED, OFFSET_FROM_PTR)
     best = tl.full([], float("-inf"), ACC)
     winner = arg  # only if every kept draw lost (E = inf, ~2^-25 each)
     if (~bad) & (~greedy):
@@ -1316,13 +1322,8 @@ def _shard_tile_kernel(
     winner = V + tl.zeros([], tl.int32)
     if RACE:
         if tl.max(kept.to(tl.int32), axis=0) > 0:
-            row_seed = _row_param(seeds_ptr, seed, row, PER_ROW_SEED, tl.int64)
-            k0 = (row_seed & 0xFFFFFFFF).to(tl.uint32)
-            k1 = ((row_seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-            salt = tl.where(PER_ROW_SEED, 0, row).to(tl.uint32)
-            off = _row_param(offset_ptr, offset, 0, OFFSET_FROM_PTR, tl.int64)
-            c2 = (off & 0xFFFFFFFF).to(tl.uint32)
-            c3 = ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)
+            k0, k1, salt, c2, c3 = _race_key(row, seeds_ptr, seed, offset_ptr, offset, PER_ROW_SEED,
+                                             OFFSET_FROM_PTR)  # fmt: skip
             zeros = tl.zeros([BLOCK_V], tl.uint32)
             w0, w1, _w2, _w3 = philox4x32_10((offs + column_base).to(tl.uint32), zeros + salt, zeros + c2,
                                              zeros + c3, zeros + k0, zeros + k1)  # fmt: skip
