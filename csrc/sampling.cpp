@@ -503,14 +503,15 @@ void shard_pass_impl(const TruncationArgs& a, const RandomArgs* rng, int64_t col
     out[0] = out[1] = out[2] = out[3] = quiet_nan<double>();
     pick[0] = pick[1] = -1;
     if (!(sel.m > neg_inf<Acc>() && sel.m < std::numeric_limits<Acc>::infinity()) || !prm.valid()) continue;
-    int64_t first_max = -1, n_max = 0;
-    for (int64_t i = 0; i < a.vocab; ++i) {
-      if (load_as<Acc>(x, i) != sel.m) continue;
-      if (first_max < 0) first_max = i;
-      ++n_max;
-    }
-    pick[1] = first_max < 0 ? -1 : column_base + first_max;
+    int64_t first_max = -1;
     if (prm.t == 0) {  // greedy: the maxima alone
+      int64_t n_max = 0;
+      for (int64_t i = 0; i < a.vocab; ++i) {
+        if (load_as<Acc>(x, i) != sel.m) continue;
+        if (first_max < 0) first_max = i;
+        ++n_max;
+      }
+      pick[1] = first_max < 0 ? -1 : column_base + first_max;
       out[0] = double(n_max);
       out[1] = out[2] = out[3] = 0;
       continue;
@@ -528,6 +529,7 @@ void shard_pass_impl(const TruncationArgs& a, const RandomArgs* rng, int64_t col
       const Acc d = (v - sel.m) * sel.inv_t;
       const Acc e = exp_approx(d);
       s += e;
+      if (v == sel.m && first_max < 0) first_max = i;
       if (!is_kept(sel, v)) continue;
       s_kept += e;
       if (!racing) continue;
@@ -541,6 +543,7 @@ void shard_pass_impl(const TruncationArgs& a, const RandomArgs* rng, int64_t col
     }
     out[0] = s;
     out[1] = s_kept;
+    pick[1] = first_max < 0 ? -1 : column_base + first_max;
     if (racing) {
       out[2] = best;
       out[3] = d_best;
