@@ -164,10 +164,9 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "shard_digit_histogram",
       [](const TruncationTuple& t, std::uintptr_t prefix, int shift, std::uintptr_t given, double unit_scale,
-         std::uintptr_t counts, std::uintptr_t units) {
+         std::uintptr_t hist) {
         fastrl::shard_digit_histogram(truncation_args(t), reinterpret_cast<const int64_t*>(prefix), shift,
-                                      cptr(given), unit_scale, static_cast<int64_t*>(mptr(counts)),
-                                      static_cast<int64_t*>(mptr(units)));
+                                      cptr(given), unit_scale, static_cast<int64_t*>(mptr(hist)));
       },
       py::call_guard<py::gil_scoped_release>());
 

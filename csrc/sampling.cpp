@@ -562,17 +562,17 @@ void shard_pass_impl(const TruncationArgs& a, const RandomArgs* rng, int64_t col
 // shard_digit_histogram (sampling.h): one read of the shard's row.
 template <typename In, typename Acc>
 void digit_histogram_impl(const TruncationArgs& a, const int64_t* prefix, int shift, const Acc* given,
-                          double unit_scale, int64_t* counts, int64_t* units) {
+                          double unit_scale, int64_t* hist) {
   using Key = KeyOf<Acc>;
   constexpr int kKeyBits = int(sizeof(Key)) * 8;
   const int above = shift + 8;  // the prefix's bits: those above the digit (none in the first round)
 #pragma omp parallel for schedule(static) if (a.n_rows > 1)
   for (int64_t r = 0; r < a.n_rows; ++r) {
     const In* x = static_cast<const In*>(a.logits) + a.rows.offset(r);
-    int64_t* count = counts + 256 * r;
-    int64_t* unit = units ? units + 256 * r : nullptr;
-    std::fill(count, count + 256, int64_t(0));
-    if (unit) std::fill(unit, unit + 256, int64_t(0));
+    const int planes = given ? 2 : 1;
+    int64_t* count = hist + planes * 256 * r;
+    int64_t* unit = given ? count + 256 : nullptr;
+    std::fill(count, count + planes * 256, int64_t(0));
     const Key want = Key(uint64_t(prefix[r]));
     const Acc m = given ? given[2 * r] : Acc(0), floor = given ? given[2 * r + 1] : neg_inf<Acc>();
     const RowParams<Acc> prm = row_params<Acc>(a, r);
@@ -627,10 +627,10 @@ void sample_shard_pass(const TruncationArgs& a, const RandomArgs* rng, int64_t c
 }
 
 void shard_digit_histogram(const TruncationArgs& a, const int64_t* prefix, int shift, const void* given,
-                           double unit_scale, int64_t* counts, int64_t* units) {
+                           double unit_scale, int64_t* hist) {
   FASTRL_DISPATCH_LOGITS(a.dtype, "shard_digit_histogram",
                          (digit_histogram_impl<In, Acc>(a, prefix, shift, static_cast<const Acc*>(given),
-                                                        unit_scale, counts, units)))
+                                                        unit_scale, hist)))
 }
 
 }  // namespace fastrl

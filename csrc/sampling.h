@@ -86,14 +86,14 @@ void sample_shard_pass(const TruncationArgs& args, const RandomArgs* rng, int64_
                        int64_t* picks);
 
 // One round of the tensor-parallel sampler's threshold search (fastrl/vocab_parallel.py):
-// for each row, the histogram counts [n_rows, 256] int64 of the 8-bit digit at `shift`
-// of the order keys (as sample's top-k compares them) of the row's tokens whose key
-// agrees with prefix[r] (the key's bits, in int64) above that digit. With given
-// [n_rows, 2] (max m, floor; accumulation type) only the tokens x >= floor count,
-// and units [n_rows, 256] int64 sums their masses in fixed point, exp((x - m) / T) *
-// unit_scale rounded to nearest (exact in any order; the ranks add them so; the caller
-// picks a scale at which V of them cannot overflow).
+// for each row, hist[r][0] (int64 [256]) counts the 8-bit digit at `shift` of the
+// order keys (as sample's top-k compares them) of the row's tokens whose key agrees
+// with prefix[r] (the key's bits, in int64) above that digit. With given [n_rows, 2]
+// (max m, floor; accumulation type) only the tokens x >= floor count, and hist[r][1]
+// sums their masses in fixed point, exp((x - m) / T) * unit_scale rounded to nearest
+// (exact in any order; the ranks add them so; the caller picks a scale at which V of
+// them cannot overflow). hist: [n_rows, 1 or (with given) 2, 256].
 void shard_digit_histogram(const TruncationArgs& args, const int64_t* prefix, int shift,
-                           const void* given, double unit_scale, int64_t* counts, int64_t* units);
+                           const void* given, double unit_scale, int64_t* hist);
 
 }  // namespace fastrl

@@ -182,16 +182,13 @@ def truncated_backward(logits, labels, stats, grad_logprob, grad_out, *, tempera
 
 
 def shard_digit_histogram(logits, prefix, shift, given=None, *, temperature=1.0, unit_scale=0.0):
-    """(counts [N, 256] int64, units [N, 256] int64 or None) of one round of the tensor-parallel
-    sampler's threshold search (csrc/sampling.h, shard_digit_histogram)."""
-    n_rows = row_count(logits)
-    counts = torch.empty(n_rows, 256, dtype=torch.int64, device=logits.device)
-    units = torch.empty(n_rows, 256, dtype=torch.int64, device=logits.device) if given is not None else None
+    """The contract of ``fastrl.kernels.sampling.shard_digit_histogram``, on the C++ kernels."""
+    hist = torch.empty(row_count(logits), 1 if given is None else 2, 256, dtype=torch.int64, device=logits.device)
     native_module().shard_digit_histogram(
         _truncation(logits, temperature, 0, 1.0, 0.0), prefix.data_ptr(), shift, _ptr(given), unit_scale,
-        counts.data_ptr(), _ptr(units),
+        hist.data_ptr(),
     )  # fmt: skip
-    return counts, units
+    return hist
 
 
 def sample_shard_pass(logits, given, *, temperature, min_p, column_base, seed=None, offset=0, labels=None):

@@ -256,6 +256,24 @@ def _sample_shard_pass_fake(logits, *args):
     return _new(logits, n_rows, 4, dtype=torch.float64), _new(logits, n_rows, 2, dtype=torch.int64)
 
 
+def _shard_digit_histogram(logits, prefix, shift, given, temperature_rows, temperature, unit_scale, backend):
+    return launchers(backend, "sampling").shard_digit_histogram(
+        logits, prefix, shift, given, temperature=row_param(temperature_rows, temperature), unit_scale=unit_scale
+    )
+
+
+def _shard_digit_histogram_fake(logits, prefix, shift, given, *args):
+    return _new(logits, math.prod(logits.shape[:-1]), 1 if given is None else 2, 256, dtype=torch.int64)
+
+
+# A round of the tensor-parallel sampler's threshold search (fastrl.vocab_parallel).
+shard_digit_histogram = _define(
+    "shard_digit_histogram(Tensor logits, Tensor prefix, int shift, Tensor? given, " + _TEMPERATURE
+    + ", float unit_scale, str backend) -> Tensor",
+    _shard_digit_histogram, _shard_digit_histogram_fake,
+)  # fmt: skip
+
+
 # A vocabulary shard's pass of the tensor-parallel sampler (fastrl.vocab_parallel): the race
 # (labels None) or the truncated log-prob's terms (labels given), from the agreed max and threshold.
 sample_shard_pass = _define(

@@ -691,12 +691,10 @@ def _digit_histograms(rows, shard: Shard, prefix, shift, backend, params, floor=
     n_rows = prefix.shape[0]
     acc = reference.compute_dtype(rows)
     if backend != "reference":
-        given = None if floor is None else torch.stack([m, floor], -1).contiguous()
-        counts, units = _ops.launchers(backend, "sampling").shard_digit_histogram(
-            rows, prefix.contiguous(), shift, given, temperature=params["temperature"],
-            unit_scale=_mass_units(shard.vocab),
-        )  # fmt: skip
-        hist = torch.stack([counts] if units is None else [counts, units], 1)
+        given = None if floor is None else torch.stack([m, floor], -1)
+        hist = _ops.shard_digit_histogram(rows, prefix.contiguous(), shift, given,
+                                          *_ops.split_row_param(params["temperature"]), _mass_units(shard.vocab),
+                                          backend)  # fmt: skip
     else:
         hist = torch.zeros(n_rows, 1 if floor is None else 2, 257, dtype=torch.int64, device=prefix.device)
         t = reference._per_row(params["temperature"], (n_rows,), acc, prefix.device)[:, 0]
@@ -758,6 +756,12 @@ def _top_p_threshold(rows, shard: Shard, p, floor, m, backend, params) -> torch.
     return _key_values(_completed_key(prefix, dtype), reference.compute_dtype(rows))
 
 
+def _kept(x, d, tau, min_p):
+    """The kept tokens of [N, V_r] logits ``x`` with d = (x - M) / T, given each row's threshold
+    ``tau`` [N, 1] and ``min_p`` [N]: x >= tau and d >= log(min_p) (sampling.py's kept set)."""
+    return (x >= tau) & ((d >= torch.log(min_p).unsqueeze(-1)) | (min_p <= 0).unsqueeze(-1))
+
+
 def _reference_shard_pass(rows, given, temps, temp_scalar, min_p, shard: Shard, seed=None, offset=0, labels=None):
     """The shard pass (csrc/sampling.h, sample_shard_pass) in plain torch: the reference backend's."""
     outer, inner, vocab = rows.shape
@@ -769,7 +773,7 @@ def _reference_shard_pass(rows, given, temps, temp_scalar, min_p, shard: Shard, 
     m, tau = given[:, :1], given[:, 1:]
     greedy = (t == 0).unsqueeze(-1)
     d = (x - m) * torch.where(greedy, 1.0, 1.0 / t.unsqueeze(-1))
-    kept = (x >= tau) & ((d >= torch.log(mp).unsqueeze(-1)) | (mp <= 0).unsqueeze(-1))
+    kept = _kept(x, d, tau, mp)
     e = torch.exp(d).double()
     at_max = x == m
     columns = torch.arange(vocab, device=x.device) + shard.start
@@ -958,7 +962,7 @@ def _reference_truncated_backward(rows, labels, stats, label_kept, grad_out, par
     inv_t = torch.where(t > 0, 1.0 / torch.where(t > 0, t, 1.0), 0.0).unsqueeze(-1)
     m, log_kept, tau = stats.unbind(-1)
     d = (x - m.unsqueeze(-1)) * inv_t
-    kept = (x >= tau.unsqueeze(-1)) & ((d >= torch.log(mp).unsqueeze(-1)) | (mp <= 0).unsqueeze(-1))
+    kept = _kept(x, d, tau.unsqueeze(-1), mp)
     q = torch.where(kept, torch.exp(d - log_kept.unsqueeze(-1)), 0.0)
     scale = torch.where(label_kept & (t > 0), grad_out * inv_t.squeeze(-1), 0.0)
     scale = torch.where(m.isnan() | log_kept.isnan(), torch.nan, scale).unsqueeze(-1)

@@ -1398,13 +1398,13 @@ def _shard_fold_kernel(
 @triton.jit
 def _digit_histogram_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V, prefix_ptr, given_ptr, temps_ptr, temp, unit_scale,
-    counts_ptr, units_ptr, SHIFT: tl.constexpr, PER_ROW_T: tl.constexpr, WEIGHTED: tl.constexpr,
+    hist_ptr, SHIFT: tl.constexpr, PER_ROW_T: tl.constexpr, WEIGHTED: tl.constexpr,
     BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """csrc/sampling.h's shard_digit_histogram: a program a tile of a row (grid axis 1: the tiles)
     adds each counted token to its digit's bin with an integer atomic (exact: the same sums in any
-    order, so a row's bins do not depend on how its tiles are spread); counts and units arrive
-    zeroed."""
+    order, so a row's bins do not depend on how its tiles are spread); ``hist`` [N, 1 or 2, 256]
+    (counts, then with WEIGHTED mass units) arrives zeroed."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
     KEY_BITS: tl.constexpr = 64 if ACC == tl.float64 else 32
@@ -1416,7 +1416,7 @@ def _digit_histogram_kernel(
         t = _row_param(temps_ptr, temp, row, PER_ROW_T, ACC)
         inv_t = tl.where(t > 0, 1.0 / t, 1.0).to(ACC)
         scale = float_scalar(unit_scale, tl.float64)
-    bins = row * 256
+    counts_ptr = hist_ptr + row * (512 if WEIGHTED else 256)
     offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     x = tl.load(row_ptr + offs, mask=offs < V, other=0.0).to(ACC)
     key = _order_key(x)
@@ -1426,30 +1426,30 @@ def _digit_histogram_kernel(
     if WEIGHTED:
         counted &= x >= floor
     digit = ((key >> SHIFT) & 0xFF).to(tl.int32)
-    tl.atomic_add(counts_ptr + bins + digit, tl.full([BLOCK_V], 1, tl.int64), mask=counted, sem="relaxed")
+    tl.atomic_add(counts_ptr + digit, tl.full([BLOCK_V], 1, tl.int64), mask=counted, sem="relaxed")
     if WEIGHTED:
         # (e <= 1 below the row's max; the minimum keeps a row the caller ignores (bad) from overflowing)
         e = tl.minimum(tl.exp((x - m) * inv_t), 1.0).to(tl.float64)
         units = (e * scale + 0.5).to(tl.int64)
-        tl.atomic_add(units_ptr + bins + digit, units, mask=counted & (units > 0), sem="relaxed")
+        tl.atomic_add(counts_ptr + 256 + digit, units, mask=counted & (units > 0), sem="relaxed")
 
 
 def shard_digit_histogram(logits, prefix, shift, given=None, *, temperature=1.0, unit_scale=0.0):
-    """(counts [N, 256] int64, units [N, 256] int64 or None) of one round of the tensor-parallel
-    sampler's threshold search (csrc/sampling.h, shard_digit_histogram)."""
+    """hist [N, 1 or (with ``given``) 2, 256] int64 of one round of the tensor-parallel sampler's
+    threshold search (csrc/sampling.h, shard_digit_histogram): each row's digit counts, and with
+    ``given`` (max, floor) [N, 2] the counted tokens' mass units."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
     _, acc_tl = _acc(logits)
-    counts = torch.zeros(n_rows, 256, dtype=torch.int64, device=logits.device)
-    units = torch.zeros(n_rows, 256, dtype=torch.int64, device=logits.device) if given is not None else None
+    hist = torch.zeros(n_rows, 1 if given is None else 2, 256, dtype=torch.int64, device=logits.device)
     per_row_t = isinstance(temperature, torch.Tensor)
     block = min(triton.next_power_of_2(vocab), _SHARD_PASS_BLOCK)
     _digit_histogram_kernel[(n_rows, triton.cdiv(vocab, block))](
         logits, *row_layout(logits), vocab, prefix, given, temperature if per_row_t else None,
-        0 if per_row_t else float_scalar_arg(temperature), float_scalar_arg(float(unit_scale)), counts, units,
+        0 if per_row_t else float_scalar_arg(temperature), float_scalar_arg(float(unit_scale)), hist,
         SHIFT=shift, PER_ROW_T=per_row_t, WEIGHTED=given is not None, BLOCK_V=block, ACC=acc_tl, num_warps=4,
         **_EXACT,
     )  # fmt: skip
-    return counts, units
+    return hist
 
 
 def sample_shard_pass(logits, given, *, temperature, min_p, column_base, seed=None, offset=0, labels=None):

@@ -158,6 +158,8 @@ def _opcheck_cases(device: str, backend: str) -> dict:
         # (a vocabulary shard's: its columns start at 33 of a 66-entry vocabulary)
         "sample_shard_pass": (logits, truncated_stats[:, :2].contiguous(), temps, 0.0, None, 0.01, 33, None, 11,
                               torch.zeros(1, dtype=torch.int64, device=dev), 0, None, backend),  # fmt: skip
+        "shard_digit_histogram": (logits, torch.zeros(4, dtype=torch.int64, device=dev), 16,
+                                  truncated_stats[:, :2].contiguous(), temps, 0.0, 2.0**44, backend),  # fmt: skip
         "kl_penalty_forward": (lp.flatten(), old.flatten(), 3, backend),
         "kl_penalty_backward": (lp.flatten(), old.flatten(), torch.ones(18, device=dev), 3, True, backend),
         "full_kl_forward": (logits, logits.flip(1), None, 0.9, True, backend),
