@@ -12,6 +12,7 @@
 
 #include "common.h"
 #include "gemm.h"
+#include "isa.h"
 #include "kl.h"
 #include "logprobs.h"
 #include "philox.h"
@@ -74,16 +75,12 @@ fastrl::PolicyArgs policy_args(const PolicyTuple& t) {
           dtype, n_rows, length, estimator, clip_low, clip_high, dual_clip, clip_c, sequence, with_pg};
 }
 
-const char* cpu_isa() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return "x86-64-v4 (AVX-512)";
-  if (__builtin_cpu_supports("avx2")) return "x86-64-v3 (AVX2)";
-  return "x86-64 (SSE2)";
-#else
-  return "generic";
-#endif
-}
+// The x86-64 levels by the names FASTRL_CPU_ISA takes (fastrl/_backend.py).
+constexpr std::pair<const char*, fastrl::Isa> kIsaLevels[] = {
+    {"x86-64-v4", fastrl::Isa::kAvx512},
+    {"x86-64-v3", fastrl::Isa::kAvx2},
+    {"x86-64", fastrl::Isa::kBaseline},
+};
 
 }  // namespace
 
@@ -291,6 +288,23 @@ PYBIND11_MODULE(_C, m) {
     return py::make_tuple(r.w[0], r.w[1], r.w[2], r.w[3]);
   });
 
+  m.def(
+      "set_cpu_isa",
+      [](const std::string& level) {
+        for (const auto& [name, isa] : kIsaLevels) {
+          if (level == name) return fastrl::set_active_isa(isa);
+        }
+        throw std::invalid_argument("unknown x86-64 level '" + level + "' (x86-64-v4, x86-64-v3 or x86-64)");
+      },
+      "Runs the CPU kernels at this x86-64 level (x86-64-v4, x86-64-v3, x86-64) from the next call on; "
+      "ValueError for a level this CPU lacks.");
+  m.def("cpu_isa_levels", []() {
+    std::vector<std::string> levels;
+    for (const auto& [name, isa] : kIsaLevels) {
+      if (isa <= fastrl::best_isa()) levels.emplace_back(name);
+    }
+    return levels;
+  }, "The x86-64 levels this CPU runs, best first.");
   m.def("build_info", []() {
     py::dict d;
 #ifdef _OPENMP
@@ -298,7 +312,8 @@ PYBIND11_MODULE(_C, m) {
 #else
     d["openmp_threads"] = 0;  // built without OpenMP: one thread
 #endif
-    d["cpu_isa"] = cpu_isa();
+    d["cpu_isa"] = fastrl::isa_name(fastrl::active_isa());
+    d["cpu_isa_best"] = fastrl::isa_name(fastrl::best_isa());
     d["bf16_gemm"] = fastrl::gemm_bf16_supported();
     return d;
   });

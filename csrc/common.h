@@ -1,5 +1,6 @@
 // Shared pieces of fastrl's native CPU kernels: dtype codes, element loads and
-// stores, a vectorisable exp, the ISA-clone attribute, and the dtype dispatch.
+// stores, a vectorisable exp and the dtype dispatch (isa.h compiles the kernels per
+// x86-64 level).
 //
 // The extension does not link libtorch. Python passes raw data pointers, sizes,
 // strides and a dtype code (DType below), and each kernel switches on the code
@@ -25,23 +26,18 @@ enum DType : int {
   kInt64 = 11,
 };
 
-// bfloat16 is stored as its raw 16 bits; fp16 uses the compiler's _Float16,
-// whose conversions are exactly rounded (hardware F16C where the clone has it).
+// bfloat16 and float16 are stored as their raw 16 bits and converted with
+// integer and float operations that vectorise at every x86-64 level (GCC
+// leaves the compiler's _Float16 conversions scalar in the gradient loops, and
+// calls libgcc for them on the SSE2 baseline).
 struct BF16 {
   uint16_t bits;
 };
-using F16 = _Float16;
+struct F16 {
+  uint16_t bits;
+};
 
 #define FASTRL_INLINE inline __attribute__((always_inline))
-
-// Row kernels are compiled once per x86-64 level and picked at load time, so
-// one wheel uses AVX-512 / AVX2 where the CPU has them and plain SSE2 elsewhere.
-#if defined(__x86_64__) && !defined(__clang__)
-#define FASTRL_ISA_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define FASTRL_ISA_CLONES
-#endif
 
 FASTRL_INLINE float bits_to_float(uint32_t u) {
   float f;
@@ -59,8 +55,18 @@ template <typename Acc>
 FASTRL_INLINE Acc load_as(const float* p, int64_t i) { return static_cast<Acc>(p[i]); }
 template <typename Acc>
 FASTRL_INLINE Acc load_as(const double* p, int64_t i) { return static_cast<Acc>(p[i]); }
+// float16 -> float, exact: the 15 exponent-and-mantissa bits moved to a float's
+// place and scaled by 2^112 (= 2^(127 - 15)), which rebiases the exponent and
+// turns a float16 subnormal into the float it stands for; inf and NaN keep an
+// all-ones exponent.
 template <typename Acc>
-FASTRL_INLINE Acc load_as(const F16* p, int64_t i) { return static_cast<Acc>(p[i]); }
+FASTRL_INLINE Acc load_as(const F16* p, int64_t i) {
+  const uint32_t h = p[i].bits;
+  const uint32_t magnitude = (h & 0x7fffu) << 13;
+  const uint32_t finite = float_to_bits(bits_to_float(magnitude) * 0x1p112f);
+  const uint32_t u = (h & 0x7fffu) >= 0x7c00u ? (magnitude | 0x7f800000u) : finite;
+  return static_cast<Acc>(bits_to_float(u | ((h & 0x8000u) << 16)));
+}
 template <typename Acc>
 FASTRL_INLINE Acc load_as(const BF16* p, int64_t i) {
   return static_cast<Acc>(bits_to_float(static_cast<uint32_t>(p[i].bits) << 16));
@@ -71,8 +77,19 @@ template <typename Acc>
 FASTRL_INLINE void store_from(float* p, int64_t i, Acc v) { p[i] = static_cast<float>(v); }
 template <typename Acc>
 FASTRL_INLINE void store_from(double* p, int64_t i, Acc v) { p[i] = static_cast<double>(v); }
+// float -> float16 with round-to-nearest-even: a NaN stays a (quiet) NaN, from
+// 65520 up rounds to inf, below 2^-14 the float addition of 0.5 rounds the
+// subnormal's mantissa into the low bits, and a normal value is rebiased with
+// the dropped 13 bits rounded to even as for bfloat16.
 template <typename Acc>
-FASTRL_INLINE void store_from(F16* p, int64_t i, Acc v) { p[i] = static_cast<F16>(static_cast<float>(v)); }
+FASTRL_INLINE void store_from(F16* p, int64_t i, Acc v) {
+  const uint32_t u = float_to_bits(static_cast<float>(v));
+  const uint32_t a = u & 0x7fffffffu;
+  const uint32_t subnormal = float_to_bits(bits_to_float(a) + 0.5f) - 0x3f000000u;
+  const uint32_t normal = (a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13;  // 0xc8000000: (15 - 127) << 23
+  const uint32_t h = a > 0x7f800000u ? 0x7e00u : a >= 0x477ff000u ? 0x7c00u : a < 0x38800000u ? subnormal : normal;
+  p[i].bits = static_cast<uint16_t>(h | ((u >> 16) & 0x8000u));
+}
 template <typename Acc>
 FASTRL_INLINE void store_from(BF16* p, int64_t i, Acc v) {
   const uint32_t u = float_to_bits(static_cast<float>(v));
@@ -82,10 +99,11 @@ FASTRL_INLINE void store_from(BF16* p, int64_t i, Acc v) {
   p[i].bits = static_cast<uint16_t>(is_nan ? 0x7fc0u : rounded);
 }
 
-// exp(x) for x <= 0 (or NaN) in float, written so that the compiler vectorises
-// it inside simd loops (libm's expf is a scalar call). Every caller passes a
-// logit minus the row max, scaled by 1/T > 0, so x > 0 never occurs and needs
-// no clamp. Range reduction x = n ln2 + r with |r| <= ln2 / 2, a degree-6
+// exp(x) for x <= 20 (or NaN) in float, written so that the compiler vectorises
+// it inside simd loops (libm's expf is a scalar call). The softmax kernels pass
+// a logit minus the row max, scaled by 1/T > 0, so x <= 0; the policy and KL
+// kernels a log-ratio clamped to [-20, 20]. Nothing clamps the top: 2^n stays
+// a normal float up to x = 88. Range reduction x = n ln2 + r with |r| <= ln2 / 2, a degree-6
 // polynomial for e^r (the classic Cephes expf coefficients, about 1 ulp), and
 // 2^n assembled in the exponent bits. Below -87.3 the result would be
 // subnormal; it is flushed to 0, which changes no sum of exponentials here by
@@ -112,6 +130,23 @@ FASTRL_INLINE float exp_approx(float x) {
   return x < lo ? 0.0f : res;
 }
 FASTRL_INLINE double exp_approx(double x) { return std::exp(x); }
+
+// cond ? a : b as bit operations, for token loops that must vectorise: as a
+// ternary, GCC moves a load that feeds only one side under a branch, and a
+// loop with a conditional load stays scalar where the ISA has no masked load.
+FASTRL_INLINE float select_bits(bool cond, float a, float b) {
+  const uint32_t m = 0u - static_cast<uint32_t>(cond);
+  return bits_to_float((float_to_bits(a) & m) | (float_to_bits(b) & ~m));
+}
+FASTRL_INLINE double select_bits(bool cond, double a, double b) {
+  uint64_t ua, ub;
+  std::memcpy(&ua, &a, sizeof a);
+  std::memcpy(&ub, &b, sizeof b);
+  const uint64_t m = 0ull - static_cast<uint64_t>(cond), u = (ua & m) | (ub & ~m);
+  double r;
+  std::memcpy(&r, &u, sizeof r);
+  return r;
+}
 
 template <typename Acc>
 constexpr Acc neg_inf() { return -std::numeric_limits<Acc>::infinity(); }

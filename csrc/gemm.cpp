@@ -23,6 +23,7 @@
 #include <stdexcept>
 
 #include "common.h"
+#include "isa.h"
 
 #if defined(__x86_64__) && !defined(__clang__)
 #define FASTRL_HAVE_BF16_GEMM 1
@@ -142,6 +143,9 @@ FASTRL_BF16_TARGET void micro_kernel(const uint32_t* a_panel, const uint32_t* b_
 
 bool gemm_bf16_supported() {
 #ifdef FASTRL_HAVE_BF16_GEMM
+  // Off below the AVX-512 level (FASTRL_CPU_ISA), so a forced level runs what
+  // such a CPU would.
+  if (active_isa() != Isa::kAvx512) return false;
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl");

@@ -45,6 +45,7 @@
 #include <algorithm>
 
 #include "common.h"
+#include "isa.h"
 #include "softmax_stats.h"
 
 namespace fastrl {
@@ -53,17 +54,39 @@ namespace {
 // kl_penalty works on spans of this many tokens, one span per OpenMP task.
 constexpr int64_t kSpan = 4096;
 
-template <typename Acc>
-FASTRL_ISA_CLONES void kl_penalty_span(const Acc* logp, const Acc* ref, int64_t n, int estimator,
-                                       Acc* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = kl_estimate(estimator, false, logp[i] - ref[i]).value;
+// The estimator (and straight_through) are template arguments, so that the
+// element loops vectorise (kl_estimate).
+template <typename Acc, int ESTIMATOR>
+FASTRL_INLINE void kl_penalty_span_body(const Acc* logp, const Acc* ref, int64_t n, Acc* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = kl_estimate<ESTIMATOR, false>(logp[i] - ref[i]).value;
+}
+
+template <typename Acc, int ESTIMATOR, bool STRAIGHT_THROUGH>
+FASTRL_INLINE void kl_penalty_grad_span_body(const Acc* logp, const Acc* ref, const Acc* grad, int64_t n,
+                                             Acc* grad_logp) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i)
+    grad_logp[i] = grad[i] * kl_estimate<ESTIMATOR, STRAIGHT_THROUGH>(logp[i] - ref[i]).grad;
 }
 
 template <typename Acc>
-FASTRL_ISA_CLONES void kl_penalty_grad_span(const Acc* logp, const Acc* ref, const Acc* grad, int64_t n,
-                                            int estimator, bool straight_through, Acc* grad_logp) {
-  for (int64_t i = 0; i < n; ++i)
-    grad_logp[i] = grad[i] * kl_estimate(estimator, straight_through, logp[i] - ref[i]).grad;
+void kl_penalty_span(const Acc* logp, const Acc* ref, int64_t n, int estimator, Acc* out) {
+  isa_dispatch([&]() FASTRL_ISA_BODY {
+    FASTRL_WITH_ESTIMATOR(estimator, kl_penalty_span_body, , (logp, ref, n, out))
+  });
+}
+
+template <typename Acc>
+void kl_penalty_grad_span(const Acc* logp, const Acc* ref, const Acc* grad, int64_t n, int estimator,
+                          bool straight_through, Acc* grad_logp) {
+  isa_dispatch([&]() FASTRL_ISA_BODY {
+    if (straight_through) {
+      FASTRL_WITH_ESTIMATOR(estimator, kl_penalty_grad_span_body, FASTRL_COMMA true, (logp, ref, grad, n, grad_logp))
+    } else {
+      FASTRL_WITH_ESTIMATOR(estimator, kl_penalty_grad_span_body, FASTRL_COMMA false, (logp, ref, grad, n, grad_logp))
+    }
+  });
 }
 
 template <typename Acc>
@@ -91,7 +114,7 @@ struct KLRowStats {
 };
 
 template <typename In, typename Acc>
-FASTRL_ISA_CLONES KLRowStats<Acc> full_kl_row(const In* x, const In* y, int64_t vocab, Acc inv_t) {
+FASTRL_INLINE KLRowStats<Acc> full_kl_row_body(const In* x, const In* y, int64_t vocab, Acc inv_t) {
   Acc m = neg_inf<Acc>(), m_ref = neg_inf<Acc>();
   double s = 0, s_ref = 0, t = 0;
   Acc xs[kStatsChunk], ys[kStatsChunk];
@@ -135,16 +158,41 @@ FASTRL_ISA_CLONES KLRowStats<Acc> full_kl_row(const In* x, const In* y, int64_t 
 }
 
 template <typename In, typename Acc>
-FASTRL_ISA_CLONES void full_kl_row_grad(const In* x, const In* y, In* grad, int64_t vocab, Acc inv_t,
-                                        Acc m, Acc log_s, Acc m_ref, Acc log_s_ref, Acc kl, Acc g) {
+KLRowStats<Acc> full_kl_row(const In* x, const In* y, int64_t vocab, Acc inv_t) {
+  KLRowStats<Acc> out;
+  isa_dispatch([&]() FASTRL_ISA_BODY { out = full_kl_row_body<In, Acc>(x, y, vocab, inv_t); });
+  return out;
+}
+
+template <typename In, typename Acc>
+FASTRL_INLINE void full_kl_row_grad_body(const In* x, const In* y, In* grad, int64_t vocab, Acc inv_t,
+                                         Acc m, Acc log_s, Acc m_ref, Acc log_s_ref, Acc kl, Acc g) {
   const Acc scale = g * inv_t, offset = kl + log_s - log_s_ref;
+  // Through an L1 buffer, as row_grad. r goes there first: read in the loop
+  // that needs it only where p > 0, the reference row's load became a
+  // conditional one, which AVX2 (for bf16) and SSE2 cannot vectorise.
+  Acc buf[kStatsChunk];
+  for (int64_t start = 0; start < vocab; start += kStatsChunk) {
+    const int64_t n = std::min(kStatsChunk, vocab - start);
 #pragma omp simd
-  for (int64_t i = 0; i < vocab; ++i) {
-    const Acc dx = load_as<Acc>(x, i) - m;
-    const Acc p = exp_approx(dx * inv_t - log_s);
-    const Acc r = dx - (load_as<Acc>(y, i) - m_ref);
-    store_from(grad, i, p == 0 ? Acc(0) : scale * (inv_t * (p * r) - p * offset));
+    for (int64_t i = 0; i < n; ++i) buf[i] = (load_as<Acc>(x, start + i) - m) - (load_as<Acc>(y, start + i) - m_ref);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const Acc p = exp_approx((load_as<Acc>(x, start + i) - m) * inv_t - log_s);
+      const Acc term = scale * (inv_t * (p * buf[i]) - p * offset);
+      buf[i] = p == 0 ? Acc(0) : term;  // r may be inf or NaN where p = 0
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) store_from(grad, start + i, buf[i]);
   }
+}
+
+template <typename In, typename Acc>
+void full_kl_row_grad(const In* x, const In* y, In* grad, int64_t vocab, Acc inv_t, Acc m, Acc log_s, Acc m_ref,
+                      Acc log_s_ref, Acc kl, Acc g) {
+  isa_dispatch([&]() FASTRL_ISA_BODY {
+    full_kl_row_grad_body<In, Acc>(x, y, grad, vocab, inv_t, m, log_s, m_ref, log_s_ref, kl, g);
+  });
 }
 
 template <typename In, typename Acc>

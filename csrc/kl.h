@@ -44,15 +44,14 @@ struct ExpM1Parts {
 
 template <typename Acc>
 FASTRL_INLINE ExpM1Parts<Acc> expm1_parts(Acc c) {
-  if (std::abs(c) <= Acc(1)) {
-    constexpr int top = sizeof(Acc) == sizeof(double) ? 18 : 10;
-    Acc q = 1;
-    for (int n = top; n >= 3; --n) q = Acc(1) + c * q / Acc(n);
-    const Acc k = Acc(0.5) * c * c * q;
-    return {c + k, k};
-  }
-  const Acc em1 = std::exp(c) - Acc(1);  // NaN lands here and stays NaN
-  return {em1, em1 - c};
+  // Both forms, then a select: a branch would keep the token loops scalar.
+  constexpr int top = sizeof(Acc) == sizeof(double) ? 18 : 10;
+  Acc q = 1;
+  for (int n = top; n >= 3; --n) q = Acc(1) + c * q / Acc(n);
+  const Acc k = Acc(0.5) * c * c * q;
+  const Acc em1 = exp_approx(c) - Acc(1);  // NaN lands here and stays NaN
+  const bool small = std::abs(c) <= Acc(1);
+  return {small ? c + k : em1, small ? k : em1 - c};
 }
 
 // The sampled-token estimate of KL(pi || pi_ref) at d = logp - ref_logp
@@ -66,31 +65,43 @@ FASTRL_INLINE ExpM1Parts<Acc> expm1_parts(Acc c) {
 // (a clamp passes its gradient on the closed interval; k and e^c - 1 from
 // expm1_parts, accurate near d = 0). straight_through keeps the value and takes
 // k2's derivative d, whose expectation is the true KL gradient. std::clamp keeps
-// NaN, as torch.clamp does. e^c needs std::exp: c reaches +20.
-template <typename Acc>
-FASTRL_INLINE KLTerm<Acc> kl_estimate(int estimator, bool straight_through, Acc d) {
+// NaN, as torch.clamp does. c reaches +20, within exp_approx's range. The
+// estimator and straight_through are template arguments: the token loops that
+// call this must vectorise, and GCC does not vectorise a select on a flag that
+// is the same for every token (nor a switch).
+template <int ESTIMATOR, bool STRAIGHT_THROUGH, typename Acc>
+FASTRL_INLINE KLTerm<Acc> kl_estimate(Acc d) {
   KLTerm<Acc> k;
-  switch (estimator) {
-    case kKL:
-      k = {d, Acc(1)};
-      break;
-    case kAbs:
-      k = {std::abs(d), d > 0 ? Acc(1) : d < 0 ? Acc(-1) : Acc(0)};
-      break;
-    case kMSE:
-      k = {Acc(0.5) * d * d, d};
-      break;
-    default: {  // kLowVarKL
-      const Acc c_lim = Acc(kK3LogRatioClamp), v_lim = Acc(kK3ValueClamp);
-      const Acc c = std::clamp(-d, -c_lim, c_lim);
-      const ExpM1Parts<Acc> p = expm1_parts(c);
-      const bool passes = -d >= -c_lim && -d <= c_lim && p.k >= -v_lim && p.k <= v_lim;
-      k = {std::clamp(p.k, -v_lim, v_lim), passes ? -p.expm1 : Acc(0)};
-    }
+  if (ESTIMATOR == kKL) {
+    k = {d, Acc(1)};
+  } else if (ESTIMATOR == kAbs) {
+    k = {std::abs(d), d > 0 ? Acc(1) : d < 0 ? Acc(-1) : Acc(0)};
+  } else if (ESTIMATOR == kMSE) {
+    k = {Acc(0.5) * d * d, d};
+  } else {  // kLowVarKL
+    const Acc c_lim = Acc(kK3LogRatioClamp), v_lim = Acc(kK3ValueClamp);
+    const Acc c = std::clamp(-d, -c_lim, c_lim);
+    const ExpM1Parts<Acc> p = expm1_parts(c);
+    const bool passes = -d >= -c_lim && -d <= c_lim && p.k >= -v_lim && p.k <= v_lim;
+    k = {std::clamp(p.k, -v_lim, v_lim), passes ? -p.expm1 : Acc(0)};
   }
-  if (straight_through) k.grad = d;
+  if (STRAIGHT_THROUGH) k.grad = d;
   return k;
 }
+
+#define FASTRL_COMMA ,
+
+// Calls BODY<Acc, E, ...> ARGS with E the estimator code (-1, no KL term, for
+// any other code) as a compile-time constant; EXTRA is the template arguments
+// after it, each after FASTRL_COMMA (or nothing).
+#define FASTRL_WITH_ESTIMATOR(ESTIMATOR, BODY, EXTRA, ARGS) \
+  switch (ESTIMATOR) {                                      \
+    case kKL: BODY<Acc, kKL EXTRA> ARGS; break;             \
+    case kAbs: BODY<Acc, kAbs EXTRA> ARGS; break;           \
+    case kMSE: BODY<Acc, kMSE EXTRA> ARGS; break;           \
+    case kLowVarKL: BODY<Acc, kLowVarKL EXTRA> ARGS; break; \
+    default: BODY<Acc, -1 EXTRA> ARGS;                      \
+  }
 
 // kl_penalty over n tokens: log_probs, ref_log_probs, grad and the outputs are
 // contiguous arrays of the accumulation type `dtype` (float32 / float64).

@@ -26,6 +26,7 @@
 #include <algorithm>
 
 #include "common.h"
+#include "isa.h"
 #include "softmax_stats.h"
 
 namespace fastrl {
@@ -34,9 +35,9 @@ namespace {
 constexpr int64_t kChunk = 2048;
 
 template <typename In, typename Acc>
-FASTRL_ISA_CLONES void row_grad(const In* x, In* grad, int64_t vocab, Acc inv_t, Acc m,
-                                Acc log_s, Acc g_logprob, int64_t label, bool with_entropy, Acc g_entropy,
-                                Acc entropy) {
+FASTRL_INLINE void row_grad_body(const In* x, In* grad, int64_t vocab, Acc inv_t, Acc m,
+                                 Acc log_s, Acc g_logprob, int64_t label, bool with_entropy, Acc g_entropy,
+                                 Acc entropy) {
   Acc buf[kChunk];
   for (int64_t start = 0; start < vocab; start += kChunk) {
     const int64_t n = std::min(kChunk, vocab - start);
@@ -62,6 +63,14 @@ FASTRL_ISA_CLONES void row_grad(const In* x, In* grad, int64_t vocab, Acc inv_t,
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) store_from(grad, start + i, buf[i] * inv_t);
   }
+}
+
+template <typename In, typename Acc>
+void row_grad(const In* x, In* grad, int64_t vocab, Acc inv_t, Acc m, Acc log_s, Acc g_logprob, int64_t label,
+              bool with_entropy, Acc g_entropy, Acc entropy) {
+  isa_dispatch([&]() FASTRL_ISA_BODY {
+    row_grad_body<In, Acc>(x, grad, vocab, inv_t, m, log_s, g_logprob, label, with_entropy, g_entropy, entropy);
+  });
 }
 
 template <typename In, typename Acc>

@@ -45,6 +45,7 @@
 #include <utility>
 
 #include "common.h"
+#include "isa.h"
 #include "kl.h"
 
 namespace fastrl {
@@ -93,22 +94,97 @@ FASTRL_INLINE PolicyRow<Acc> policy_row(const PolicyArgs& a, int64_t base) {
           row_of<Acc>(a.ref_log_probs, base), a.mask + base};
 }
 
+// The token loops below are written so that GCC vectorises them at every ISA
+// level (isa.h):
+// - no branch: a masked-out token goes through the arithmetic like any other
+//   (its inputs may be NaN) and a select drops its result;
+// - a setting that is the same for every token is a template argument
+//   (sequence level, truncation, the KL estimator, straight_through) or is
+//   turned into a comparison of a token's own value (with_pg: the mask byte
+//   against 1 or 256; dual clip: A against 0 or -inf): GCC does not vectorise a
+//   select on a loop-invariant flag;
+// - an optional per-token input not given is read from a constant block.
+// Tokens go in blocks of kBlock: one simd loop writes each token's terms to L1
+// buffers, then the row sums add them in kLanes double lanes, lane j taking
+// tokens j, j + kLanes, ... (the tail's one at a time), folded in lane order at
+// the end: every ISA level adds the same numbers in the same order.
+constexpr int kLanes = 16;
+constexpr int64_t kBlock = 256;
+
+template <typename Acc>
+struct Constants {
+  static constexpr Acc ones[kBlock] = {
+#define FASTRL_ONE8 1, 1, 1, 1, 1, 1, 1, 1
+#define FASTRL_ONE64 FASTRL_ONE8, FASTRL_ONE8, FASTRL_ONE8, FASTRL_ONE8, FASTRL_ONE8, FASTRL_ONE8, FASTRL_ONE8, FASTRL_ONE8
+      FASTRL_ONE64, FASTRL_ONE64, FASTRL_ONE64, FASTRL_ONE64};
+#undef FASTRL_ONE64
+#undef FASTRL_ONE8
+  static constexpr Acc zeros[kBlock] = {};
+};
+
+// The block of an optional per-token input at token `start`, or a constant one.
+template <typename Acc>
+FASTRL_INLINE const Acc* block_or(const Acc* p, int64_t start, const Acc* constant) {
+  return p ? p + start : constant;
+}
+
+// Row sums in kLanes double lanes (see above).
+struct LaneSums {
+  double lane[kLanes] = {};
+  // Adds terms[0, n) of the block, term i into lane i % kLanes.
+  template <typename T>
+  FASTRL_INLINE void add(const T* terms, int64_t n) {
+    const int64_t whole = n / kLanes * kLanes;
+    for (int64_t i = 0; i < whole; i += kLanes) {
+#pragma omp simd
+      for (int j = 0; j < kLanes; ++j) lane[j] += static_cast<double>(terms[i + j]);
+    }
+    for (int64_t i = whole; i < n; ++i) lane[i - whole] += static_cast<double>(terms[i]);
+  }
+  double total() const {
+    double sum = 0;
+    for (double v : lane) sum += v;
+    return sum;
+  }
+};
+
 // Sum over the row's valid tokens of a - b (each difference in Acc, as the
 // reference takes it; the sum in double), and the number of valid tokens.
 template <typename Acc>
-std::pair<double, int64_t> valid_diff_sum(const Acc* a, const Acc* b, const uint8_t* mask, int64_t length) {
-  double sum = 0;
-  int64_t n = 0;
-  for (int64_t t = 0; t < length; ++t) {
-    if (!mask[t]) continue;
-    sum += static_cast<double>(a[t] - b[t]);
-    ++n;
+FASTRL_INLINE std::pair<double, int64_t> valid_diff_sum(const Acc* a, const Acc* b, const uint8_t* mask,
+                                                        int64_t length) {
+  LaneSums sum, count;
+  Acc diff[kBlock], valid[kBlock];
+  for (int64_t start = 0; start < length; start += kBlock) {
+    const int64_t n = std::min(kBlock, length - start);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const bool v = mask[start + i] != 0;
+      diff[i] = select_bits(v, a[start + i] - b[start + i], Acc(0));
+      valid[i] = v ? Acc(1) : Acc(0);
+    }
+    sum.add(diff, n);
+    count.add(valid, n);
   }
-  return {sum, n};
+  return {sum.total(), static_cast<int64_t>(count.total())};
 }
 
-// The importance ratio of a token, whether the clamp of its log passes the
-// gradient, and the token's ppo_kl term.
+// The per-row settings as the token loops use them (see above).
+template <typename Acc>
+struct ClipParams {
+  Acc lo, hi, clip_c, dual_below;
+  int pg_mask_min;  // a token's policy-gradient terms count where mask >= this: 1, or 256 for none
+  explicit ClipParams(const PolicyArgs& a)
+      : lo(Acc(1 - a.clip_low)),
+        hi(Acc(1 + a.clip_high)),
+        clip_c(Acc(a.clip_c)),
+        dual_below(a.dual_clip ? Acc(0) : neg_inf<Acc>()),
+        pg_mask_min(a.with_pg ? 1 : 256) {}
+};
+
+// The importance ratio r of a token, whether the clamp of log r passes the
+// gradient, and the token's ppo_kl term. SEQUENCE (GSPO): r and the gate are
+// the row's, from mean_u, and ppo_kl = -u; token level: log r = clamp(u, +-20).
 template <typename Acc>
 struct Ratio {
   Acc r;
@@ -117,159 +193,275 @@ struct Ratio {
 };
 
 template <typename Acc>
-FASTRL_INLINE Ratio<Acc> importance_ratio(Acc u, Acc mean_u, bool sequence) {
-  if (sequence) {
-    const Acc hi = Acc(kSeqLogRatioMax);
-    return {std::exp(std::min(mean_u, hi)), mean_u <= hi, -u};
-  }
+FASTRL_INLINE Ratio<Acc> token_ratio(Acc u) {
   const Acc lim = Acc(kLogRatioClamp);
   const Acc log_r = std::clamp(u, -lim, lim);
-  return {std::exp(log_r), u >= -lim && u <= lim, -log_r};
+  return {exp_approx(log_r), u >= -lim && u <= lim, -log_r};
+}
+
+template <typename Acc>
+Ratio<Acc> sequence_ratio(Acc mean_u) {
+  const Acc hi = Acc(kSeqLogRatioMax);
+  return {std::exp(std::min(mean_u, hi)), mean_u <= hi, Acc(0)};
 }
 
 // The clipped PPO loss of one token at ratio r, before the rollout weight:
-// its value, dl/dr, and whether the clip / the dual clip is active.
+// its value, dl/dr, and whether the clip / the dual clip is active (1 or 0:
+// as bools, the struct stayed in memory and its flag stores kept the token
+// loop from being if-converted, so it did not vectorise).
 template <typename Acc>
 struct PPOLoss {
-  Acc loss, dloss_dr;
-  bool clipped, clipped_lower;
+  Acc loss, dloss_dr, clipped, clipped_lower;
 };
 
 template <typename Acc>
-FASTRL_INLINE PPOLoss<Acc> ppo_loss(const PolicyArgs& a, Acc adv, Acc r) {
-  const Acc lo = Acc(1 - a.clip_low), hi = Acc(1 + a.clip_high);
+FASTRL_INLINE PPOLoss<Acc> ppo_loss(const ClipParams<Acc>& c, Acc adv, Acc r) {
   const Acc l1 = -adv * r;
-  const Acc l2 = -adv * std::clamp(r, lo, hi);
+  const Acc l2 = -adv * std::clamp(r, c.lo, c.hi);
   const Acc dl1 = -adv;
-  const Acc dl2 = r >= lo && r <= hi ? -adv : Acc(0);
-  PPOLoss<Acc> out;
-  out.loss = l2 > l1 || l2 != l2 ? l2 : l1;  // torch.maximum: NaN if either is
-  out.dloss_dr = l1 > l2 ? dl1 : l2 > l1 ? dl2 : Acc(0.5) * (dl1 + dl2);
-  out.clipped = l2 > l1;
-  out.clipped_lower = false;
-  if (a.dual_clip && adv < 0) {
-    const Acc l3 = -adv * Acc(a.clip_c);
-    out.clipped_lower = out.loss > l3;
-    out.dloss_dr = out.loss < l3 ? out.dloss_dr : out.loss == l3 ? Acc(0.5) * out.dloss_dr : Acc(0);
-    out.loss = std::min(out.loss, l3);
-  }
-  return out;
+  const Acc dl2 = r >= c.lo && r <= c.hi ? -adv : Acc(0);
+  const Acc loss = l2 > l1 || l2 != l2 ? l2 : l1;  // torch.maximum: NaN if either is
+  const Acc dloss_dr = l1 > l2 ? dl1 : l2 > l1 ? dl2 : Acc(0.5) * (dl1 + dl2);
+  // Dual clip (A < 0, and dual_below = 0 when it is on): min(loss, l3), a tie
+  // halving the gradient.
+  const bool dual = adv < c.dual_below;
+  const Acc l3 = -adv * c.clip_c;
+  const Acc dual_dloss_dr = loss < l3 ? dloss_dr : loss == l3 ? Acc(0.5) * dloss_dr : Acc(0);
+  return {dual ? std::min(loss, l3) : loss, dual ? dual_dloss_dr : dloss_dr, l2 > l1 ? Acc(1) : Acc(0),
+          dual && loss > l3 ? Acc(1) : Acc(0)};
 }
 
-template <typename Acc>
-FASTRL_ISA_CLONES void policy_forward_row(const PolicyArgs& a, int64_t b, const void* all_values,
-                                          double* stats) {
+template <typename Acc, int ESTIMATOR, bool SEQUENCE>
+FASTRL_INLINE void policy_forward_row_body(const PolicyArgs& a, int64_t b, const void* all_values, double* stats) {
   const int64_t base = b * a.length;
   const auto [logp, old, adv, w, ref, mask] = policy_row<Acc>(a, base);
   const Acc* values = row_of<Acc>(all_values, base);
   double mean_u = 0;
-  if (a.with_pg && a.sequence) {
+  if (SEQUENCE) {
     const auto [sum, n] = valid_diff_sum(logp, old, mask, a.length);
     mean_u = n > 0 ? sum / double(n) : 0.0;
   }
-  double col[kNumStats] = {};
-  col[kMeanU] = mean_u;
-  for (int64_t t = 0; t < a.length; ++t) {
-    if (!mask[t]) continue;
-    col[kTokens] += 1;
-    if (a.with_pg) {
-      const Ratio<Acc> rt = importance_ratio(logp[t] - old[t], Acc(mean_u), a.sequence);
-      const PPOLoss<Acc> pl = ppo_loss(a, adv[t], rt.r);
-      col[kPGLoss] += w ? pl.loss * w[t] : pl.loss;
-      col[kClipped] += pl.clipped;
-      col[kClippedLower] += pl.clipped_lower;
-      col[kPPOKL] += rt.ppo_kl;
+  const Ratio<Acc> row_ratio = sequence_ratio(static_cast<Acc>(mean_u));
+  const ClipParams<Acc> clip(a);
+  LaneSums tokens, pg_loss, kl_sum, values_sum, clipped, clipped_lower, ppo_kl;
+  Acc valid_buf[kBlock], loss_buf[kBlock], kl_buf[kBlock], values_buf[kBlock], clipped_buf[kBlock],
+      lower_buf[kBlock], ppo_kl_buf[kBlock], row_r[kBlock];
+  // The row's ratio read per token from memory: as one value, every test of it
+  // would be a loop-invariant select.
+  if (SEQUENCE) std::fill(row_r, row_r + kBlock, row_ratio.r);
+  for (int64_t start = 0; start < a.length; start += kBlock) {
+    const int64_t n = std::min(kBlock, a.length - start);
+    const Acc* w_block = block_or(w, start, Constants<Acc>::ones);
+    const Acc* old_block = block_or(old, start, Constants<Acc>::zeros);  // null without with_pg
+    const Acc* adv_block = block_or(adv, start, Constants<Acc>::zeros);
+    const Acc* ref_block = block_or(ref, start, Constants<Acc>::zeros);
+    const Acc* values_block = block_or(values, start, Constants<Acc>::zeros);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = start + i;
+      const bool valid = mask[t] != 0, pg = int(mask[t]) >= clip.pg_mask_min;
+      const Acc u = logp[t] - old_block[i];
+      const Ratio<Acc> token = token_ratio(u);
+      const Acc r = SEQUENCE ? row_r[i] : token.r;
+      const PPOLoss<Acc> pl = ppo_loss(clip, adv_block[i], r);
+      valid_buf[i] = valid ? Acc(1) : Acc(0);
+      loss_buf[i] = select_bits(pg, pl.loss * w_block[i], Acc(0));
+      clipped_buf[i] = select_bits(pg, pl.clipped, Acc(0));
+      lower_buf[i] = select_bits(pg, pl.clipped_lower, Acc(0));
+      ppo_kl_buf[i] = select_bits(pg, SEQUENCE ? -u : token.ppo_kl, Acc(0));
+      if (ESTIMATOR >= 0) kl_buf[i] = select_bits(valid, kl_estimate<ESTIMATOR, false>(logp[t] - ref_block[i]).value, Acc(0));
+      values_buf[i] = select_bits(valid, values_block[i], Acc(0));
     }
-    if (a.estimator >= 0) col[kKLSum] += kl_estimate(a.estimator, false, logp[t] - ref[t]).value;
-    if (values) col[kValuesSum] += values[t];
+    tokens.add(valid_buf, n);
+    pg_loss.add(loss_buf, n);
+    clipped.add(clipped_buf, n);
+    clipped_lower.add(lower_buf, n);
+    ppo_kl.add(ppo_kl_buf, n);
+    if (ESTIMATOR >= 0) kl_sum.add(kl_buf, n);
+    if (values) values_sum.add(values_buf, n);
   }
-  std::copy(col, col + kNumStats, stats + b * kNumStats);
+  double* col = stats + b * kNumStats;
+  col[kTokens] = tokens.total();
+  col[kPGLoss] = pg_loss.total();
+  col[kKLSum] = kl_sum.total();
+  col[kValuesSum] = values_sum.total();
+  col[kClipped] = clipped.total();
+  col[kClippedLower] = clipped_lower.total();
+  col[kPPOKL] = ppo_kl.total();
+  col[kMeanU] = mean_u;
 }
 
-template <typename Acc>
-FASTRL_ISA_CLONES void policy_backward_row(const PolicyArgs& a, int64_t b, const double* stats, Acc g,
-                                           bool straight_through, Acc kl_coef, Acc value_coef,
-                                           Acc* grad_logp, Acc* grad_values) {
+template <typename Acc, int ESTIMATOR, bool SEQUENCE, bool STRAIGHT_THROUGH>
+FASTRL_INLINE void policy_backward_row_body(const PolicyArgs& a, int64_t b, const double* stats, Acc g, Acc kl_coef,
+                                            Acc* grad_logp) {
   const int64_t base = b * a.length;
   const auto [logp, old, adv, w, ref, mask] = policy_row<Acc>(a, base);
-  const Acc mean_u = static_cast<Acc>(stats[b * kNumStats + kMeanU]);
-  for (int64_t t = 0; t < a.length; ++t) {
-    const bool valid = mask[t] != 0;
-    if (grad_values) grad_values[base + t] = valid ? g * value_coef : Acc(0);
-    if (!grad_logp) continue;
-    if (!valid) {
-      grad_logp[base + t] = 0;
-      continue;
+  const Ratio<Acc> row_ratio = sequence_ratio(static_cast<Acc>(stats[b * kNumStats + kMeanU]));
+  ClipParams<Acc> clip(a);
+  if (SEQUENCE && !row_ratio.gate) clip.pg_mask_min = 256;  // the clamp of the row's log-ratio stops every gradient
+  Acc row_r[kBlock];  // as in the forward
+  if (SEQUENCE) std::fill(row_r, row_r + kBlock, row_ratio.r);
+  for (int64_t start = 0; start < a.length; start += kBlock) {
+    const int64_t n = std::min(kBlock, a.length - start);
+    const Acc* w_block = block_or(w, start, Constants<Acc>::ones);
+    const Acc* old_block = block_or(old, start, Constants<Acc>::zeros);  // null without with_pg
+    const Acc* adv_block = block_or(adv, start, Constants<Acc>::zeros);
+    const Acc* ref_block = block_or(ref, start, Constants<Acc>::zeros);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = start + i;
+      const Ratio<Acc> token = token_ratio(logp[t] - old_block[i]);
+      const Acc r = SEQUENCE ? row_r[i] : token.r;
+      const bool gate = int(mask[t]) >= clip.pg_mask_min && (SEQUENCE || token.gate);
+      const PPOLoss<Acc> pl = ppo_loss(clip, adv_block[i], r);
+      Acc grad = 0;
+      grad += select_bits(gate, pl.dloss_dr * w_block[i] * r, Acc(0));
+      if (ESTIMATOR >= 0) grad += kl_coef * kl_estimate<ESTIMATOR, STRAIGHT_THROUGH>(logp[t] - ref_block[i]).grad;
+      grad_logp[base + t] = select_bits(mask[t] != 0, g * grad, Acc(0));
     }
-    Acc grad = 0;
-    if (a.with_pg) {
-      const Ratio<Acc> rt = importance_ratio(logp[t] - old[t], mean_u, a.sequence);
-      const PPOLoss<Acc> pl = ppo_loss(a, adv[t], rt.r);
-      const Acc dl = w ? pl.dloss_dr * w[t] : pl.dloss_dr;
-      grad += rt.gate ? dl * rt.r : Acc(0);
-    }
-    if (a.estimator >= 0) grad += kl_coef * kl_estimate(a.estimator, straight_through, logp[t] - ref[t]).grad;
-    grad_logp[base + t] = g * grad;
   }
 }
 
 template <typename Acc>
-FASTRL_ISA_CLONES void rollout_correction_row(const RolloutCorrectionArgs& a, int64_t b, float* weights,
-                                              double* stats) {
+void policy_forward_row(const PolicyArgs& a, int64_t b, const void* all_values, double* stats) {
+  isa_dispatch([&]() FASTRL_ISA_BODY {
+    if (a.with_pg && a.sequence) {
+      FASTRL_WITH_ESTIMATOR(a.estimator, policy_forward_row_body, FASTRL_COMMA true, (a, b, all_values, stats))
+    } else {
+      FASTRL_WITH_ESTIMATOR(a.estimator, policy_forward_row_body, FASTRL_COMMA false, (a, b, all_values, stats))
+    }
+  });
+}
+
+template <typename Acc>
+void policy_backward_row(const PolicyArgs& a, int64_t b, const double* stats, Acc g, bool straight_through,
+                         Acc kl_coef, Acc value_coef, Acc* grad_logp, Acc* grad_values) {
+  const int64_t base = b * a.length;
+  if (grad_values) {
+    const Acc gv = g * value_coef;
+    for (int64_t t = 0; t < a.length; ++t) grad_values[base + t] = a.mask[base + t] ? gv : Acc(0);
+  }
+  if (!grad_logp) return;
+  isa_dispatch([&]() FASTRL_ISA_BODY {
+    const bool sequence = a.with_pg && a.sequence;
+#define FASTRL_BACKWARD(SEQ, ST)                                                                        \
+  FASTRL_WITH_ESTIMATOR(a.estimator, policy_backward_row_body, FASTRL_COMMA SEQ FASTRL_COMMA ST, \
+                        (a, b, stats, g, kl_coef, grad_logp))
+    if (sequence && straight_through) {
+      FASTRL_BACKWARD(true, true)
+    } else if (sequence) {
+      FASTRL_BACKWARD(true, false)
+    } else if (straight_through) {
+      FASTRL_BACKWARD(false, true)
+    } else {
+      FASTRL_BACKWARD(false, false)
+    }
+#undef FASTRL_BACKWARD
+  });
+}
+
+// Rollout correction of one row (see the top of the file).
+template <typename Acc, bool SEQUENCE, bool TRUNCATE>
+FASTRL_INLINE void rollout_correction_row_body(const RolloutCorrectionArgs& a, int64_t b, float* weights,
+                                               double* stats) {
   const int64_t base = b * a.length;
   const Acc* old = row_of<Acc>(a.old_log_probs, base);
   const Acc* rollout = row_of<Acc>(a.rollout_log_probs, base);
   const uint8_t* mask = a.mask + base;
   const Acc clip_min = Acc(a.clip_min), clip_max = Acc(a.clip_max), low = Acc(a.low_threshold);
   const Acc lim = Acc(kCorrectionLogClamp);
-  const Acc seq_log_w = a.sequence ? static_cast<Acc>(valid_diff_sum(old, rollout, mask, a.length).first) : Acc(0);
-  double n = 0, sum = 0, sum_sq = 0, w_max = -std::numeric_limits<double>::infinity(),
-         w_min = std::numeric_limits<double>::infinity(), high = 0, low_count = 0, zeroed = 0;
-  for (int64_t t = 0; t < a.length; ++t) {
-    if (!mask[t]) {
-      weights[base + t] = 0;
-      continue;
-    }
-    const Acc log_w = a.sequence ? seq_log_w : old[t] - rollout[t];
-    const Acc raw = std::exp(std::clamp(log_w, -lim, lim));
-    Acc w;
-    if (a.truncate) {
-      w = std::clamp(raw, clip_min, clip_max);
-    } else {
+  const Acc seq_log_w = SEQUENCE ? static_cast<Acc>(valid_diff_sum(old, rollout, mask, a.length).first) : Acc(0);
+  LaneSums n_valid, sum, sum_sq, high, low_count, zeroed;
+  double lane_max[kLanes], lane_min[kLanes];
+  std::fill(lane_max, lane_max + kLanes, -std::numeric_limits<double>::infinity());
+  std::fill(lane_min, lane_min + kLanes, std::numeric_limits<double>::infinity());
+  // max_buf / min_buf in Acc too (a max picks one of the weights, exact in
+  // any type): a float-to-double conversion kept the AVX loops scalar.
+  Acc valid_buf[kBlock], w_buf[kBlock], w_sq_buf[kBlock], high_buf[kBlock], low_buf[kBlock], zeroed_buf[kBlock],
+      max_buf[kBlock], min_buf[kBlock], row_raw[kBlock];
+  // The sequence's raw weight read per token from memory, as the policy loss's
+  // row ratio: as one value, the tests of it are loop-invariant selects, which
+  // GCC does not vectorise.
+  if (SEQUENCE) std::fill(row_raw, row_raw + kBlock, std::exp(std::clamp(seq_log_w, -lim, lim)));
+  for (int64_t start = 0; start < a.length; start += kBlock) {
+    const int64_t n = std::min(kBlock, a.length - start);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = start + i;
+      const bool valid = mask[t] != 0;
+      const Acc raw = SEQUENCE ? row_raw[i] : exp_approx(std::clamp(old[t] - rollout[t], -lim, lim));
       const bool kept = raw >= clip_min && raw <= clip_max;
-      w = kept ? raw : Acc(0);
-      zeroed += !kept;
+      const Acc w = TRUNCATE ? std::clamp(raw, clip_min, clip_max) : kept ? raw : Acc(0);
+      // Every test of `valid` goes through select_bits: as a vector mask, the
+      // byte-wide mask's compare needed a conversion to the float lanes' mask
+      // that AVX2 and AVX-512 lack, and the loop stayed scalar.
+      valid_buf[i] = select_bits(valid, Acc(1), Acc(0));
+      w_buf[i] = select_bits(valid, w, Acc(0));
+      w_sq_buf[i] = select_bits(valid, w * w, Acc(0));
+      zeroed_buf[i] = select_bits(valid, !TRUNCATE && !kept ? Acc(1) : Acc(0), Acc(0));
+      // Token level only (the sequence level's come from e^S below); an invalid
+      // token stands in as -inf / +inf, which no max / min keeps.
+      max_buf[i] = select_bits(valid, w, neg_inf<Acc>());
+      min_buf[i] = select_bits(valid, w, -neg_inf<Acc>());
+      high_buf[i] = select_bits(valid, raw > clip_max ? Acc(1) : Acc(0), Acc(0));
+      low_buf[i] = select_bits(valid, raw < low ? Acc(1) : Acc(0), Acc(0));
     }
-    weights[base + t] = static_cast<float>(w);
-    const double wd = w;
-    n += 1;
-    sum += wd;
-    sum_sq += wd * wd;
-    if (!a.sequence) {
-      w_max = nan_max(w_max, wd);
-      w_min = nan_min(w_min, wd);
-      high += raw > clip_max;
-      low_count += raw < low;
+    // The weights leave from w_buf in a loop of their own: a store through
+    // `weights` in the loop above may alias the mask bytes as far as GCC
+    // knows, which held that loop to 128-bit vectors.
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) weights[base + start + i] = static_cast<float>(w_buf[i]);
+    n_valid.add(valid_buf, n);
+    sum.add(w_buf, n);
+    sum_sq.add(w_sq_buf, n);
+    zeroed.add(zeroed_buf, n);
+    if (!SEQUENCE) {
+      high.add(high_buf, n);
+      low_count.add(low_buf, n);
+      for (int64_t i = 0; i < n; ++i) {
+        lane_max[i % kLanes] = nan_max(lane_max[i % kLanes], static_cast<double>(max_buf[i]));
+        lane_min[i % kLanes] = nan_min(lane_min[i % kLanes], static_cast<double>(min_buf[i]));
+      }
     }
   }
-  if (a.sequence && n > 0) {
+  double w_max = -std::numeric_limits<double>::infinity(), w_min = std::numeric_limits<double>::infinity();
+  for (int j = 0; j < kLanes; ++j) {
+    w_max = nan_max(w_max, lane_max[j]);
+    w_min = nan_min(w_min, lane_min[j]);
+  }
+  double high_count = high.total(), low_total = low_count.total();
+  const double tokens = n_valid.total();
+  if (SEQUENCE && tokens > 0) {
     // veRL's sequence-level extremes and fractions are of the sequence's raw weight
     // e^S, one per sequence: max e^min(S, 20), min e^S, and whether e^S is high / low.
     const Acc e = std::exp(seq_log_w);
     w_max = std::exp(std::min(seq_log_w, lim));
     w_min = e;
-    high = e > clip_max;
-    low_count = e < low;
+    high_count = e > clip_max;
+    low_total = e < low;
   }
   double* out = stats + b * kNumStats;
-  out[kRCTokens] = n;
-  out[kRCSum] = sum;
-  out[kRCSumSq] = sum_sq;
+  out[kRCTokens] = tokens;
+  out[kRCSum] = sum.total();
+  out[kRCSumSq] = sum_sq.total();
   out[kRCMax] = w_max;
   out[kRCMin] = w_min;
-  out[kRCHigh] = high;
-  out[kRCLow] = low_count;
-  out[kRCMasked] = zeroed;
+  out[kRCHigh] = high_count;
+  out[kRCLow] = low_total;
+  out[kRCMasked] = zeroed.total();
+}
+
+template <typename Acc>
+void rollout_correction_row(const RolloutCorrectionArgs& a, int64_t b, float* weights, double* stats) {
+  isa_dispatch([&]() FASTRL_ISA_BODY {
+    if (a.sequence) {
+      a.truncate ? rollout_correction_row_body<Acc, true, true>(a, b, weights, stats)
+                 : rollout_correction_row_body<Acc, true, false>(a, b, weights, stats);
+    } else {
+      a.truncate ? rollout_correction_row_body<Acc, false, true>(a, b, weights, stats)
+                 : rollout_correction_row_body<Acc, false, false>(a, b, weights, stats);
+    }
+  });
 }
 
 template <typename Acc>

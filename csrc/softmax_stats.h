@@ -5,9 +5,10 @@
 // The row is read once in L1-sized chunks: each chunk's max is taken first and
 // (s, w) rescaled when the max grows, then the chunk's exponentials are added.
 //
-// Accuracy: each e^{d_j} is a float (exp_approx, about 1 ulp), but the sums are
-// doubles, and s is kept as s = n + t: n counts the terms at the max (each
-// exactly 1), t sums the rest. A peaked row (one logit far above the rest) has
+// Accuracy: each e^{d_j} is a float (exp_approx, about 1 ulp), summed in float
+// 8 at a time per lane (add_chunk) and then in doubles, and s is kept as
+// s = n + t: n counts the terms at the max (each exactly 1), t sums the rest.
+// A peaked row (one logit far above the rest) has
 // a tiny t, and its entropy is about t (1 + gap): a float accumulator holding
 // the 1 dropped every term below half an ulp of 1 (6e-8; the entropy at
 // V = 32000, T = 1.7 came out 2e-3 off), and even a double n + t loses t to
@@ -28,6 +29,7 @@
 #include <algorithm>
 
 #include "common.h"
+#include "isa.h"
 
 namespace fastrl {
 
@@ -92,33 +94,60 @@ FASTRL_INLINE void shift_row_stats(double c, RowStats<Acc>& st) {
   st.n = 0;
 }
 
+// The chunk sums' lanes: kLanes running sums, each adding kLaneTerms
+// consecutive terms of its lane (elements j, j + kLanes, ...) in Acc before it
+// joins its double lane total, and the lane totals folded in lane order at the
+// end of the chunk. The lane loop is the vectorised one (16 floats are one
+// AVX-512 register or two AVX2 ones), so no vector is reduced across lanes
+// within the row, and every ISA adds the same terms in the same order: the
+// AVX2 and AVX-512 paths give the same bits. A float lane sum of 8 terms below
+// 1 is off by at most 7 ulps of itself, on top of each term's 1 ulp; the double
+// sums then add nothing to that (the Triton kernels add 16 terms a tile in
+// float).
+constexpr int kLanes = 16;
+constexpr int kLaneTerms = 8;
+constexpr int64_t kLaneBlock = kLanes * kLaneTerms;
+static_assert(kStatsChunk % kLaneBlock == 0, "a chunk is whole lane blocks");
+
 // One chunk's terms at the running max m: adds to t (and to n the terms at
 // the max when COUNT: d == 0 exactly; they would be the 1s that swallow t).
+// n is a multiple of kLaneBlock (row_stats pads with -inf, whose term is 0).
 template <typename Acc, bool WITH_W, bool COUNT>
 FASTRL_INLINE void add_chunk(const Acc* xs, int64_t n, Acc inv_t, RowStats<Acc>& st) {
-  double chunk_n = 0, chunk_t = 0, chunk_w = 0;
-#pragma omp simd reduction(+ : chunk_n, chunk_t, chunk_w)
-  for (int64_t i = 0; i < n; ++i) {
-    const Acc d = (xs[i] - st.m) * inv_t;
-    const Acc e = exp_approx(d);
-    if (COUNT) {
-      chunk_n += d == 0 ? Acc(1) : Acc(0);
-      chunk_t += d == 0 ? Acc(0) : e;
-    } else {
-      chunk_t += e;
+  double lane_n[kLanes] = {}, lane_t[kLanes] = {}, lane_w[kLanes] = {};
+  const Acc m = st.m;
+  for (int64_t block = 0; block < n; block += kLaneBlock) {
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) {
+      Acc block_n = 0, block_t = 0, block_w = 0;
+      for (int k = 0; k < kLaneTerms; ++k) {
+        const Acc d = (xs[block + k * kLanes + j] - m) * inv_t;
+        const Acc e = exp_approx(d);
+        if (COUNT) {
+          block_n += d == 0 ? Acc(1) : Acc(0);
+          block_t += d == 0 ? Acc(0) : e;
+        } else {
+          block_t += e;
+        }
+        if (WITH_W) block_w += e == 0 ? Acc(0) : e * d;  // d may be -inf where e = 0
+      }
+      lane_n[j] += block_n;
+      lane_t[j] += block_t;
+      lane_w[j] += block_w;
     }
-    if (WITH_W) chunk_w += e == 0 ? Acc(0) : e * d;  // d may be -inf where e = 0
   }
-  st.n += chunk_n;
-  st.t += chunk_t;
-  st.w += chunk_w;
+  for (int j = 0; j < kLanes; ++j) {
+    st.n += lane_n[j];
+    st.t += lane_t[j];
+    st.w += lane_w[j];
+  }
 }
 
 template <typename In, typename Acc>
-FASTRL_ISA_CLONES RowStats<Acc> row_stats(const In* x, int64_t vocab, Acc inv_t, bool want_w) {
+FASTRL_INLINE RowStats<Acc> row_stats_body(const In* x, int64_t vocab, Acc inv_t, bool want_w) {
   RowStats<Acc> st{neg_inf<Acc>(), 0, 0, 0};
   bool nan = false;
-  Acc xs[kStatsChunk];
+  alignas(64) Acc xs[kStatsChunk];
   for (int64_t start = 0; start < vocab; start += kStatsChunk) {
     const int64_t n = std::min(kStatsChunk, vocab - start);
     Acc chunk_max = neg_inf<Acc>();
@@ -129,18 +158,29 @@ FASTRL_ISA_CLONES RowStats<Acc> row_stats(const In* x, int64_t vocab, Acc inv_t,
       chunk_max = xs[i] > chunk_max ? xs[i] : chunk_max;
       chunk_nan |= xs[i] != xs[i];
     }
+    const int64_t padded = (n + kLaneBlock - 1) / kLaneBlock * kLaneBlock;
+    for (int64_t i = n; i < padded; ++i) xs[i] = neg_inf<Acc>();
     nan |= chunk_nan != 0;
     Acc c;
     if (raise_max(st.m, chunk_max, inv_t, c)) shift_row_stats(c, st);
     if (st.m == neg_inf<Acc>()) continue;  // every logit so far is -inf (or NaN, flagged)
     const bool reaches_max = chunk_max == st.m;
     if (want_w) {
-      reaches_max ? add_chunk<Acc, true, true>(xs, n, inv_t, st) : add_chunk<Acc, true, false>(xs, n, inv_t, st);
+      reaches_max ? add_chunk<Acc, true, true>(xs, padded, inv_t, st)
+                  : add_chunk<Acc, true, false>(xs, padded, inv_t, st);
     } else {
-      reaches_max ? add_chunk<Acc, false, true>(xs, n, inv_t, st) : add_chunk<Acc, false, false>(xs, n, inv_t, st);
+      reaches_max ? add_chunk<Acc, false, true>(xs, padded, inv_t, st)
+                  : add_chunk<Acc, false, false>(xs, padded, inv_t, st);
     }
   }
   if (nan) st.t = st.w = std::numeric_limits<double>::quiet_NaN();
+  return st;
+}
+
+template <typename In, typename Acc>
+RowStats<Acc> row_stats(const In* x, int64_t vocab, Acc inv_t, bool want_w) {
+  RowStats<Acc> st;
+  isa_dispatch([&]() FASTRL_ISA_BODY { st = row_stats_body<In, Acc>(x, vocab, inv_t, want_w); });
   return st;
 }
 

@@ -58,11 +58,26 @@ def forced_backend() -> str | None:
 
 @functools.cache
 def native_module() -> ModuleType | None:
-    """``fastrl._C``, or None when the extension was not built."""
+    """``fastrl._C``, or None when the extension was not built. Its CPU kernels
+    run at the best x86-64 level the CPU has, or at ``FASTRL_CPU_ISA``
+    (x86-64-v4, x86-64-v3 or x86-64) when that is set, to time or test a lower
+    level's code on a machine that has a higher one."""
     try:
-        return importlib.import_module("fastrl._C")
+        module = importlib.import_module("fastrl._C")
     except ImportError:
         return None
+    _apply_cpu_isa(module)
+    return module
+
+
+@functools.cache
+def _apply_cpu_isa(module: ModuleType) -> None:
+    level = os.environ.get("FASTRL_CPU_ISA", "")
+    if level:
+        try:
+            module.set_cpu_isa(level)
+        except ValueError as err:
+            raise ValueError(f"FASTRL_CPU_ISA={level}: {err}") from None
 
 
 def triton_interpreter() -> bool:
