@@ -70,23 +70,32 @@ FASTRL_INLINE void kl_penalty_grad_span_body(const Acc* logp, const Acc* ref, co
     grad_logp[i] = grad[i] * kl_estimate<ESTIMATOR, STRAIGHT_THROUGH>(logp[i] - ref[i]).grad;
 }
 
+// A trampoline set per estimator (isa.h; as policy.cpp's row kernels).
+template <typename Acc, int ESTIMATOR>
+void kl_penalty_span_at(const Acc* logp, const Acc* ref, int64_t n, Acc* out) {
+  isa_dispatch([&]() FASTRL_ISA_BODY { kl_penalty_span_body<Acc, ESTIMATOR>(logp, ref, n, out); });
+}
+
+template <typename Acc, int ESTIMATOR, bool STRAIGHT_THROUGH>
+void kl_penalty_grad_span_at(const Acc* logp, const Acc* ref, const Acc* grad, int64_t n, Acc* grad_logp) {
+  isa_dispatch([&]() FASTRL_ISA_BODY {
+    kl_penalty_grad_span_body<Acc, ESTIMATOR, STRAIGHT_THROUGH>(logp, ref, grad, n, grad_logp);
+  });
+}
+
 template <typename Acc>
 void kl_penalty_span(const Acc* logp, const Acc* ref, int64_t n, int estimator, Acc* out) {
-  isa_dispatch([&]() FASTRL_ISA_BODY {
-    FASTRL_WITH_ESTIMATOR(estimator, kl_penalty_span_body, , (logp, ref, n, out))
-  });
+  FASTRL_WITH_ESTIMATOR(estimator, kl_penalty_span_at, , (logp, ref, n, out))
 }
 
 template <typename Acc>
 void kl_penalty_grad_span(const Acc* logp, const Acc* ref, const Acc* grad, int64_t n, int estimator,
                           bool straight_through, Acc* grad_logp) {
-  isa_dispatch([&]() FASTRL_ISA_BODY {
-    if (straight_through) {
-      FASTRL_WITH_ESTIMATOR(estimator, kl_penalty_grad_span_body, FASTRL_COMMA true, (logp, ref, grad, n, grad_logp))
-    } else {
-      FASTRL_WITH_ESTIMATOR(estimator, kl_penalty_grad_span_body, FASTRL_COMMA false, (logp, ref, grad, n, grad_logp))
-    }
-  });
+  if (straight_through) {
+    FASTRL_WITH_ESTIMATOR(estimator, kl_penalty_grad_span_at, FASTRL_COMMA true, (logp, ref, grad, n, grad_logp))
+  } else {
+    FASTRL_WITH_ESTIMATOR(estimator, kl_penalty_grad_span_at, FASTRL_COMMA false, (logp, ref, grad, n, grad_logp))
+  }
 }
 
 template <typename Acc>

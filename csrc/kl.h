@@ -31,24 +31,52 @@ struct KLTerm {
 // (e^c - 1, e^c - 1 - c), each to a few ulps for every c. e^c - 1 - c ~ c^2 / 2
 // near 0, where e^c - c - 1 cancels (relative error ~ eps / c^2: 2e-5 in float32 at
 // c = -0.086); so for |c| <= 1 it is c^2/2 q(c) with q the Taylor series of
-// (e^c - 1 - c) / (c^2/2) = 1 + c/3 (1 + c/4 (1 + ... (1 + c/top))), summed from
-// the inside: each step adds to 1 a term of at most 1/3, so it loses nothing. top
-// makes the first term left out, under 2 / (top + 1)! relative, less than half an
-// ulp (top = 10 for float32, 18 for float64). Then e^c - 1 = c + (e^c - 1 - c) adds
-// two terms of one sign, or (c < 0) |e^c - 1 - c| <= |c| / 2 to c. For |c| > 1 the
-// direct forms lose at most a factor 4.4 (at c = -1) to cancellation.
+// (e^c - 1 - c) / (c^2/2) = sum_j a_j c^j, a_j = 2 / (j + 2)! (a_0 = 1, a_1 = 1/3),
+// to j = kTaylorTerms - 1: the first term left out is under 2 / (kTaylorTerms + 1)!
+// relative, less than half an ulp (9 terms for float32, 17 for float64). q is summed
+// as E(c^2) + c O(c^2), its even and odd halves in Horner form in c^2: two chains
+// of half the length, which the token loops (latency-bound on one long chain per
+// token) overlap. Each half adds terms of one sign; for c < 0, |c O| <= 0.35 <= E / 2
+// at |c| <= 1, so the one subtraction loses at most a factor 2 (a few ulps of q).
+// Then e^c - 1 = c + (e^c - 1 - c) adds two terms of one sign, or (c < 0)
+// |e^c - 1 - c| <= |c| / 2 to c. For |c| > 1 the direct forms lose at most a factor
+// 4.4 (at c = -1) to cancellation.
 template <typename Acc>
 struct ExpM1Parts {
   Acc expm1, k;  // e^c - 1, e^c - 1 - c
 };
 
 template <typename Acc>
+constexpr int kTaylorTerms = sizeof(Acc) == sizeof(double) ? 17 : 9;
+
+// a_j = 2 / (j + 2)! for j < 17, in double (each rounded once to Acc where used).
+struct TaylorQCoefficients {
+  double a[17] = {};
+  constexpr TaylorQCoefficients() {
+    double factorial = 1;
+    for (int j = 0; j < 17; ++j) {
+      factorial *= j + 2;
+      a[j] = 2 / factorial;
+    }
+  }
+};
+constexpr TaylorQCoefficients kTaylorQ{};
+
+template <typename Acc>
+FASTRL_INLINE Acc taylor_q(Acc c) {
+  constexpr int last = kTaylorTerms<Acc> - 1;
+  constexpr int last_even = last / 2 * 2, last_odd = (last - 1) / 2 * 2 + 1;
+  const Acc c2 = c * c;
+  Acc even = Acc(kTaylorQ.a[last_even]), odd = Acc(kTaylorQ.a[last_odd]);
+  for (int j = last_even - 2; j >= 0; j -= 2) even = even * c2 + Acc(kTaylorQ.a[j]);
+  for (int j = last_odd - 2; j >= 1; j -= 2) odd = odd * c2 + Acc(kTaylorQ.a[j]);
+  return even + c * odd;
+}
+
+template <typename Acc>
 FASTRL_INLINE ExpM1Parts<Acc> expm1_parts(Acc c) {
   // Both forms, then a select: a branch would keep the token loops scalar.
-  constexpr int top = sizeof(Acc) == sizeof(double) ? 18 : 10;
-  Acc q = 1;
-  for (int n = top; n >= 3; --n) q = Acc(1) + c * q / Acc(n);
-  const Acc k = Acc(0.5) * c * c * q;
+  const Acc k = Acc(0.5) * c * c * taylor_q(c);
   const Acc em1 = exp_approx(c) - Acc(1);  // NaN lands here and stays NaN
   const bool small = std::abs(c) <= Acc(1);
   return {small ? c + k : em1, small ? k : em1 - c};

@@ -32,9 +32,11 @@
 // is deterministic where a parallel reduction would not be. On GPU this is one
 // launch in place of a dozen small torch ops.
 //
-// A token outside the mask is skipped before any arithmetic, so NaN there
-// reaches nothing. Each row is handled by one thread in a fixed order, so
-// results are bitwise reproducible and independent of the other rows.
+// A token outside the mask goes through the same branch-free arithmetic as the
+// others (the loops vectorise that way) and a bitwise select then drops every
+// term it produced, so a NaN or inf there reaches nothing. Each row is handled
+// by one thread in a fixed order, so results are bitwise reproducible and
+// independent of the other rows.
 #include "policy.h"
 
 #include <algorithm>
@@ -42,6 +44,7 @@
 #include <iterator>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "common.h"
@@ -104,10 +107,15 @@ FASTRL_INLINE PolicyRow<Acc> policy_row(const PolicyArgs& a, int64_t base) {
 //   against 1 or 256; dual clip: A against 0 or -inf): GCC does not vectorise a
 //   select on a loop-invariant flag;
 // - an optional per-token input not given is read from a constant block.
-// Tokens go in blocks of kBlock: one simd loop writes each token's terms to L1
+// Tokens go in blocks of kBlock: simd loops write each token's terms to L1
 // buffers, then the row sums add them in kLanes double lanes, lane j taking
 // tokens j, j + kLanes, ... (the tail's one at a time), folded in lane order at
 // the end: every ISA level adds the same numbers in the same order.
+// kLoopSplit: the PPO terms and the KL term go in loops of their own. Each is a
+// long chain of dependent operations (an exp; the k3 estimate's polynomial and
+// exp); in one loop body the two made an iteration too long for the CPU to
+// overlap with the next, and the loop ran at the chains' latency: one iteration
+// took about as long at 16 lanes (AVX-512) as at 8 (AVX2).
 constexpr int kLanes = 16;
 constexpr int64_t kBlock = 256;
 
@@ -126,6 +134,19 @@ struct Constants {
 template <typename Acc>
 FASTRL_INLINE const Acc* block_or(const Acc* p, int64_t start, const Acc* constant) {
   return p ? p + start : constant;
+}
+
+// A block's mask bytes widened to the width of Acc. The token loops then hold
+// lanes of one width only: reading the bytes there, GCC sized the vector by the
+// byte (32 tokens an AVX2 iteration, four registers for each float value) and
+// spilled most of them to the stack.
+template <typename Acc>
+using MaskWord = std::conditional_t<sizeof(Acc) == 8, uint64_t, uint32_t>;
+
+template <typename Acc>
+FASTRL_INLINE void widen_mask(const uint8_t* mask, int64_t n, MaskWord<Acc>* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = mask[i];
 }
 
 // Row sums in kLanes double lanes (see above).
@@ -155,11 +176,13 @@ FASTRL_INLINE std::pair<double, int64_t> valid_diff_sum(const Acc* a, const Acc*
                                                         int64_t length) {
   LaneSums sum, count;
   Acc diff[kBlock], valid[kBlock];
+  MaskWord<Acc> words[kBlock];
   for (int64_t start = 0; start < length; start += kBlock) {
     const int64_t n = std::min(kBlock, length - start);
+    widen_mask<Acc>(mask + start, n, words);
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
-      const bool v = mask[start + i] != 0;
+      const bool v = words[i] != 0;
       diff[i] = select_bits(v, a[start + i] - b[start + i], Acc(0));
       valid[i] = v ? Acc(1) : Acc(0);
     }
@@ -173,7 +196,7 @@ FASTRL_INLINE std::pair<double, int64_t> valid_diff_sum(const Acc* a, const Acc*
 template <typename Acc>
 struct ClipParams {
   Acc lo, hi, clip_c, dual_below;
-  int pg_mask_min;  // a token's policy-gradient terms count where mask >= this: 1, or 256 for none
+  MaskWord<Acc> pg_mask_min;  // a token's policy-gradient terms count where mask >= this: 1, or 256 for none
   explicit ClipParams(const PolicyArgs& a)
       : lo(Acc(1 - a.clip_low)),
         hi(Acc(1 + a.clip_high)),
@@ -183,26 +206,25 @@ struct ClipParams {
 };
 
 // The importance ratio r of a token, whether the clamp of log r passes the
-// gradient, and the token's ppo_kl term. SEQUENCE (GSPO): r and the gate are
-// the row's, from mean_u, and ppo_kl = -u; token level: log r = clamp(u, +-20).
+// gradient (gate: 1 or 0, not a bool, for the reason PPOLoss gives), and the
+// token's ppo_kl term. SEQUENCE (GSPO): r and the gate are the row's, from
+// mean_u, and ppo_kl = -u; token level: log r = clamp(u, +-20).
 template <typename Acc>
 struct Ratio {
-  Acc r;
-  bool gate;
-  Acc ppo_kl;
+  Acc r, gate, ppo_kl;
 };
 
 template <typename Acc>
 FASTRL_INLINE Ratio<Acc> token_ratio(Acc u) {
   const Acc lim = Acc(kLogRatioClamp);
   const Acc log_r = std::clamp(u, -lim, lim);
-  return {exp_approx(log_r), u >= -lim && u <= lim, -log_r};
+  return {exp_approx(log_r), u >= -lim && u <= lim ? Acc(1) : Acc(0), -log_r};
 }
 
 template <typename Acc>
 Ratio<Acc> sequence_ratio(Acc mean_u) {
   const Acc hi = Acc(kSeqLogRatioMax);
-  return {std::exp(std::min(mean_u, hi)), mean_u <= hi, Acc(0)};
+  return {std::exp(std::min(mean_u, hi)), mean_u <= hi ? Acc(1) : Acc(0), Acc(0)};
 }
 
 // The clipped PPO loss of one token at ratio r, before the rollout weight:
@@ -243,6 +265,7 @@ FASTRL_INLINE void policy_forward_row_body(const PolicyArgs& a, int64_t b, const
   }
   const Ratio<Acc> row_ratio = sequence_ratio(static_cast<Acc>(mean_u));
   const ClipParams<Acc> clip(a);
+  MaskWord<Acc> words[kBlock];
   LaneSums tokens, pg_loss, kl_sum, values_sum, clipped, clipped_lower, ppo_kl;
   Acc valid_buf[kBlock], loss_buf[kBlock], kl_buf[kBlock], values_buf[kBlock], clipped_buf[kBlock],
       lower_buf[kBlock], ppo_kl_buf[kBlock], row_r[kBlock];
@@ -251,6 +274,7 @@ FASTRL_INLINE void policy_forward_row_body(const PolicyArgs& a, int64_t b, const
   if (SEQUENCE) std::fill(row_r, row_r + kBlock, row_ratio.r);
   for (int64_t start = 0; start < a.length; start += kBlock) {
     const int64_t n = std::min(kBlock, a.length - start);
+    widen_mask<Acc>(mask + start, n, words);
     const Acc* w_block = block_or(w, start, Constants<Acc>::ones);
     const Acc* old_block = block_or(old, start, Constants<Acc>::zeros);  // null without with_pg
     const Acc* adv_block = block_or(adv, start, Constants<Acc>::zeros);
@@ -259,7 +283,7 @@ FASTRL_INLINE void policy_forward_row_body(const PolicyArgs& a, int64_t b, const
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = start + i;
-      const bool valid = mask[t] != 0, pg = int(mask[t]) >= clip.pg_mask_min;
+      const bool valid = words[i] != 0, pg = words[i] >= clip.pg_mask_min;
       const Acc u = logp[t] - old_block[i];
       const Ratio<Acc> token = token_ratio(u);
       const Acc r = SEQUENCE ? row_r[i] : token.r;
@@ -269,8 +293,15 @@ FASTRL_INLINE void policy_forward_row_body(const PolicyArgs& a, int64_t b, const
       clipped_buf[i] = select_bits(pg, pl.clipped, Acc(0));
       lower_buf[i] = select_bits(pg, pl.clipped_lower, Acc(0));
       ppo_kl_buf[i] = select_bits(pg, SEQUENCE ? -u : token.ppo_kl, Acc(0));
-      if (ESTIMATOR >= 0) kl_buf[i] = select_bits(valid, kl_estimate<ESTIMATOR, false>(logp[t] - ref_block[i]).value, Acc(0));
       values_buf[i] = select_bits(valid, values_block[i], Acc(0));
+    }
+    if (ESTIMATOR >= 0) {
+      // The KL term in a loop of its own (kLoopSplit).
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const Acc kl = kl_estimate<ESTIMATOR, false>(logp[start + i] - ref_block[i]).value;
+        kl_buf[i] = select_bits(words[i] != 0, kl, Acc(0));
+      }
     }
     tokens.add(valid_buf, n);
     pg_loss.add(loss_buf, n);
@@ -298,39 +329,60 @@ FASTRL_INLINE void policy_backward_row_body(const PolicyArgs& a, int64_t b, cons
   const auto [logp, old, adv, w, ref, mask] = policy_row<Acc>(a, base);
   const Ratio<Acc> row_ratio = sequence_ratio(static_cast<Acc>(stats[b * kNumStats + kMeanU]));
   ClipParams<Acc> clip(a);
-  if (SEQUENCE && !row_ratio.gate) clip.pg_mask_min = 256;  // the clamp of the row's log-ratio stops every gradient
-  Acc row_r[kBlock];  // as in the forward
+  MaskWord<Acc> words[kBlock];
+  if (SEQUENCE && row_ratio.gate == 0) clip.pg_mask_min = 256;  // the clamp of the row's log-ratio stops every gradient
+  Acc row_r[kBlock], grad_buf[kBlock];  // row_r as in the forward
   if (SEQUENCE) std::fill(row_r, row_r + kBlock, row_ratio.r);
   for (int64_t start = 0; start < a.length; start += kBlock) {
     const int64_t n = std::min(kBlock, a.length - start);
+    widen_mask<Acc>(mask + start, n, words);
     const Acc* w_block = block_or(w, start, Constants<Acc>::ones);
     const Acc* old_block = block_or(old, start, Constants<Acc>::zeros);  // null without with_pg
     const Acc* adv_block = block_or(adv, start, Constants<Acc>::zeros);
     const Acc* ref_block = block_or(ref, start, Constants<Acc>::zeros);
+    // grad = 0 + the PPO term + the KL term, each term in a loop of its own
+    // (kLoopSplit), in that order.
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = start + i;
-      const Ratio<Acc> token = token_ratio(logp[t] - old_block[i]);
+      const Ratio<Acc> token = token_ratio(logp[start + i] - old_block[i]);
       const Acc r = SEQUENCE ? row_r[i] : token.r;
-      const bool gate = int(mask[t]) >= clip.pg_mask_min && (SEQUENCE || token.gate);
+      const bool gate = words[i] >= clip.pg_mask_min && (SEQUENCE || token.gate != 0);
       const PPOLoss<Acc> pl = ppo_loss(clip, adv_block[i], r);
-      Acc grad = 0;
-      grad += select_bits(gate, pl.dloss_dr * w_block[i] * r, Acc(0));
-      if (ESTIMATOR >= 0) grad += kl_coef * kl_estimate<ESTIMATOR, STRAIGHT_THROUGH>(logp[t] - ref_block[i]).grad;
-      grad_logp[base + t] = select_bits(mask[t] != 0, g * grad, Acc(0));
+      grad_buf[i] = Acc(0) + select_bits(gate, pl.dloss_dr * w_block[i] * r, Acc(0));
     }
+    if (ESTIMATOR >= 0) {
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i)
+        grad_buf[i] += kl_coef * kl_estimate<ESTIMATOR, STRAIGHT_THROUGH>(logp[start + i] - ref_block[i]).grad;
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) grad_logp[base + start + i] = select_bits(words[i] != 0, g * grad_buf[i], Acc(0));
   }
+}
+
+// Each variant (estimator, sequence level, straight-through) gets trampolines
+// of its own (isa.h), so tests/test_native_isa.py sees every variant's code:
+// one that stays scalar cannot hide among the vectorised ones.
+template <typename Acc, int ESTIMATOR, bool SEQUENCE>
+void policy_forward_row_at(const PolicyArgs& a, int64_t b, const void* all_values, double* stats) {
+  isa_dispatch([&]() FASTRL_ISA_BODY { policy_forward_row_body<Acc, ESTIMATOR, SEQUENCE>(a, b, all_values, stats); });
+}
+
+template <typename Acc, int ESTIMATOR, bool SEQUENCE, bool STRAIGHT_THROUGH>
+void policy_backward_row_at(const PolicyArgs& a, int64_t b, const double* stats, Acc g, Acc kl_coef,
+                            Acc* grad_logp) {
+  isa_dispatch([&]() FASTRL_ISA_BODY {
+    policy_backward_row_body<Acc, ESTIMATOR, SEQUENCE, STRAIGHT_THROUGH>(a, b, stats, g, kl_coef, grad_logp);
+  });
 }
 
 template <typename Acc>
 void policy_forward_row(const PolicyArgs& a, int64_t b, const void* all_values, double* stats) {
-  isa_dispatch([&]() FASTRL_ISA_BODY {
-    if (a.with_pg && a.sequence) {
-      FASTRL_WITH_ESTIMATOR(a.estimator, policy_forward_row_body, FASTRL_COMMA true, (a, b, all_values, stats))
-    } else {
-      FASTRL_WITH_ESTIMATOR(a.estimator, policy_forward_row_body, FASTRL_COMMA false, (a, b, all_values, stats))
-    }
-  });
+  if (a.with_pg && a.sequence) {
+    FASTRL_WITH_ESTIMATOR(a.estimator, policy_forward_row_at, FASTRL_COMMA true, (a, b, all_values, stats))
+  } else {
+    FASTRL_WITH_ESTIMATOR(a.estimator, policy_forward_row_at, FASTRL_COMMA false, (a, b, all_values, stats))
+  }
 }
 
 template <typename Acc>
@@ -342,22 +394,20 @@ void policy_backward_row(const PolicyArgs& a, int64_t b, const double* stats, Ac
     for (int64_t t = 0; t < a.length; ++t) grad_values[base + t] = a.mask[base + t] ? gv : Acc(0);
   }
   if (!grad_logp) return;
-  isa_dispatch([&]() FASTRL_ISA_BODY {
-    const bool sequence = a.with_pg && a.sequence;
-#define FASTRL_BACKWARD(SEQ, ST)                                                                        \
-  FASTRL_WITH_ESTIMATOR(a.estimator, policy_backward_row_body, FASTRL_COMMA SEQ FASTRL_COMMA ST, \
+  const bool sequence = a.with_pg && a.sequence;
+#define FASTRL_BACKWARD(SEQ, ST)                                                                      \
+  FASTRL_WITH_ESTIMATOR(a.estimator, policy_backward_row_at, FASTRL_COMMA SEQ FASTRL_COMMA ST, \
                         (a, b, stats, g, kl_coef, grad_logp))
-    if (sequence && straight_through) {
-      FASTRL_BACKWARD(true, true)
-    } else if (sequence) {
-      FASTRL_BACKWARD(true, false)
-    } else if (straight_through) {
-      FASTRL_BACKWARD(false, true)
-    } else {
-      FASTRL_BACKWARD(false, false)
-    }
+  if (sequence && straight_through) {
+    FASTRL_BACKWARD(true, true)
+  } else if (sequence) {
+    FASTRL_BACKWARD(true, false)
+  } else if (straight_through) {
+    FASTRL_BACKWARD(false, true)
+  } else {
+    FASTRL_BACKWARD(false, false)
+  }
 #undef FASTRL_BACKWARD
-  });
 }
 
 // Rollout correction of one row (see the top of the file).
@@ -379,16 +429,18 @@ FASTRL_INLINE void rollout_correction_row_body(const RolloutCorrectionArgs& a, i
   // any type): a float-to-double conversion kept the AVX loops scalar.
   Acc valid_buf[kBlock], w_buf[kBlock], w_sq_buf[kBlock], high_buf[kBlock], low_buf[kBlock], zeroed_buf[kBlock],
       max_buf[kBlock], min_buf[kBlock], row_raw[kBlock];
+  MaskWord<Acc> words[kBlock];
   // The sequence's raw weight read per token from memory, as the policy loss's
   // row ratio: as one value, the tests of it are loop-invariant selects, which
   // GCC does not vectorise.
   if (SEQUENCE) std::fill(row_raw, row_raw + kBlock, std::exp(std::clamp(seq_log_w, -lim, lim)));
   for (int64_t start = 0; start < a.length; start += kBlock) {
     const int64_t n = std::min(kBlock, a.length - start);
+    widen_mask<Acc>(mask + start, n, words);
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = start + i;
-      const bool valid = mask[t] != 0;
+      const bool valid = words[i] != 0;
       const Acc raw = SEQUENCE ? row_raw[i] : exp_approx(std::clamp(old[t] - rollout[t], -lim, lim));
       const bool kept = raw >= clip_min && raw <= clip_max;
       const Acc w = TRUNCATE ? std::clamp(raw, clip_min, clip_max) : kept ? raw : Acc(0);
@@ -451,17 +503,20 @@ FASTRL_INLINE void rollout_correction_row_body(const RolloutCorrectionArgs& a, i
   out[kRCMasked] = zeroed.total();
 }
 
+template <typename Acc, bool SEQUENCE, bool TRUNCATE>
+void rollout_correction_row_at(const RolloutCorrectionArgs& a, int64_t b, float* weights, double* stats) {
+  isa_dispatch([&]() FASTRL_ISA_BODY { rollout_correction_row_body<Acc, SEQUENCE, TRUNCATE>(a, b, weights, stats); });
+}
+
 template <typename Acc>
 void rollout_correction_row(const RolloutCorrectionArgs& a, int64_t b, float* weights, double* stats) {
-  isa_dispatch([&]() FASTRL_ISA_BODY {
-    if (a.sequence) {
-      a.truncate ? rollout_correction_row_body<Acc, true, true>(a, b, weights, stats)
-                 : rollout_correction_row_body<Acc, true, false>(a, b, weights, stats);
-    } else {
-      a.truncate ? rollout_correction_row_body<Acc, false, true>(a, b, weights, stats)
-                 : rollout_correction_row_body<Acc, false, false>(a, b, weights, stats);
-    }
-  });
+  if (a.sequence) {
+    a.truncate ? rollout_correction_row_at<Acc, true, true>(a, b, weights, stats)
+               : rollout_correction_row_at<Acc, true, false>(a, b, weights, stats);
+  } else {
+    a.truncate ? rollout_correction_row_at<Acc, false, true>(a, b, weights, stats)
+               : rollout_correction_row_at<Acc, false, false>(a, b, weights, stats);
+  }
 }
 
 template <typename Acc>

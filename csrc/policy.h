@@ -8,8 +8,8 @@ namespace fastrl {
 
 // What the policy-loss passes read. Every per-token array is a contiguous
 // [n_rows, length] array (row b, a sequence, at b * length) of the accumulation
-// type `dtype` (float32 / float64); mask is uint8 0 / 1. A token with mask 0 is
-// never used in arithmetic: its values may be anything, NaN included.
+// type `dtype` (float32 / float64); mask is uint8 0 / 1. A token with mask 0
+// contributes nothing: its values may be anything, NaN included.
 // old_log_probs and advantages are read only with with_pg, ref_log_probs only
 // when estimator >= 0 (a kl.h code; -1: no KL term); weights (rollout
 // correction) may be null. clip_c is the dual-clip constant when dual_clip.

@@ -95,31 +95,58 @@ def _trampolines() -> dict[tuple[str, str], str]:
 
 
 
+# Packed float arithmetic on a level's full-width registers (SSE2 has no
+# v-prefix and no FMA).
+PACKED = {
+    "avx512": r"\bv(?:add|sub|mul|div|min|max|fn?madd\w*|fn?msub\w*)ps\s[^\n]*%zmm",
+    "avx2": r"\bv(?:add|sub|mul|div|min|max|fn?madd\w*|fn?msub\w*)ps\s[^\n]*%ymm",
+    "baseline": r"\b(?:add|sub|mul|div|min|max)ps\s[^\n]*%xmm",
+}
+# The exp polynomial packed: the row kernels evaluate exp_approx on every element.
+PACKED_EXP = {
+    "avx512": r"vfn?madd\w*ps\s[^\n]*%zmm",
+    "avx2": r"vfn?madd\w*ps\s[^\n]*%ymm",
+    "baseline": r"\bmulps\s[^\n]*%xmm",
+}
+EXP_ROWS = re.compile(r"^(row_stats|row_grad|full_kl_row)")
+# k1's derivative is 1: this variant's loop is grad_logp = grad, a copy with no arithmetic.
+COPY_ONLY = {"kl_penalty_grad_span_at<float, 0, false>"}
+PACKED_COPY = {"avx512": r"\bvmov\w+\s[^\n]*%zmm", "avx2": r"\bvmov\w+\s[^\n]*%ymm", "baseline": r"\bmov[au]ps\s[^\n]*%xmm"}
+
+
 @pytest.mark.skipif(not X86, reason="x86-64 levels")
 def test_every_trampoline_holds_vector_code_of_its_width():
-    """Each kernel's exp polynomial (exp_approx, every row kernel has one) must be
-    packed at the trampoline's width: AVX-512 fused multiply-adds on zmm, AVX2
-    ones on ymm, SSE2 multiplies on xmm. A loop GCC leaves scalar has none."""
+    """Every variant of every kernel (each has trampolines of its own: csrc/isa.h)
+    must compute on packed floats of its level's width: AVX-512 on zmm, AVX2 on
+    ymm, SSE2 packed on xmm. A token loop GCC leaves scalar (issue 18: the k3
+    estimate's backward, a bool in a struct) has none. The row kernels must also
+    hold their exp polynomial packed (6 multiply-adds or more)."""
     trampolines = _trampolines()
     assert trampolines, "no kernel trampolines found in fastrl._C (stripped?)"
     levels = {level for level, _ in trampolines}
     assert levels == {"avx512", "avx2", "baseline"}
     kernels = {kernel for _, kernel in trampolines}
-    width = {
-        "avx512": r"vfn?madd\w*ps\s[^\n]*%zmm",
-        "avx2": r"vfn?madd\w*ps\s[^\n]*%ymm",
-        "baseline": r"\bmulps\s[^\n]*%xmm",
-    }
     scalar = []
     for (level, kernel), code in sorted(trampolines.items()):
         # float64 rows take libm's exp (exp_approx(double)): a call per element,
         # exact to the last bit, the price of the float64 path, never a fast one.
         if "double" in kernel:
             continue
-        if len(re.findall(width[level], code)) < 6:
+        if kernel in COPY_ONLY:
+            ok = re.search(PACKED_COPY[level], code) is not None
+        else:
+            ok = re.search(PACKED[level], code) is not None
+            if EXP_ROWS.match(kernel):
+                ok = ok and len(re.findall(PACKED_EXP[level], code)) >= 6
+        if not ok:
             scalar.append(f"{level} {kernel}")
-    assert len(kernels) >= 8, sorted(kernels)
-    assert not scalar, f"trampolines without packed exp code: {scalar}"
+    # Every variant of the token kernels has its own trampolines: 5 KL estimator
+    # codes (-1 for none) x sequence level x straight-through for the policy
+    # backward, and so on.
+    for family, variants in (("policy_backward_row_at<float", 20), ("policy_forward_row_at<float", 10),
+                             ("rollout_correction_row_at<float", 4), ("kl_penalty_span_at<float", 5)):  # fmt: skip
+        assert sum(k.startswith(family) for k in kernels) == variants, (family, sorted(kernels))
+    assert not scalar, f"trampolines without packed code of their width: {scalar}"
 
 
 def _row_ops(module, logits, ref_logits, labels):
@@ -173,3 +200,66 @@ def test_fastrl_cpu_isa_picks_the_level():
     env["FASTRL_CPU_ISA"] = "avx9"
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "FASTRL_CPU_ISA=avx9" in bad.stderr
+
+
+def _token_ops(inputs):
+    """The token kernels' outputs on ``inputs`` (test_policy's per-token inputs):
+    the policy loss at token level (dual clip, rollout weights, k3 KL, entropy)
+    and at sequence level (k1 straight-through), forward and backward, kl_penalty
+    of every estimator with its gradient, and rollout correction at both levels."""
+    from test_policy import _run_policy
+
+    out = {}
+    options = {
+        "token": {"clip_ratio_c": 3.0, "rollout_is_weights": inputs["rollout_is_weights"],
+                  "ref_log_probs": inputs["ref_log_probs"], "kl_coef": 0.1, "kl_estimator": "k3", "entropy_coef": 0.01},
+        "sequence": {"ratio_level": "sequence", "loss_agg_mode": "seq-mean-token-mean",
+                     "ref_log_probs": inputs["ref_log_probs"], "kl_coef": 0.1, "kl_estimator": "k1+"},
+    }  # fmt: skip
+    for level, opts in options.items():
+        loss, metrics, grad_logp, grad_entropy = _run_policy(fastrl.policy_loss, inputs, opts, level == "token")
+        out.update({f"{level} loss": loss.detach(), f"{level} grad_logp": grad_logp})
+        out.update({f"{level} {name}": value for name, value in metrics.items()})
+        if grad_entropy is not None:
+            out[f"{level} grad_entropy"] = grad_entropy
+    valid = inputs["response_mask"]
+    logp, ref = inputs["log_probs"].clone(), inputs["ref_log_probs"].clone()
+    logp[~valid] = ref[~valid] = 0.0  # kl_penalty reads every token
+    for estimator in ("kl", "abs", "mse", "low_var_kl", "low_var_kl+"):
+        leaf = logp.clone().requires_grad_(True)
+        kl = fastrl.kl_penalty(leaf, ref, estimator)
+        (kl * torch.linspace(-1, 1, kl.numel()).reshape(kl.shape)).sum().backward()
+        out.update({f"kl_penalty {estimator}": kl.detach(), f"kl_penalty {estimator} grad": leaf.grad})
+    for level in ("token", "sequence"):
+        for mode in ("truncate", "mask"):
+            weights, metrics = fastrl.rollout_correction(inputs["old_log_probs"], logp, valid, level=level, mode=mode,
+                                                         clip_min=0.5)  # fmt: skip
+            out[f"rollout {level} {mode}"] = weights
+            out.update({f"rollout {level} {mode} {name}": value for name, value in metrics.items()})
+    return out
+
+
+def test_token_kernels_agree_across_levels(at_level):
+    """The policy-loss, kl_penalty and rollout-correction kernels at every level
+    this CPU runs give the best level's result (test_policy checks that one
+    against the float64 reference): bit for bit between AVX-512 and AVX2, which
+    add the same terms in the same order with the same fused multiply-adds; the
+    SSE2 baseline has no FMA, so within float32 rounding of each output's largest
+    magnitude (a few ulps of the per-token arithmetic, 1e-5 relative)."""
+    from test_policy import per_token_inputs
+
+    inputs = per_token_inputs((6, 700))
+    by_level = {}
+    for level in native.cpu_isa_levels():
+        at_level(level)
+        with fastrl.use_backend("native"):
+            by_level[level] = _token_ops(inputs)
+    best = native.cpu_isa_levels()[0]
+    for level, got in by_level.items():
+        exact = {level, best} <= {"x86-64-v4", "x86-64-v3"}
+        for name, value in got.items():
+            want = by_level[best][name]
+            scale = float(want.nan_to_num(0.0, 0.0, 0.0).abs().max()) if want.numel() else 0.0
+            tol = 0.0 if exact else 1e-5
+            torch.testing.assert_close(value, want, rtol=tol, atol=tol * scale, equal_nan=True,
+                                       msg=lambda m, n=name, lv=level: f"{lv} {n}: {m}")  # fmt: skip

@@ -49,6 +49,9 @@ class Case:
     impls: list[Impl]
     check: Callable[[dict], float]  # largest error of fastrl's result against the float64 reference
     sweep: bool = False  # a point of a size sweep (plotted; not in the README table or the speed check)
+    # In --check-speed-compiled's gate (not the LM head's cases: both sides run
+    # torch's own GEMM for most of their time, so the ratio measures that GEMM).
+    compiled_gate: bool = True
 
     def key(self) -> tuple:
         """What identifies the case in its result rows: see :func:`row_key`."""
@@ -103,12 +106,19 @@ def verl_vocab_parallel_entropy(group):
     return None if module is None else module.vocab_parallel_entropy
 
 
+# Whether --quick runs also time torch.compile of the reference: compiling takes
+# longer than the quick cases themselves, so only a speed check against it
+# (``--check-speed-compiled``) turns it on.
+COMPILED_IN_QUICK = False
+COMPILED = "torch.compile(reference)"
+
+
 def compiled_reference(wrap: Callable[[Callable], Callable[[dict], Callable[[], object]]], fn: Callable, quick: bool) -> Impl:
     """The ``torch.compile(reference)`` peer of a case (``wrap`` turns ``fn`` into
-    an Impl.make), skipped in --quick, where compiling would dominate the run."""
-    if quick:
-        return Impl("torch.compile(reference)", None, "skipped in --quick (compile time)")
-    return Impl("torch.compile(reference)", wrap(torch.compile(fn, dynamic=False)))
+    an Impl.make), skipped in --quick (compile time) unless COMPILED_IN_QUICK."""
+    if quick and not COMPILED_IN_QUICK:
+        return Impl(COMPILED, None, "skipped in --quick (compile time)")
+    return Impl(COMPILED, wrap(torch.compile(fn, dynamic=False)))
 
 
 def no_grad_step(run: Callable[[dict], object]) -> Callable[[dict], Callable[[], object]]:
@@ -153,9 +163,48 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+# The x86-64 levels of the native CPU kernels (fastrl._C's names), with the
+# torch CPU capability (ATEN_CPU_CAPABILITY) and Inductor vector width
+# (torch._inductor.config.cpp.simdlen) that run torch at the same level.
+CPU_LEVELS = {"x86-64-v4": ("avx512", 512), "x86-64-v3": ("avx2", 256), "x86-64": ("default", 1)}
+
+
+def native_cpu_isa() -> dict:
+    """The native kernels' active level and the CPU's best ({} without fastrl._C)."""
+    from .._backend import native_module
+
+    native = native_module()
+    if native is None:
+        return {}
+    info = native.build_info()
+    return {"cpu_isa": info["cpu_isa"], "cpu_isa_best": info["cpu_isa_best"]}
+
+
 def device_slug(device: torch.device) -> str:
-    name = device_name(device) if device.type == "cuda" else f"cpu-{platform.machine()}"
+    """The results file's name: the GPU's name, or on a CPU its architecture and
+    the level the native kernels run at (cpu-x86-64-v4, cpu-x86-64-v3, ...), so
+    that the runs of each level sit side by side."""
+    if device.type == "cuda":
+        name = device_name(device)
+    else:
+        level = native_cpu_isa().get("cpu_isa", "").split(" ")[0]
+        name = f"cpu-{level}" if level.startswith("x86-64") else f"cpu-{platform.machine()}"
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def results_label(payload: dict) -> str:
+    """What ran a results file, for headings and plot names: the device, and on a
+    CPU the level its native kernels ran at, marked when forced below the CPU's
+    best (``FASTRL_CPU_ISA``)."""
+    label = payload["device"]
+    isa, best = payload.get("cpu_isa"), payload.get("cpu_isa_best")
+    if payload.get("device_type") == "cpu" and isa:
+        label += f", native kernels at {isa}"
+        if best and best != isa:
+            label += f" (forced; the CPU has {best.split(' ')[0]})"
+        if payload.get("aten_cpu_capability"):
+            label += f", torch at {payload['aten_cpu_capability']}"
+    return label
 
 
 def _sync(device: torch.device) -> None:
@@ -281,7 +330,7 @@ def environment(device: torch.device) -> dict:
         triton_version = None
     import fastrl
 
-    return {
+    env = {
         "device": device_name(device),
         "device_type": device.type,
         "fastrl": fastrl.__version__,
@@ -292,6 +341,22 @@ def environment(device: torch.device) -> dict:
         "commit": _git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if device.type == "cpu":
+        # The code paths that ran: the native kernels' x86-64 level, torch's own
+        # CPU kernels' and Inductor's vector width, and torch's huge-page setting.
+        env.update(native_cpu_isa())
+        env["aten_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        env["inductor_simdlen"] = _inductor_simdlen()
+        env["THP_MEM_ALLOC_ENABLE"] = os.environ.get("THP_MEM_ALLOC_ENABLE")
+    return env
+
+
+def _inductor_simdlen() -> int | None:
+    try:
+        from torch._inductor import config
+    except ImportError:
+        return None
+    return config.cpp.simdlen
 
 
 def run_cases(cases: list[Case], device: torch.device, *, reps: int, progress=None) -> list[dict]:

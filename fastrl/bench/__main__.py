@@ -4,21 +4,31 @@ Prints a table and writes ``bench/results/<device>.json`` (or ``--json PATH``;
 with ``--merge``, keeping that file's rows of the cases not run now), and with
 ``--plot DIR`` one PNG per op.
 Exits non-zero if fastrl's result on a benchmark input is off the reference, or,
-with ``--check-speed``, if fastrl is slower than the torch reference in the same
-run (a ratio, with a margin; a ratio that falls short is measured again before
-it fails the run).
+with ``--check-speed`` / ``--check-speed-compiled``, if fastrl is slower than
+the torch reference / ``torch.compile`` of it in the same run (a ratio, with a
+margin; a ratio that falls short is measured again before it fails the run).
+
+On a CPU, ``--cpu-isa x86-64-v3`` (or ``x86-64``) runs the whole suite as on a
+CPU of that level: fastrl's native kernels (``FASTRL_CPU_ISA``), torch's own
+kernels (``ATEN_CPU_CAPABILITY``) and Inductor's generated code
+(``torch._inductor.config.cpp.simdlen``) all at that vector width. The results
+file is named by the level (``bench/results/cpu-x86-64-v3.json``) and records it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 
+from .. import bench
 from . import (
+    COMPILED,
+    CPU_LEVELS,
     copy_bandwidth,
     device_slug,
     environment,
@@ -61,10 +71,20 @@ def main(argv: list[str] | None = None) -> int:
                         "commit and torch)")  # fmt: skip
     parser.add_argument("--check-speed", type=float, default=None, metavar="MARGIN",
                         help="fail if fastrl is not faster than the torch reference by this factor")
+    parser.add_argument("--check-speed-compiled", type=float, default=None, metavar="MARGIN",
+                        help="fail if fastrl is not faster than torch.compile of the reference by this factor "
+                             "(compiles the reference in --quick runs too)")  # fmt: skip
+    parser.add_argument("--cpu-isa", choices=sorted(CPU_LEVELS), default=None,
+                        help="run fastrl's native kernels, torch's kernels and Inductor's code at this x86-64 level "
+                             "(restarts the run with FASTRL_CPU_ISA and ATEN_CPU_CAPABILITY set)")  # fmt: skip
     parser.add_argument("--check-speed-avx2", type=float, default=None, metavar="MARGIN",
                         help="the --check-speed margin on a CPU whose native kernels run their AVX2 (x86-64-v3) "
                              "clone, where its lead over torch is still slim (issue 18); default: --check-speed")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.cpu_isa is not None:
+        _run_at_cpu_level(args.cpu_isa, sys.argv[1:] if argv is None else argv)
+    _inductor_at_native_level()
+    bench.COMPILED_IN_QUICK = args.check_speed_compiled is not None
 
     device = torch.device(args.device)
     reps = args.reps or (5 if args.quick or device.type == "cpu" else 20)
@@ -114,22 +134,48 @@ def main(argv: list[str] | None = None) -> int:
         err = r.get("max_err_vs_reference")
         if err is not None and not err <= MAX_REFERENCE_ERROR:
             failures.append(f"{r['op']} {r['shape']}: fastrl differs from the reference by {err:.3g}")
+    case_of = {c.key(): c for c in cases if not c.sweep}
+    gates = []  # (whether a row is checked, margin)
     if args.check_speed is not None:
-        margin = _speed_margin(args, device)
-        case_of = {c.key(): c for c in cases if not c.sweep}
+        gates.append((lambda r: r["impl"].startswith("torch eager"), _speed_margin(args, device)))
+    if args.check_speed_compiled is not None:
+        gates.append((lambda r: r["impl"] == COMPILED and case_of[row_key(r)].compiled_gate, args.check_speed_compiled))
+    for gated, margin in gates:
         for r in measured_rows:
-            checked = r["impl"].startswith("torch eager") and not r.get("sweep") and "fastrl_speedup" in r
+            checked = not r.get("sweep") and "fastrl_speedup" in r and gated(r)
             if not checked or r["fastrl_speedup"] >= margin:
                 continue
             what = f"{r['op']} {r['shape']} {r['dtype']} against {r['impl']}"
             ratio = remeasure_ratio(case_of[row_key(r)], r["impl"], device, reps=reps)
             print(f"re-measured {what}: {r['fastrl_speedup']:.2f}x, then {ratio:.2f}x", file=sys.stderr)
             if ratio < margin:
-                failures.append(f"{what}: fastrl is {ratio:.2f}x the torch reference, below the required "
-                                f"{margin:.2f}x")  # fmt: skip
+                failures.append(f"{what}: fastrl is {ratio:.2f}x {r['impl']}, below the required {margin:.2f}x")
     for f in failures:
         print(f"FAIL: {f}", file=sys.stderr)
     return 1 if failures else 0
+
+
+def _run_at_cpu_level(level: str, argv: list[str]) -> None:
+    """Restarts this run with the native kernels and torch's kernels at ``level``
+    (both read their setting when they load); returns where they already are."""
+    aten, _ = CPU_LEVELS[level]
+    want = {"FASTRL_CPU_ISA": level, "ATEN_CPU_CAPABILITY": aten}
+    if all(os.environ.get(k) == v for k, v in want.items()):
+        return
+    env = {**os.environ, **want}
+    os.execve(sys.executable, [sys.executable, "-m", "fastrl.bench", *argv], env)
+
+
+def _inductor_at_native_level() -> None:
+    """Inductor's vector width to the native kernels' level when FASTRL_CPU_ISA
+    forces one (else Inductor picks the CPU's best). Set alone, ATEN_CPU_CAPABILITY
+    does not reach Inductor, whose code then mixes both levels: torch 2.13 gave a
+    wrong policy loss that way (0.0 and a gradient of 1e28)."""
+    level = os.environ.get("FASTRL_CPU_ISA")
+    if level in CPU_LEVELS:
+        from torch._inductor import config
+
+        config.cpp.simdlen = CPU_LEVELS[level][1]
 
 
 def _speed_margin(args, device: torch.device) -> float:

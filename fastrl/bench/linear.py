@@ -140,6 +140,7 @@ def cases(device: torch.device, *, quick: bool = False, shapes=None) -> list[Cas
                 Case(
                     op=mode, shape=(n, hidden_size, v), dtype=dtype, bytes_formula=formula, min_bytes=min_bytes,
                     make_inputs=_make_inputs(n, hidden_size, v, dtype), impls=impls, check=_check,
+                    compiled_gate=False,
                 )
             )  # fmt: skip
     return out

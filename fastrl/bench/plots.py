@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from . import copy_bandwidth_label, percent_of_copy
+from . import copy_bandwidth_label, percent_of_copy, results_label
 
 
 def _slug(text: str) -> str:
@@ -21,7 +21,8 @@ def _slug(text: str) -> str:
 
 def write_plots(payload: dict, out_dir: Path) -> list[Path]:
     """One PNG per op of ``payload`` (the JSON the suite writes) in ``out_dir``,
-    named <device slug>-<op slug>.png; returns the paths."""
+    named <device slug>-<op slug>.png (the device with the CPU level, see
+    ``results_label``); returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -30,7 +31,7 @@ def write_plots(payload: dict, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     copy_gbps = payload["copy_bandwidth_gbps"]
     measured = [r for r in payload["rows"] if "median_ms" in r]
-    device = payload["device"]
+    device = results_label(payload)
     paths = []
     for op in dict.fromkeys(r["op"] for r in measured):
         rows = [r for r in measured if r["op"] == op]
