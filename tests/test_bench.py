@@ -194,3 +194,71 @@ def test_the_flashinfer_peer_says_why_it_is_absent(monkeypatch):
     run, why = sampling._flashinfer({"top_k": 50}, torch.device("cuda"))
     assert run is None and "top_k_top_p_sampling_from_logits" in why
     assert sampling._flashinfer({"top_k": 50}, torch.device("cpu")) == (None, "GPU only")
+
+
+def _compiled_case(fastrl_seconds, gated=True):
+    """A toy case whose fastrl call sleeps ``fastrl_seconds`` and whose
+    torch.compile peer sleeps 2 ms."""
+    sleeper = lambda seconds: bench.no_grad_step(lambda inputs: time.sleep(seconds))  # noqa: E731
+    return bench.Case(
+        op="toy", shape=(1, 1), dtype=torch.float32, bytes_formula="4", min_bytes=4,
+        make_inputs=lambda device: {}, check=lambda inputs: 0.0, compiled_gate=gated,
+        impls=[bench.Impl("fastrl", sleeper(fastrl_seconds)), bench.Impl(bench.COMPILED, sleeper(2e-3))],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("fastrl_seconds, gated, fails", [(0.5e-3, True, False), (4e-3, True, True), (4e-3, False, False)],
+                         ids=["faster", "slower", "slower-not-gated"])  # fmt: skip
+def test_the_compiled_speed_check_compares_with_torch_compile(fastrl_seconds, gated, fails, monkeypatch, tmp_path,
+                                                              capsys):  # fmt: skip
+    family = types.SimpleNamespace(cases=lambda device, quick, shapes: [_compiled_case(fastrl_seconds, gated)])
+    monkeypatch.setitem(bench_main.OPS, "toy", family)
+    args = ["--op", "toy", "--reps", "3", "--check-speed-compiled", "1.0", "--json", str(tmp_path / "r.json")]
+    status = bench_main.main(args)
+    err = capsys.readouterr().err
+    assert status == int(fails) and ("FAIL" in err) == fails
+    assert ("re-measured toy [1, 1] float32 against torch.compile(reference)" in err) == fails
+
+
+def test_a_quick_run_compiles_the_reference_only_for_the_compiled_speed_check():
+    from fastrl.bench import kl
+
+    compiled = lambda: next(i for i in kl.cases(torch.device("cpu"), quick=True)[0].impls if i.name == bench.COMPILED)  # noqa: E731
+    assert compiled().unavailable == "skipped in --quick (compile time)"
+    try:
+        bench.COMPILED_IN_QUICK = True
+        assert compiled().unavailable is None
+    finally:
+        bench.COMPILED_IN_QUICK = False
+
+
+def test_cpu_results_name_the_level_their_kernels_ran_at(monkeypatch):
+    payload = {"device": "Xeon (2 cores)", "device_type": "cpu", "cpu_isa": "x86-64-v3 (AVX2)",
+               "cpu_isa_best": "x86-64-v4 (AVX-512)", "aten_cpu_capability": "AVX2"}  # fmt: skip
+    assert bench.results_label(payload) == (
+        "Xeon (2 cores), native kernels at x86-64-v3 (AVX2) (forced; the CPU has x86-64-v4), torch at AVX2"
+    )
+    assert bench.results_label({**payload, "cpu_isa_best": "x86-64-v3 (AVX2)"}).endswith("at x86-64-v3 (AVX2), torch at AVX2")
+    assert bench.results_label({"device": "H100", "device_type": "cuda"}) == "H100"
+    env = bench.environment(torch.device("cpu"))
+    assert {"cpu_isa", "cpu_isa_best", "aten_cpu_capability", "inductor_simdlen"} <= set(env)
+    level = env["cpu_isa"].split(" ")[0]
+    assert bench.device_slug(torch.device("cpu")) == f"cpu-{level}"
+
+
+def test_cpu_isa_restarts_the_run_at_that_level(monkeypatch):
+    """--cpu-isa sets the native kernels' and torch's levels and restarts the
+    run (both read them when they load); Inductor follows FASTRL_CPU_ISA."""
+    calls = []
+    monkeypatch.setattr(bench_main.os, "execve", lambda path, argv, env: calls.append((argv, env)))
+    monkeypatch.delenv("FASTRL_CPU_ISA", raising=False)
+    bench_main._run_at_cpu_level("x86-64-v3", ["--quick", "--cpu-isa", "x86-64-v3"])
+    (argv, env), = calls
+    assert argv[1:] == ["-m", "fastrl.bench", "--quick", "--cpu-isa", "x86-64-v3"]
+    assert env["FASTRL_CPU_ISA"] == "x86-64-v3" and env["ATEN_CPU_CAPABILITY"] == "avx2"
+    from torch._inductor import config
+
+    monkeypatch.setenv("FASTRL_CPU_ISA", "x86-64-v3")
+    monkeypatch.setattr(config.cpp, "simdlen", None)
+    bench_main._inductor_at_native_level()
+    assert config.cpp.simdlen == 256

@@ -84,11 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_isa is not None:
         _run_at_cpu_level(args.cpu_isa, sys.argv[1:] if argv is None else argv)
     _inductor_at_native_level()
-    bench.COMPILED_IN_QUICK = args.check_speed_compiled is not None
 
     device = torch.device(args.device)
     reps = args.reps or (5 if args.quick or device.type == "cpu" else 20)
-    cases = [c for op in (args.op or OPS) for c in OPS[op].cases(device, quick=args.quick, shapes=args.shape)]
+    bench.COMPILED_IN_QUICK = args.check_speed_compiled is not None  # read as the cases are made
+    try:
+        cases = [c for op in (args.op or OPS) for c in OPS[op].cases(device, quick=args.quick, shapes=args.shape)]
+    finally:
+        bench.COMPILED_IN_QUICK = False
     env = environment(device)
     out = args.json or Path("bench/results") / f"{device_slug(device)}.json"
     previous = json.loads(out.read_text()) if args.merge and out.exists() else None
