@@ -149,6 +149,19 @@ FASTRL_INLINE void widen_mask(const uint8_t* mask, int64_t n, MaskWord<Acc>* out
   for (int64_t i = 0; i < n; ++i) out[i] = mask[i];
 }
 
+// The row's optional per-token inputs at the block starting at token `start`,
+// each read from a constant block where not given (old_log_probs and
+// advantages are null without with_pg).
+template <typename Acc>
+struct PolicyBlock {
+  const Acc *w, *old, *adv, *ref;
+  FASTRL_INLINE PolicyBlock(const PolicyRow<Acc>& row, int64_t start)
+      : w(block_or(row.w, start, Constants<Acc>::ones)),
+        old(block_or(row.old, start, Constants<Acc>::zeros)),
+        adv(block_or(row.adv, start, Constants<Acc>::zeros)),
+        ref(block_or(row.ref, start, Constants<Acc>::zeros)) {}
+};
+
 // Row sums in kLanes double lanes (see above).
 struct LaneSums {
   double lane[kLanes] = {};
@@ -256,11 +269,12 @@ FASTRL_INLINE PPOLoss<Acc> ppo_loss(const ClipParams<Acc>& c, Acc adv, Acc r) {
 template <typename Acc, int ESTIMATOR, bool SEQUENCE>
 FASTRL_INLINE void policy_forward_row_body(const PolicyArgs& a, int64_t b, const void* all_values, double* stats) {
   const int64_t base = b * a.length;
-  const auto [logp, old, adv, w, ref, mask] = policy_row<Acc>(a, base);
+  const PolicyRow<Acc> row = policy_row<Acc>(a, base);
+  const Acc* logp = row.logp;
   const Acc* values = row_of<Acc>(all_values, base);
   double mean_u = 0;
   if (SEQUENCE) {
-    const auto [sum, n] = valid_diff_sum(logp, old, mask, a.length);
+    const auto [sum, n] = valid_diff_sum(logp, row.old, row.mask, a.length);
     mean_u = n > 0 ? sum / double(n) : 0.0;
   }
   const Ratio<Acc> row_ratio = sequence_ratio(static_cast<Acc>(mean_u));
@@ -274,22 +288,19 @@ FASTRL_INLINE void policy_forward_row_body(const PolicyArgs& a, int64_t b, const
   if (SEQUENCE) std::fill(row_r, row_r + kBlock, row_ratio.r);
   for (int64_t start = 0; start < a.length; start += kBlock) {
     const int64_t n = std::min(kBlock, a.length - start);
-    widen_mask<Acc>(mask + start, n, words);
-    const Acc* w_block = block_or(w, start, Constants<Acc>::ones);
-    const Acc* old_block = block_or(old, start, Constants<Acc>::zeros);  // null without with_pg
-    const Acc* adv_block = block_or(adv, start, Constants<Acc>::zeros);
-    const Acc* ref_block = block_or(ref, start, Constants<Acc>::zeros);
+    widen_mask<Acc>(row.mask + start, n, words);
+    const PolicyBlock<Acc> in(row, start);
     const Acc* values_block = block_or(values, start, Constants<Acc>::zeros);
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = start + i;
       const bool valid = words[i] != 0, pg = words[i] >= clip.pg_mask_min;
-      const Acc u = logp[t] - old_block[i];
+      const Acc u = logp[t] - in.old[i];
       const Ratio<Acc> token = token_ratio(u);
       const Acc r = SEQUENCE ? row_r[i] : token.r;
-      const PPOLoss<Acc> pl = ppo_loss(clip, adv_block[i], r);
+      const PPOLoss<Acc> pl = ppo_loss(clip, in.adv[i], r);
       valid_buf[i] = valid ? Acc(1) : Acc(0);
-      loss_buf[i] = select_bits(pg, pl.loss * w_block[i], Acc(0));
+      loss_buf[i] = select_bits(pg, pl.loss * in.w[i], Acc(0));
       clipped_buf[i] = select_bits(pg, pl.clipped, Acc(0));
       lower_buf[i] = select_bits(pg, pl.clipped_lower, Acc(0));
       ppo_kl_buf[i] = select_bits(pg, SEQUENCE ? -u : token.ppo_kl, Acc(0));
@@ -299,7 +310,7 @@ FASTRL_INLINE void policy_forward_row_body(const PolicyArgs& a, int64_t b, const
       // The KL term in a loop of its own (kLoopSplit).
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) {
-        const Acc kl = kl_estimate<ESTIMATOR, false>(logp[start + i] - ref_block[i]).value;
+        const Acc kl = kl_estimate<ESTIMATOR, false>(logp[start + i] - in.ref[i]).value;
         kl_buf[i] = select_bits(words[i] != 0, kl, Acc(0));
       }
     }
@@ -326,7 +337,8 @@ template <typename Acc, int ESTIMATOR, bool SEQUENCE, bool STRAIGHT_THROUGH>
 FASTRL_INLINE void policy_backward_row_body(const PolicyArgs& a, int64_t b, const double* stats, Acc g, Acc kl_coef,
                                             Acc* grad_logp) {
   const int64_t base = b * a.length;
-  const auto [logp, old, adv, w, ref, mask] = policy_row<Acc>(a, base);
+  const PolicyRow<Acc> row = policy_row<Acc>(a, base);
+  const Acc* logp = row.logp;
   const Ratio<Acc> row_ratio = sequence_ratio(static_cast<Acc>(stats[b * kNumStats + kMeanU]));
   ClipParams<Acc> clip(a);
   MaskWord<Acc> words[kBlock];
@@ -335,25 +347,22 @@ FASTRL_INLINE void policy_backward_row_body(const PolicyArgs& a, int64_t b, cons
   if (SEQUENCE) std::fill(row_r, row_r + kBlock, row_ratio.r);
   for (int64_t start = 0; start < a.length; start += kBlock) {
     const int64_t n = std::min(kBlock, a.length - start);
-    widen_mask<Acc>(mask + start, n, words);
-    const Acc* w_block = block_or(w, start, Constants<Acc>::ones);
-    const Acc* old_block = block_or(old, start, Constants<Acc>::zeros);  // null without with_pg
-    const Acc* adv_block = block_or(adv, start, Constants<Acc>::zeros);
-    const Acc* ref_block = block_or(ref, start, Constants<Acc>::zeros);
+    widen_mask<Acc>(row.mask + start, n, words);
+    const PolicyBlock<Acc> in(row, start);
     // grad = 0 + the PPO term + the KL term, each term in a loop of its own
     // (kLoopSplit), in that order.
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
-      const Ratio<Acc> token = token_ratio(logp[start + i] - old_block[i]);
+      const Ratio<Acc> token = token_ratio(logp[start + i] - in.old[i]);
       const Acc r = SEQUENCE ? row_r[i] : token.r;
       const bool gate = words[i] >= clip.pg_mask_min && (SEQUENCE || token.gate != 0);
-      const PPOLoss<Acc> pl = ppo_loss(clip, adv_block[i], r);
-      grad_buf[i] = Acc(0) + select_bits(gate, pl.dloss_dr * w_block[i] * r, Acc(0));
+      const PPOLoss<Acc> pl = ppo_loss(clip, in.adv[i], r);
+      grad_buf[i] = Acc(0) + select_bits(gate, pl.dloss_dr * in.w[i] * r, Acc(0));
     }
     if (ESTIMATOR >= 0) {
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i)
-        grad_buf[i] += kl_coef * kl_estimate<ESTIMATOR, STRAIGHT_THROUGH>(logp[start + i] - ref_block[i]).grad;
+        grad_buf[i] += kl_coef * kl_estimate<ESTIMATOR, STRAIGHT_THROUGH>(logp[start + i] - in.ref[i]).grad;
     }
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) grad_logp[base + start + i] = select_bits(words[i] != 0, g * grad_buf[i], Acc(0));

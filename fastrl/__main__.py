@@ -19,6 +19,14 @@ def _version(module: str) -> str:
         return "not installed"
 
 
+def _native_level(build: dict) -> str:
+    """The x86-64 level the native kernels run at, and the CPU's best when
+    FASTRL_CPU_ISA chose a lower one."""
+    level = build["cpu_isa"]
+    best = build.get("cpu_isa_best", level)
+    return level if best == level else f"{level}, forced by FASTRL_CPU_ISA; the CPU has {best}"
+
+
 def info_lines() -> list[str]:
     native = _backend.native_module()
     build = native.build_info() if native is not None else None
@@ -30,7 +38,7 @@ def info_lines() -> list[str]:
         f"python {platform.python_version()}, torch {torch.__version__}, triton {_version('triton')}",
         "backends:",
         "  native CPU:         "
-        + (yes_no(True) + f" ({build['cpu_isa']}, {build['openmp_threads']} OpenMP threads)" if build else yes_no(False, "fastrl._C not built")),
+        + (yes_no(True) + f" ({_native_level(build)}, {build['openmp_threads']} OpenMP threads)" if build else yes_no(False, "fastrl._C not built")),
         "  LM head bf16 GEMM:  "
         + ("native AVX512-BF16 (float32 sums)" if build and build["bf16_gemm"]
            else f"torch float32 on widened bf16 ({'no AVX512-BF16' if build else 'fastrl._C not built'})"),
