@@ -3,7 +3,24 @@
 #   make demo    builds fastrl, then trains a tiny transformer with GRPO on its fused kernels and on the reference (the main job)
 #   make bench   builds fastrl, then benchmarks every op against its peers on the local device
 #   make test    builds fastrl, then runs the tests
-PYTHON ?= python3
+#
+# Where they install: the active virtual or conda environment (VIRTUAL_ENV or
+# CONDA_PREFIX set), or PYTHON=... when given; otherwise a virtual environment
+# .venv in this checkout, made on first use (so CI, which starts from a fresh
+# clone, builds and tests inside a fresh venv). Never the system Python.
+ifeq ($(origin PYTHON),undefined)
+ifneq ($(VIRTUAL_ENV)$(CONDA_PREFIX),)
+PYTHON := python3
+else
+PYTHON := .venv/bin/python
+# Made at parse time, before ENV_PROBE below asks it where it lives; pip
+# upgraded to the newest, as on a fresh machine (the venv's bundled pip can be
+# years old). Not for `make clean`.
+ifneq ($(filter-out clean,$(or $(MAKECMDGOALS),demo)),)
+$(shell test -x .venv/bin/python || { python3 -m venv .venv && .venv/bin/python -m pip install -q --upgrade pip; } >&2)
+endif
+endif
+endif
 # The torch we test with; installed only when torch is missing, because a bare
 # `torch` requirement pulls several GB of CUDA packages.
 TORCH_VERSION ?= 2.13.0
@@ -15,11 +32,11 @@ VERL_VERSION ?= 0.9.0
 # its loss modules need only torch and deepspeed, from the `openrlhf` extra).
 OPENRLHF_VERSION ?= 0.11.2
 
-.PHONY: setup setup-demo setup-bench setup-test bench bench-quick test demo clean
+.PHONY: setup setup-demo setup-bench setup-test bench bench-record bench-quick test demo clean
 
 # Build requirements of pyproject.toml, installed here so that the editable
 # build can run without pip's isolated build environment (faster rebuilds).
-BUILD_REQUIREMENTS = "setuptools>=64" wheel "pybind11>=2.10" "cmake>=3.18" ninja
+BUILD_REQUIREMENTS = "setuptools>=77" wheel "pybind11>=2.10" "cmake>=3.18" ninja
 
 # Set-up runs again only when something it depends on changed: a stamp per
 # set-up and Python environment (and native-build switches) under build/stamps/,
@@ -78,10 +95,15 @@ $(STAMPS)/test: $(BUILD_INPUTS) Makefile
 # Everything (what `make test` installs).
 setup: setup-test
 
-# Every op against every peer on this machine; writes
-# bench/results/<device>.json and its plots, then regenerates the README's
-# performance section from the results files.
+# Every op against every peer on this machine; writes build/bench/<device>.json
+# and its plots, and changes no committed file.
 bench: setup-bench
+	$(PYTHON) -m fastrl.bench --results-dir build/bench --plot build/bench/plots
+
+# Maintainers: the same, recorded as this machine's results in
+# bench/results/<device>.json (plots in bench/results/plots/), then the README's
+# performance section regenerated from every results file.
+bench-record: setup-bench
 	$(PYTHON) -m fastrl.bench --plot bench/results/plots
 	$(PYTHON) -m fastrl.bench.report
 
@@ -99,8 +121,11 @@ bench-quick: setup-bench
 	$(PYTHON) -m fastrl.bench --quick --check-speed 1.0 --check-speed-avx2 0.6 --check-speed-compiled 1.0 \
 		--json build/bench-quick.json --plot build/bench-quick-plots
 
+# The tests run in one pytest-xdist worker per core (TEST_WORKERS=0: in this
+# process): most of their time is the Triton interpreter, one Python thread each.
+TEST_WORKERS ?= auto
 test: setup-test
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n $(TEST_WORKERS)
 
 # End to end: GRPO on a tiny transformer (examples/grpo_tiny.py), once on the
 # fused kernels and once on the PyTorch reference; prints the reward and the
@@ -109,4 +134,4 @@ demo: setup-demo
 	$(PYTHON) examples/grpo_tiny.py --compare --plot build/demo/reward_curve.png
 
 clean:
-	rm -rf build dist *.egg-info fastrl/_C*.so .pytest_cache .benchmarks
+	rm -rf build dist *.egg-info fastrl/_C*.so .pytest_cache .benchmarks .venv

@@ -22,6 +22,9 @@ import pytest  # noqa: E402
 from fastrl import _backend  # noqa: E402
 
 BASE_SEED = int(os.environ.get("FASTRL_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+# pytest-xdist's workers start after this module loads in the controller and
+# inherit its environment: one seed for the whole run, the one the header logs.
+os.environ["FASTRL_TEST_SEED"] = str(BASE_SEED)
 
 
 def pytest_report_header(config):

@@ -42,8 +42,8 @@ def test_info_command_lists_backends_and_devices():
 
 
 def test_metadata_declares_dependencies_and_extras():
-    meta = importlib.metadata.metadata("fastrl")
-    requires = importlib.metadata.requires("fastrl")
+    meta = importlib.metadata.metadata("fastrl-kernels")
+    requires = importlib.metadata.requires("fastrl-kernels")
     assert any(r.startswith("torch>=2.4") for r in requires), requires
     assert any(r.startswith("triton") and "platform_system" in r for r in requires), requires
     assert {"test", "bench"} <= set(meta.get_all("Provides-Extra"))
@@ -54,26 +54,36 @@ def test_metadata_declares_dependencies_and_extras():
 def test_wheel_contents(tmp_path):
     """A wheel built from the source tree carries fastrl and every subpackage
     (fastrl.kernels from kernels/), py.typed and the native extension; with FASTRL_NO_NATIVE=1 it
-    still builds and installs without the extension."""
+    still builds and installs without the extension. The native wheel is built twice under pip's
+    build isolation (CMake, Ninja and pybind11 from a new temporary directory each time): the
+    second compiles nothing (the CMake cache once was keyed on those paths, and every
+    `pip install .` rebuilt everything). Under `make test` this Python is a virtual environment's,
+    so the first build, without isolation, also checks that the build finds pybind11 there (CMake
+    runs the base interpreter, which cannot import it)."""
     have_build_deps = all(importlib.util.find_spec(m) for m in ("setuptools", "pybind11", "wheel"))
-    isolation = ["--no-build-isolation"] if have_build_deps else []  # else pip fetches them
-    for no_native, expect_so in (("1", False), ("0", True)):
-        out = tmp_path / f"wheel-{no_native}"
+    no_isolation = ["--no-build-isolation"] if have_build_deps else []  # else pip fetches them
+    builds = [("1", no_isolation), ("0", []), ("0", [])]
+    for i, (no_native, isolation) in enumerate(builds):
+        out = tmp_path / f"wheel-{i}"
         env = {**os.environ, "FASTRL_NO_NATIVE": no_native}
         build = subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", str(out), str(ROOT)],
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "-v", *isolation, "-w", str(out), str(ROOT)],
             env=env, capture_output=True, text=True,
         )  # fmt: skip
         assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
-        (wheel,) = out.glob("fastrl-*.whl")
+        (wheel,) = out.glob("fastrl_kernels-*.whl")
         names = zipfile.ZipFile(wheel).namelist()
         subpackages = [f"fastrl/{p.parent.name}/__init__.py" for p in (ROOT / "fastrl").glob("*/__init__.py")]
         assert subpackages, "no subpackage of fastrl/ found"
         for required in ("fastrl/__init__.py", "fastrl/py.typed", "fastrl/reference.py", "fastrl/kernels/logprobs.py",
                          "fastrl/kernels/reduce.py", *subpackages):  # fmt: skip
             assert required in names, (required, names)
-        assert any(n.startswith("fastrl/_C") and n.endswith(".so") for n in names) == expect_so, names
+        assert any(n.startswith("fastrl/_C") and n.endswith(".so") for n in names) == (no_native == "0"), names
         assert not any(n.startswith(("tests/", "bench/", "csrc/")) for n in names), names
+        assert any(n.endswith("licenses/LICENSE") for n in names), names
+    log = build.stdout + build.stderr
+    compiled = [line for line in log.splitlines() if "Building CXX object" in line]
+    assert not compiled and "ninja: no work to do" in log, compiled or log[-3000:]
 
 
 # ---- import cost -----------------------------------------------------------------------------

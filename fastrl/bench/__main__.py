@@ -1,6 +1,6 @@
 """``python -m fastrl.bench``: run the benchmark suite on the local device.
 
-Prints a table and writes ``bench/results/<device>.json`` (or ``--json PATH``;
+Prints a table and writes ``bench/results/<device>.json`` (or ``--results-dir DIR``'s, or ``--json PATH``;
 with ``--merge``, keeping that file's rows of the cases not run now), and with
 ``--plot DIR`` one PNG per op.
 Exits non-zero if fastrl's result on a benchmark input is off the reference, or,
@@ -64,7 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions (CI)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per row")
-    parser.add_argument("--json", type=Path, default=None, help="results file (default bench/results/<device>.json)")
+    parser.add_argument("--json", type=Path, default=None, help="results file (default RESULTS_DIR/<device>.json)")
+    parser.add_argument("--results-dir", type=Path, default=Path("bench/results"),
+                        help="where the results file goes when --json is not given (default bench/results, the "
+                             "committed results: `make bench` passes build/bench)")  # fmt: skip
     parser.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write one PNG per op into DIR")
     parser.add_argument("--merge", action="store_true",
                         help="keep the results file's rows of the cases (op, shape, dtype) not run now (same device, "
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         bench.COMPILED_IN_QUICK = False
     env = environment(device)
-    out = args.json or Path("bench/results") / f"{device_slug(device)}.json"
+    out = args.json or args.results_dir / f"{device_slug(device)}.json"
     previous = json.loads(out.read_text()) if args.merge and out.exists() else None
     if previous is not None and (why := merge_refusal(previous, env)) is not None:
         print(f"--merge: cannot merge into {out}: {why}", file=sys.stderr)
