@@ -259,6 +259,10 @@ def test_cpu_isa_restarts_the_run_at_that_level(monkeypatch):
     from torch._inductor import config
 
     monkeypatch.setenv("FASTRL_CPU_ISA", "x86-64-v3")
-    monkeypatch.setattr(config.cpp, "simdlen", None)
-    bench_main._inductor_at_native_level()
-    assert config.cpp.simdlen == 256
+    # config.patch, not monkeypatch.setattr: torch's config attributes live outside
+    # the module's __dict__, and pytest 9.2's monkeypatch deletes such an
+    # attribute on undo (every later torch.compile then fails)
+    with config.patch({"cpp.simdlen": None}):
+        bench_main._inductor_at_native_level()
+        assert config.cpp.simdlen == 256
+    assert hasattr(config.cpp, "simdlen")
