@@ -137,15 +137,21 @@ def launch_table(payload: dict) -> str:
 
 
 def render(results_dir: Path) -> str:
-    """The whole generated section: GPU results first, then CPU, then the predictions."""
+    """The whole generated section: GPU results first, then CPU, each the newest
+    device first (a device's tables together, its CPU's best level first), then
+    the predictions."""
     payloads = [json.loads(p.read_text()) for p in sorted(results_dir.glob("*.json"))]
     predicted = [p for p in payloads if p.get("kind") == "predicted"]
     measured = [p for p in payloads if p.get("kind") != "predicted"]
+    newest: dict[str, str] = {}
+    for p in measured:
+        newest[p["device"]] = max(newest.get(p["device"], ""), p["date"])
     measured.sort(key=lambda p: p.get("cpu_isa") or "", reverse=True)  # a CPU's best level first
-    measured.sort(key=lambda p: (p["device_type"] != "cuda", p["device"]))
+    measured.sort(key=lambda p: (newest[p["device"]], p["device"]), reverse=True)
+    measured.sort(key=lambda p: p["device_type"] != "cuda")
     parts = [render_device(p) for p in measured]
     if not measured:
-        parts.append("No measured results recorded yet: run `make bench` and `python -m fastrl.bench.report`.")
+        parts.append("No measured results recorded yet: run `make bench-record`.")
     parts += [render_predicted(p, measured) for p in predicted]
     return "\n\n".join(parts)
 
