@@ -161,9 +161,31 @@ def select_backend(device: torch.device) -> str:
     return _select_backend(device)
 
 
+# What __getattr__ marks on first use under compilation: select_backend's and
+# constant_when_traced's functions, by the attribute name their callers look up.
+_CONSTANT_WHEN_TRACED = {"_select_backend_as_constant": lambda device: _select_backend(device)}
+
+
+def constant_when_traced(fn):
+    """``fn`` (a function of constants: numbers, dtypes, devices) whose result
+    torch.compile takes as a constant, called natively at trace time instead of
+    traced, by select_backend's mechanism above: torch._dynamo is not imported
+    until something compiles."""
+    name = f"_{fn.__module__.replace('.', '_')}_{fn.__name__}_as_constant"
+    _CONSTANT_WHEN_TRACED[name] = fn
+
+    @functools.wraps(fn)
+    def call(*args):
+        if torch.compiler.is_compiling():
+            return getattr(_MODULE, name)(*args)
+        return fn(*args)
+
+    return call
+
+
 def __getattr__(name: str):
-    if name == "_select_backend_as_constant":
-        marked = globals()[name] = torch.compiler.assume_constant_result(_select_backend)
+    if name in _CONSTANT_WHEN_TRACED:
+        marked = globals()[name] = torch.compiler.assume_constant_result(_CONSTANT_WHEN_TRACED[name])
         return marked
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -18,7 +18,7 @@ import numbers
 
 import torch
 
-from ._backend import checks_enabled
+from ._backend import checks_enabled, constant_when_traced, select_backend
 
 LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 LABEL_DTYPES = (torch.int32, torch.int64)
@@ -46,12 +46,13 @@ def check_logits(logits: object, name: str = "logits") -> torch.Tensor:
 
 
 # The values an int64 holds, for the integer arguments the kernels take as int64.
-INT64 = range(-(2**63), 2**63)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def check_ignore_index(value: object) -> int:
     """An int the kernels can compare labels with: int64."""
-    return check_scalar(value, "ignore_index", integer=True, ok=lambda v: v in INT64,
+    return check_scalar(value, "ignore_index", integer=True,
+                        ok=lambda v: held_within(v, torch.int64, INT64_MIN, INT64_MAX),
                         accepted="an int64, in [-2**63, 2**63)")  # fmt: skip
 
 
@@ -142,7 +143,15 @@ def check_row_param(
 
 def check_scalar(value: object, name: str, *, integer: bool = False, ok=None, accepted: str = "", also: str = ""):
     """A Python number (an int when ``integer``; bools are refused) for which
-    ``ok(value)`` holds (``accepted`` says it in words), as int or float."""
+    ``ok(value)`` holds (``accepted`` says it in words), as int or float.
+
+    ``ok`` compares the number with Python operators only (:func:`held_within`
+    for the rounding a kernel applies), never through a tensor, ``in range(...)``
+    or a sort: under ``torch.compile`` the number may be symbolic (an int or
+    float argument of a function compiled with ``dynamic=True``, or a local of
+    a frame resumed after a graph break, made dynamic when it changed), which
+    comparisons take, as guards, and those do not (dynamo's
+    InternalTorchDynamoError); and ``bool`` of a tensor breaks the graph."""
     number_type = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, number_type):
         kind = "an int" if integer else "a float"
@@ -211,6 +220,58 @@ def check_count(value: object, name: str, device: torch.device) -> int | float |
     return check_scalar(value, name, ok=ok, accepted=accepted, also="or a one-element tensor")
 
 
+# held_bounds' results: (dtype, low, high) -> (lo, hi).
+_HELD_BOUNDS: dict[tuple[torch.dtype, float, float], tuple[float, float]] = {}
+
+
+@constant_when_traced  # called at trace time: its arguments are constants, its tensors never traced
+def held_bounds(dtype: torch.dtype, low: float, high: float) -> tuple[float, float]:
+    """``(lo, hi)``: the numbers x that a kernel computing in ``dtype`` holds
+    within ``[low, high]`` (two values of ``dtype``) are exactly ``lo <= x <= hi``
+    (x a float64 or an int). A float is rounded to nearest, ties to even, as the
+    C++ kernels' cast, the Triton kernels' conversion and the reference's
+    ``.to`` all round: the bounds are the midpoints to the neighbours outside,
+    included where the tie rounds inwards (float32's are exact in float64; for
+    float64 itself the midpoint rounds to one of the two, and the bound stays
+    ``low`` / ``high``). An int is held as int64 when it fits."""
+    key = (dtype, low, high)
+    if key not in _HELD_BOUNDS:
+        if not dtype.is_floating_point:
+            info = torch.iinfo(dtype)
+            _HELD_BOUNDS[key] = (max(low, info.min), min(high, info.max))
+        else:
+            f64, inf = torch.float64, torch.tensor(math.inf, dtype=dtype)
+
+            def bound(edge: float, outwards: torch.Tensor) -> torch.Tensor:
+                edge = torch.tensor(edge, dtype=dtype)
+                step = torch.nextafter(edge, outwards).to(f64) - edge.to(f64)
+                if step.isinf():  # past dtype's largest value: the spacing below it continues (2**128 for float32)
+                    step = edge.to(f64) - torch.nextafter(edge, -outwards).to(f64)
+                return edge.to(f64) + step / 2
+
+            lo, hi = bound(low, -inf), bound(high, inf)
+            if not lo.to(dtype) >= low:
+                lo = torch.nextafter(lo, torch.tensor(math.inf, dtype=f64))
+            if not hi.to(dtype) <= high:
+                hi = torch.nextafter(hi, torch.tensor(-math.inf, dtype=f64))
+            _HELD_BOUNDS[key] = (lo.item(), hi.item())
+    return _HELD_BOUNDS[key]
+
+
+def held_within(value, dtype: torch.dtype, low: float, high: float):
+    """Whether ``value`` (a number, or a tensor elementwise), as a kernel
+    computing in ``dtype`` holds it, lies in ``[low, high]``: a float rounded to
+    ``dtype`` (1e300 is inf in float32, 1e-50 is 0), an integer tensor converted
+    to it (wrapping), an int beyond int64 held by no kernel. A Python number is
+    compared with :func:`held_bounds`, never made a tensor (:func:`check_scalar`
+    says why); a tensor is compared exactly, in float64 (int64 for an integer
+    ``dtype``)."""
+    lo, hi = held_bounds(dtype, low, high)
+    if isinstance(value, torch.Tensor):
+        value = value.to(torch.float64 if dtype.is_floating_point else dtype)
+    return (value >= lo) & (value <= hi)
+
+
 def flat_per_row(value: int | float | torch.Tensor, rows: torch.Size, dtype: torch.dtype) -> int | float | torch.Tensor:
     """A checked per-row parameter as the kernels take it: a Python number
     unchanged, a tensor broadcast to ``rows`` as a contiguous [N] of ``dtype``."""
@@ -228,14 +289,25 @@ def check_temperature(
     lie in [finfo.tiny, finfo.max] so that it and 1 / T are finite normal numbers
     (1e300 rounds to inf in float32, and 1 / 1e-40 overflows; a subnormal T is
     refused too, as a GPU may flush it to 0). With ``greedy_ok`` an exact 0 is
-    accepted too (greedy sampling); 1e-50 is not, though float32 rounds it to 0."""
+    accepted too (greedy sampling); 1e-50 is not, though float32 rounds it to 0.
+
+    A tensor that requires grad is refused where the op would run a kernel
+    (native, Triton): the kernels hold T constant, as every RL framework does,
+    and give it no gradient, which would go unnoticed. The reference
+    differentiates through ``logits / T`` exactly, so there it is taken."""
+    if isinstance(temperature, torch.Tensor) and temperature.requires_grad and torch.is_grad_enabled():
+        backend = select_backend(device)
+        if backend != "reference":
+            raise TypeError(
+                f"temperature must not require grad on the {backend} backend: its kernels hold the temperature "
+                "constant (as RL frameworks do) and would give it no gradient. Pass temperature.detach(), or run "
+                "under fastrl.use_backend('reference') to differentiate through it"
+            )
     finfo = torch.finfo(dtype)
 
     def ok(t):
-        given = torch.as_tensor(t, dtype=torch.float64)
-        held = given.to(dtype)  # the kernel's rounding
-        in_range = (held >= finfo.tiny) & (held <= finfo.max)
-        return in_range | (given == 0) if greedy_ok else in_range
+        in_range = held_within(t, dtype, finfo.tiny, finfo.max)
+        return in_range | (t == 0) if greedy_ok else in_range
 
     low = "0 (greedy) or " if greedy_ok else ""
     accepted = f"{low}between {finfo.tiny:.3g} and {finfo.max:.3g} in {str(dtype).replace('torch.', '')}, the compute dtype"

@@ -55,7 +55,6 @@ different kernel, so a different summation order, for another number of rows).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -120,7 +119,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool = 
     beside a bf16 one to bf16 (G from _as_operand), else widened (the callers
     pass slabs, so the copies stay small). Never under autocast, which would run
     a float32 GEMM in bf16 and round its output."""
-    if torch.is_autocast_enabled(a.device.type):
+    if _autocasting(a.device.type):
         with torch.autocast(a.device.type, enabled=False):
             return _mm(a, b, out, accumulate)
     acc = out.dtype
@@ -406,18 +405,37 @@ def _check_head(hidden: object, weight: object, bias: object) -> None:
             raise ValueError(f"bias is on {bias.device} but hidden is on {hidden.device}; they must share a device")
 
 
-def _check_softcap(softcap: object) -> float | None:
-    if softcap is None:
-        return None
-    return _validation.check_scalar(softcap, "softcap", ok=lambda v: 0 < v < math.inf,
-                                    accepted="None (off) or a positive finite float")  # fmt: skip
+def _check_scale_and_cap(logit_scale: object, softcap: object, acc: torch.dtype) -> tuple[float, float | None]:
+    """``logit_scale`` and ``softcap`` as the kernels hold them, in the compute
+    dtype ``acc`` (``_validation.held_within``, as the temperature): 1e39 is
+    finite in float64 but inf in float32, where it would make every output NaN.
+    A softcap must be a normal number there (x / softcap; a GPU may flush a
+    subnormal to 0)."""
+    finfo, in_acc = torch.finfo(acc), f" in {str(acc).replace('torch.', '')}, the compute dtype"
+    logit_scale = _validation.check_scalar(
+        logit_scale, "logit_scale", ok=lambda v: _validation.held_within(v, acc, -finfo.max, finfo.max),
+        accepted=f"a float between {-finfo.max:.3g} and {finfo.max:.3g}{in_acc}",
+    )  # fmt: skip
+    if softcap is not None:
+        softcap = _validation.check_scalar(
+            softcap, "softcap", ok=lambda v: _validation.held_within(v, acc, finfo.tiny, finfo.max),
+            accepted=f"None (off) or a float between {finfo.tiny:.3g} and {finfo.max:.3g}{in_acc}",
+        )  # fmt: skip
+    return logit_scale, softcap
+
+
+def _autocasting(device_type: str) -> bool:
+    """Whether torch.autocast is on for ``device_type``; never for a device type
+    autocast does not know (meta tensors, which every op takes through the
+    reference, as the other ops do: torch.is_autocast_enabled raises there)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def _autocast(hidden, weight, bias):
     """Under torch.autocast the LM head runs in the autocast dtype, as F.linear
     would (float64 stays float64); then hidden and weight must share a dtype."""
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
+    if _autocasting(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         cast = lambda t: t if t is None or t.dtype == torch.float64 else t.to(dtype)  # noqa: E731
         hidden, weight, bias = cast(hidden), cast(weight), cast(bias)
@@ -503,15 +521,13 @@ def _checked_head(hidden, weight, labels, bias, temperature, ignore_index, with_
     label_vocab = weight.shape[0] if label_vocab is None else label_vocab
     _validation.check_token_labels(labels, token_shape, label_vocab, hidden.device, ignore_index, source="hidden")
     _validation.check_bool(with_entropy, "with_entropy")
-    logit_scale = _validation.check_scalar(logit_scale, "logit_scale", ok=lambda v: -math.inf < v < math.inf,
-                                           accepted="a finite float")  # fmt: skip
-    softcap = _check_softcap(softcap)
     if chunk_size is not None:
         _validation.check_scalar(chunk_size, "chunk_size", integer=True, ok=lambda v: v >= 1,
                                  accepted="None or a positive int")  # fmt: skip
     _validation.check_scalar(chunk_bytes, "chunk_bytes", integer=True, ok=lambda v: v >= 1, accepted="a positive int")
     hidden, weight, bias = _autocast(hidden, weight, bias)
     acc = reference.compute_dtype(hidden)
+    logit_scale, softcap = _check_scale_and_cap(logit_scale, softcap, acc)
     temperature = _validation.check_temperature(temperature, token_shape, hidden.device, acc)
     temps, temp_scalar = _ops.split_row_param(_validation.flat_per_row(temperature, token_shape, acc))
     return _Head(
@@ -556,12 +572,15 @@ def linear_logprobs_and_entropy(
             (FSDP2's sharded parameter) is all-gathered first, as TRL does.
         labels: ``[...]`` int32 / int64, in ``[0, V)`` or ``ignore_index``.
         bias: ``[V]`` or None.
-        temperature: positive float, or per-token temperatures broadcastable to ``labels.shape``.
+        temperature: positive float, or per-token temperatures broadcastable to ``labels.shape``
+            (a constant: on the kernel backends a tensor that requires grad raises a TypeError).
         ignore_index: label whose log-prob is 0 and whose gradient is 0.
         with_entropy: False skips the entropy (returned as None).
         logit_scale: the logits are multiplied by it before the cap (Cohere's ``logit_scale``,
-            Granite's ``1 / logits_scaling``); any finite float.
-        softcap: ``softcap * tanh(x / softcap)`` (Gemma's final-logit soft-capping), None: off.
+            Granite's ``1 / logits_scaling``); any float finite in the compute dtype (float32,
+            float64 for float64 hidden states).
+        softcap: ``softcap * tanh(x / softcap)`` (Gemma's final-logit soft-capping), None: off;
+            else positive, normal and finite in the compute dtype.
         chunk_size: at most this many tokens a chunk.
         chunk_bytes: the chunk's logits buffers stay within this (default 256 MiB).
         group: a ``torch.distributed`` process group over which the LM head is

@@ -67,10 +67,18 @@ def can_overwrite(logits: torch.Tensor, rows: torch.Tensor) -> bool:
     with the dims sorted by stride, each stride clears the extent of the smaller ones)."""
     if (logits if logits._base is None else logits._base).is_leaf:
         return False
-    extent = 0
-    for size, stride in sorted(zip(rows.shape, rows.stride()), key=lambda d: d[1]):
+    # Sorted by comparisons (an insertion sort of three dims), not sorted(): under torch.compile with dynamic
+    # shapes the strides are symbolic, which dynamo compares (as guards) but does not sort by.
+    dims: list[tuple[int, int]] = []
+    for size, stride in zip(rows.shape, rows.stride()):
         if size == 1:
             continue
+        at = len(dims)
+        while at and dims[at - 1][1] > stride:
+            at -= 1
+        dims.insert(at, (size, stride))
+    extent = 0
+    for size, stride in dims:
         if stride <= extent:
             return False
         extent += stride * (size - 1)

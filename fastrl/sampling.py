@@ -14,10 +14,11 @@ tokens at or above a threshold logit; the kernels find the thresholds by radix /
 pivot search, never sorting the vocabulary or writing a [B, V] temporary.
 
 Parameters are checked as the kernels hold them: float32 for bf16 / fp16 / fp32
-logits, float64 for float64 logits, int64 for top_k and offset (``_held``). A
-row with NaN or +inf (softmax of +inf is NaN: inf - inf), or of only -inf, has
-nothing to sample: ValueError on CPU, token -1 and NaN log-probs where rows
-are not rejected (CUDA, torch.compile), on every backend alike.
+logits, float64 for float64 logits, int64 for top_k and offset
+(``_validation.held_within``). A row with NaN or +inf (softmax of +inf is NaN:
+inf - inf), or of only -inf, has nothing to sample: ValueError on CPU, token -1
+and NaN log-probs where rows are not rejected (CUDA, torch.compile), on every
+backend alike.
 
 Randomness is counter-based (Philox4x32-10): key = the row's seed, counter =
 (vocab index, salt, offset), with salt = the row's index for a batch-wide seed
@@ -48,45 +49,34 @@ class SampleOutput(NamedTuple):
     raw_logprobs: torch.Tensor  # fp32 [...]
 
 
-def _held(value: int | float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """The value a kernel computing in ``dtype`` holds for a parameter (a Python
-    number or a tensor): floats rounded once to nearest, as the C++ kernels'
-    cast, the Triton kernels' conversion and the reference's ``.to`` all do;
-    None for an int that int64 cannot hold."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype)
-    if isinstance(value, int) and value not in _validation.INT64:
-        return None
-    return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64).to(dtype)
-
-
 def _truncation(logits, temperature, top_k, top_p, min_p) -> dict:
     """Checked processed-distribution parameters: Python scalars, or flat
     contiguous per-row tensors (accumulation dtype; int64 for top_k). Each value
-    is checked as the kernel will hold it (``_held``, and for the temperature
-    ``_validation.check_temperature``): top_p = 1e-50 is 0 in float32, and
-    T = 1e-40 is positive there but its 1/T is not finite."""
+    is checked as the kernel will hold it (``_validation.held_within``, and for
+    the temperature ``_validation.check_temperature``): top_p = 1e-50 is 0 in
+    float32, and T = 1e-40 is positive there but its 1/T is not finite."""
     rows, dev = logits.shape[:-1], logits.device
     acc = reference.compute_dtype(logits)
     in_acc = f" in {str(acc).replace('torch.', '')}"
+    finfo = torch.finfo(acc)
 
-    def row(value, name, integer, ok, accepted):
+    def row(value, name, integer, low, high, accepted):
         dtype = torch.int64 if integer else acc
         value = _validation.check_row_param(
             value, name, rows, dev, integer=integer, accepted=accepted if integer else accepted + in_acc,
-            ok=lambda v: (held := _held(v, dtype)) is not None and ok(v, held),
+            ok=lambda v: _validation.held_within(v, dtype, low, high),
         )  # fmt: skip
         return _validation.flat_per_row(value, rows, dtype)
 
     temperature = _validation.check_temperature(temperature, rows, dev, acc, greedy_ok=True)
     return {
         "temperature": _validation.flat_per_row(temperature, rows, acc),
-        "top_k": row(0 if top_k is None else top_k, "top_k", True, lambda t, h: h >= 0,
+        "top_k": row(0 if top_k is None else top_k, "top_k", True, 0, _validation.INT64_MAX,
                      "an int in [0, 2**63) (0 is off)"),
-        "top_p": row(1.0 if top_p is None else top_p, "top_p", False, lambda t, h: (h > 0) & (h <= 1),
+        # (finfo.tiny * finfo.eps: the least positive value, a subnormal one)
+        "top_p": row(1.0 if top_p is None else top_p, "top_p", False, finfo.tiny * finfo.eps, 1.0,
                      "in (0, 1] (1 is off)"),
-        "min_p": row(0.0 if min_p is None else min_p, "min_p", False, lambda t, h: (h >= 0) & (h <= 1),
-                     "in [0, 1] (0 is off)"),
+        "min_p": row(0.0 if min_p is None else min_p, "min_p", False, 0.0, 1.0, "in [0, 1] (0 is off)"),
     }  # fmt: skip
 
 
@@ -114,7 +104,8 @@ def _seed_and_offset(seed, offset, rows: torch.Size, device: torch.device):
         if _validation.host_checks(device) and int(offset) < 0:
             raise ValueError(f"offset must be in [0, 2**63) as an int64; got a tensor holding {int(offset)}")
     else:
-        _validation.check_scalar(offset, "offset", integer=True, ok=lambda o: o in _validation.INT64 and o >= 0,
+        _validation.check_scalar(offset, "offset", integer=True,
+                                 ok=lambda o: _validation.held_within(o, torch.int64, 0, _validation.INT64_MAX),
                                  accepted="an int in [0, 2**63)", also="or a one-element integer tensor")  # fmt: skip
     return seed, offset
 
@@ -272,7 +263,7 @@ def truncated_logprobs(
         def check():
             _validation.check_logits(logits)
             # Labels only >= 0 here: their range is checked against the whole vocabulary once the ranks agree.
-            _validation.check_token_labels(labels, logits.shape[:-1], _validation.INT64.stop - 1, logits.device,
+            _validation.check_token_labels(labels, logits.shape[:-1], _validation.INT64_MAX, logits.device,
                                            ignore_index=None)  # fmt: skip
             return _truncation(logits, temperature, top_k, top_p, min_p)
 

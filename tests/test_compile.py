@@ -3,9 +3,11 @@
 Every kernel launch is a ``torch.ops.fastrl`` operator (fastrl/_ops.py) whose
 schema, fake implementation and aliasing ``torch.library.opcheck`` verifies,
 and every public op, forward and backward, compiles with ``fullgraph=True`` (a
-graph break is an error) and gives eager's values and gradients. On a GPU the
-same programs run under CUDA-graph capture and replay, and through
-``mode="reduce-overhead"``.
+graph break is an error) and gives eager's values and gradients; with
+``dynamic=True`` too, and without fullgraph with dynamic=True and False, where it
+breaks no graph either (one program calls every op, its scalar options symbolic
+under dynamic=True). On a GPU the same programs run under CUDA-graph capture and
+replay, and through ``mode="reduce-overhead"``.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ PROGRAMS = {
 def _run(program, inputs):
     """(outputs, gradients w.r.t. the inputs that require grad)."""
     loss, *outputs = program(*inputs)
-    leaves = [t for t in inputs if t.requires_grad]
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     return [loss, *outputs], list(torch.autograd.grad(loss, leaves))
 
 
@@ -217,6 +219,67 @@ def test_compiles_with_dynamic_shapes(name):
         expected, expected_grads = _run(program, inputs)
         _assert_same(actual, expected, f"{name} {shape} output")
         _assert_same(actual_grads, expected_grads, f"{name} {shape} gradient")
+
+
+def every_op_program(logits, labels, hidden, weight, old, advantages, mask, temperature, ignore_index, top_k, top_p,
+                     offset, softcap, chunk_size):  # fmt: skip
+    """Every op of fastrl.__all__ in one program, its scalar options passed in: under dynamic=True
+    they are symbolic (SymFloat, SymInt), as the locals of a frame resumed after a graph break are."""
+    logprob, entropy = fastrl.logprobs_and_entropy(logits, labels, temperature=temperature, ignore_index=ignore_index)
+    # logits * 1 stands for the model's output: inplace_backward's overlap test reads its (symbolic) strides.
+    scaled = fastrl.logprobs_from_logits(logits * 1.0, labels, True, temperature=temperature, ignore_index=ignore_index)
+    plain_entropy = fastrl.entropy_from_logits(logits, temperature=temperature)
+    truncation = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": 0.01}
+    draw = fastrl.sample(logits.detach(), **truncation, seed=7, offset=offset)
+    truncated = fastrl.truncated_logprobs(logits, draw.tokens, **truncation)
+    kl = fastrl.full_kl(logits, logits.detach().flip(-1), temperature=temperature)
+    weights, correction = fastrl.rollout_correction(old, old + 0.1 * advantages, mask, mode="mask", clip_min=0.5)
+    loss, metrics = fastrl.policy_loss(logprob, old, advantages, mask, clip_ratio_c=3.0, rollout_is_weights=weights,
+                                       entropy=entropy, entropy_coef=0.01, global_batch_size=top_k)  # fmt: skip
+    kl_loss = fastrl.agg_loss(fastrl.kl_penalty(scaled, old, "k3+"), mask, "seq-mean-token-sum", dp_size=2,
+                              global_batch_size=top_k)  # fmt: skip
+    from_logits, _ = fastrl.policy_loss_from_logits(logits * 1.0, labels, old, advantages, mask,
+                                                    temperature=temperature, ignore_index=ignore_index)  # fmt: skip
+    head = {"temperature": temperature, "ignore_index": ignore_index, "softcap": softcap, "chunk_size": chunk_size}
+    head_logprob, head_entropy = fastrl.linear_logprobs_and_entropy(hidden, weight, labels, **head)
+    from_hidden, _ = fastrl.policy_loss_from_hidden(hidden, weight, labels, old, advantages, mask, **head)
+    total = (loss + kl_loss + from_logits + from_hidden - plain_entropy.mean() + truncated.sum() + kl.sum()
+             + head_logprob.sum() + head_entropy.sum())  # fmt: skip
+    return (total, logprob, entropy, scaled, draw.tokens, draw.logprobs, truncated, kl, weights,
+            correction["rollout_is_mean"], metrics["pg_clipfrac"], head_logprob, head_entropy)  # fmt: skip
+
+
+def _every_op_inputs(shape=(2, 3)):
+    logits, labels, _ = _inputs("logprobs", "cpu", shape)
+    hidden, weight, _, old, advantages, mask = _inputs("from_hidden", "cpu", shape)
+    # temperature, ignore_index, top_k, top_p, offset, softcap, chunk_size (3: two chunks of the 6 tokens)
+    return logits, labels, hidden, weight, old, advantages, mask, 0.8, -100, 20, 0.9, 5, 5.0, 3
+
+
+@pytest.mark.parametrize("dynamic,backend", [(True, "eager"), (False, "aot_eager")], ids=["dynamic", "static"])
+def test_every_op_compiles_without_fullgraph(dynamic, backend):
+    """The rest of the matrix, the tests above having fullgraph=True: without fullgraph, with
+    dynamic=True (veRL wraps its entropy so) and dynamic=False, every op gives eager's values
+    and gradients and breaks no graph. A graph break would split the program, and the frame
+    resumed after it takes its int and float locals as symbolic ones (InternalTorchDynamoError
+    in a check written for Python numbers). No graph break is also what fullgraph=True demands,
+    so this covers dynamic=True with fullgraph=True too (it only turns a break into an error).
+
+    Backends: aot_eager traces as inductor does (Dynamo, then AOTAutograd) without inductor's C++
+    build, seconds a graph on a CPU. Under dynamic shapes AOTAutograd costs three times Dynamo
+    here (the fused head's chunk loops, symbolic), and what dynamic shapes change is Dynamo's
+    part, fastrl's Python meeting symbolic sizes and scalars (Dynamo runs the fake
+    implementations too): Dynamo alone there, AOTAutograd's dynamic shapes being
+    test_compiles_with_dynamic_shapes' (inductor)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(every_op_program, dynamic=dynamic, backend=backend)
+    inputs = _every_op_inputs()
+    actual, actual_grads = _run(compiled, inputs)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    expected, expected_grads = _run(every_op_program, inputs)
+    _assert_same(actual, expected, "output")
+    _assert_same(actual_grads, expected_grads, "gradient")
 
 
 def test_compiled_sample_reads_its_offset_on_the_device():

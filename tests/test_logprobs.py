@@ -5,6 +5,9 @@ CPU or compiled on GPU, and the reference itself)."""
 from __future__ import annotations
 
 import inspect
+import math
+import re
+import warnings
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ from conftest import (
 )
 
 import fastrl
-from fastrl import reference
+from fastrl import _validation, reference
 
 BACKENDS = backend_params()
 KERNEL_BACKENDS = backend_params(include_reference=False)
@@ -748,6 +751,107 @@ def test_bad_temperature(temperature, error, match):
         fastrl.logprobs_from_logits(logits, labels, temperature=temperature)
     with pytest.raises(error, match=match):
         fastrl.entropy_from_logits(logits, temperature=temperature)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_python_numbers_are_checked_as_the_kernels_hold_them(dtype):
+    """held_within compares a Python number with bounds (no tensor: under torch.compile
+    it may be symbolic) and a tensor exactly; both give the verdict of the value
+    rounded to the compute dtype as the kernels round it, next to every bound (the
+    ties there included), for the ranges the checks use."""
+    finfo = torch.finfo(dtype)
+    ranges = [(finfo.tiny, finfo.max), (finfo.tiny * finfo.eps, 1.0), (0.0, 1.0), (-finfo.max, finfo.max)]
+    for low, high in ranges:
+        points = [math.inf, -math.inf, math.nan]
+        for edge in (low, high, *_validation.held_bounds(dtype, low, high)):
+            points += [edge, math.nextafter(edge, -math.inf), math.nextafter(edge, math.inf)]
+        for x in points:
+            held = torch.tensor(x, dtype=torch.float64).to(dtype)
+            expected = bool((held >= low) & (held <= high))
+            assert _validation.held_within(x, dtype, low, high) is expected, (low, high, x)
+            assert bool(_validation.held_within(torch.tensor(x, dtype=torch.float64), dtype, low, high)) is expected
+    assert not _validation.held_within(2**63, torch.int64, 0, _validation.INT64_MAX)
+    assert _validation.held_within(2**63 - 1, torch.int64, 0, _validation.INT64_MAX)
+
+
+def _temperature_ops(temperature):
+    """Every op that takes a temperature, each called with it: (name, call)."""
+    logits, labels = _ok()
+    logits.requires_grad_()
+    hidden, weight = torch.randn(2, 3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
+    policy = (-torch.rand(2, 3), torch.randn(2, 3), torch.ones(2, 3, dtype=torch.bool))
+    return [
+        ("logprobs_from_logits", lambda: fastrl.logprobs_from_logits(logits, labels, temperature=temperature)),
+        ("logprobs_and_entropy", lambda: sum(fastrl.logprobs_and_entropy(logits, labels, temperature=temperature))),
+        ("entropy_from_logits", lambda: fastrl.entropy_from_logits(logits, temperature=temperature)),
+        ("full_kl", lambda: fastrl.full_kl(logits, logits.detach().flip(-1), temperature=temperature)),
+        ("sample", lambda: fastrl.sample(logits, temperature=temperature, top_k=3, seed=1).logprobs),
+        ("truncated_logprobs", lambda: fastrl.truncated_logprobs(logits, labels, temperature=temperature, top_k=3)),
+        ("policy_loss_from_logits",
+         lambda: fastrl.policy_loss_from_logits(logits, labels, *policy, temperature=temperature)[0]),
+        ("linear_logprobs_and_entropy",
+         lambda: sum(fastrl.linear_logprobs_and_entropy(hidden, weight, labels, temperature=temperature))),
+        ("policy_loss_from_hidden",
+         lambda: fastrl.policy_loss_from_hidden(hidden, weight, labels, *policy, temperature=temperature)[0]),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_temperature_that_requires_grad(device, backend):
+    """A temperature tensor that requires grad: the kernels hold T constant (as the
+    frameworks do) and would give it no gradient, silently, so every op that takes
+    one refuses it there, naming it, unless no gradient is being recorded; the
+    reference differentiates through logits / T, so there T gets its gradient."""
+    temperature = (torch.rand(2, 1) + 0.5).requires_grad_()
+    for name, call in _temperature_ops(temperature):
+        with fastrl.use_backend(backend):
+            if backend != "reference":
+                with pytest.raises(TypeError, match=f"temperature must not require grad on the {backend} backend"):
+                    call()
+                if backend == "native":  # (the kernels run: once is enough, and cheap there)
+                    with torch.no_grad():
+                        call()
+                continue
+            (grad,) = torch.autograd.grad(call().sum(), temperature)
+        assert grad is not None and bool(grad.isfinite().all()) and bool(grad.ne(0).any()), name
+
+
+def test_fused_head_scale_and_cap_are_checked_in_the_compute_dtype():
+    """(The fused LM head, fastrl.linear, shares these checks; tests/test_linear.py
+    holds its numerics.) logit_scale and softcap are held in the compute dtype as
+    the temperature is: 1e39 is finite in float64 but inf in float32, where every
+    output would be NaN; a softcap must be positive and normal there."""
+    hidden, weight, labels = torch.randn(2, 3, 4), torch.randn(5, 4), torch.randint(5, (2, 3))
+    bad = [("logit_scale", 1e39), ("logit_scale", -1e39), ("logit_scale", math.nan), ("softcap", 1e39),
+           ("softcap", 1e-40), ("softcap", 0.0), ("softcap", -2.0)]  # fmt: skip
+    for name, value in bad:
+        message = rf"{name} must be .* in float32, the compute dtype; got {re.escape(str(value))}"
+        with pytest.raises(ValueError, match=message):
+            fastrl.linear_logprobs_and_entropy(hidden, weight, labels, **{name: value})
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            fastrl.policy_loss_from_hidden(hidden, weight, labels, -torch.rand(2, 3), torch.randn(2, 3),
+                                           torch.ones(2, 3, dtype=torch.bool), **{name: value})  # fmt: skip
+    for name, value in (("logit_scale", True), ("softcap", "30")):
+        with pytest.raises(TypeError, match=f"{name} must be a float"):
+            fastrl.linear_logprobs_and_entropy(hidden, weight, labels, **{name: value})
+    # float64 hidden states compute in float64, where 1e39 is finite
+    logprob, entropy = fastrl.linear_logprobs_and_entropy(hidden.double(), weight.double(), labels, softcap=1e39)
+    assert bool(logprob.isfinite().all()) and bool(entropy.isfinite().all())
+
+
+def test_fused_head_on_meta_tensors():
+    """Meta tensors (shapes only) go through the reference, as every other op's do,
+    where the fused head raised autocast's RuntimeError."""
+    meta = lambda *shape, dtype=torch.float32: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
+    hidden, weight, labels = meta(2, 3, 4), meta(5, 4), meta(2, 3, dtype=torch.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reference fallback's warning (issued once per device type)
+        logprob, entropy = fastrl.linear_logprobs_and_entropy(hidden, weight, labels)
+        loss, _ = fastrl.policy_loss_from_hidden(hidden, weight, labels, meta(2, 3), meta(2, 3),
+                                                 meta(2, 3, dtype=torch.bool))  # fmt: skip
+        like = fastrl.logprobs_and_entropy(meta(2, 3, 5), labels)
+    for out, expected in ((logprob, like[0]), (entropy, like[1]), (loss, meta())):
+        assert out.device.type == "meta" and out.shape == expected.shape and out.dtype == expected.dtype
 
 
 def test_bad_flags():

@@ -552,9 +552,17 @@ def _from_key(key: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=1024)
-def _result_dtype(fn: Callable, args: tuple, kwargs: tuple) -> torch.dtype:
+def _cached_result_dtype(fn: Callable, args: tuple, kwargs: tuple) -> torch.dtype:
     out = fn(*map(_from_key, args), **{name: _from_key(key) for name, key in kwargs})
     return out.dtype
+
+
+@torch.compiler.assume_constant_result
+def _result_dtype(fn: Callable, args: tuple, kwargs: tuple) -> torch.dtype:
+    """The cached result; under torch.compile called as it is at trace time, not traced: the result is a
+    constant of the keys (traced, the framework's function on meta tensors would enter the graph, and Dynamo
+    ignores an lru_cache)."""
+    return _cached_result_dtype(fn, args, kwargs)
 
 
 def result_dtype(fn: Callable, *args: Any, **kwargs: Any) -> torch.dtype:

@@ -15,7 +15,7 @@ it by name (in TRL 1.16 the trainers that call them: ``trl.experimental.cpo``,
 ``orpo``, ``sdpo``, ``sdft``, ``a2po``, ``tpo``); modules imported later take the
 replacement from ``trl.trainer.utils``. TRL 1.16's ``GRPOTrainer`` scores tokens
 with its own fused LM head (``add_fused_lm_head``, which never materialises the
-logits): its ``_ChunkedLogProbFunction`` is replaced by a subclass whose ``apply``
+logits): its ``_ChunkedLogProbFunction`` is replaced by a class whose ``apply``
 runs ``fastrl.linear_logprobs_and_entropy`` for the outputs it asks for (log-probs,
 entropy); the others (``log_sum_sq_probs``, ``mean_logits``, ``is_top1``), a
 DeepSpeed ZeRO-3 head and a non-positive temperature run TRL's own. TRL forms each
@@ -81,12 +81,16 @@ _NAME = "trl"
 _UTILS = "trl.trainer.utils"
 
 
-def _fp32_kernel(env, logits, index=None, row_mask=None) -> bool:
-    """Whether TRL would run its own Triton kernel (which returns float32) here."""
+def _fp32_kernel(env):
+    """``fp32(logits, index=None, row_mask=None)``: whether TRL would run its own
+    Triton kernel (which returns float32) on these tensors."""
     kernel_available, supported = env.get("is_triton_available"), env.get("_supports_trl_loss_kernel")
     if kernel_available is None or supported is None:
-        return False
-    return bool(kernel_available()) and bool(supported(logits, index, row_mask))
+        return lambda logits, index=None, row_mask=None: False
+    # TRL asks transformers on every call whether Triton imports, and that logs: under torch.compile a graph
+    # break, with fullgraph=True an error. The answer is the process's: asked once per trace, outside the graph.
+    triton = torch.compiler.assume_constant_result(lambda: bool(kernel_available()))
+    return lambda logits, index=None, row_mask=None: triton() and bool(supported(logits, index, row_mask))
 
 
 def _index_reason(logits, index, row_mask, *, allow_k: bool) -> str | None:
@@ -108,7 +112,7 @@ def _labels(index, row_mask):
 
 
 def _selective_log_softmax(original):
-    env = original.__globals__
+    fp32_kernel = _fp32_kernel(original.__globals__)
 
     def selective_log_softmax(logits, index, temperature=1.0, row_mask=None):
         args = (logits, index, temperature, row_mask)
@@ -117,7 +121,7 @@ def _selective_log_softmax(original):
             reason = _index_reason(logits, index, row_mask, allow_k=True)
 
         def compute():
-            dtype = torch.float32 if _fp32_kernel(env, logits, index, row_mask) else logits.dtype
+            dtype = torch.float32 if fp32_kernel(logits, index, row_mask) else logits.dtype
             if index.shape == logits.shape[:-1]:
                 out = fastrl.logprobs_from_logits(logits, _labels(index, row_mask), temperature=temperature)
                 return out.to(dtype)
@@ -140,7 +144,7 @@ def _selective_log_softmax(original):
 
 
 def _entropy_from_logits(original):
-    env = original.__globals__
+    fp32_kernel = _fp32_kernel(original.__globals__)
 
     def entropy_from_logits(logits, chunk_size=128):
         reason = tensor_reason(logits=logits)
@@ -148,7 +152,7 @@ def _entropy_from_logits(original):
             reason = "chunk_size is not a positive int"
 
         def compute():
-            dtype = torch.float32 if _fp32_kernel(env, logits) else logits.dtype
+            dtype = torch.float32 if fp32_kernel(logits) else logits.dtype
             return fastrl.entropy_from_logits(logits).to(dtype)
 
         return delegate(_NAME, "entropy_from_logits", original, (logits, chunk_size), {}, compute, reason)
@@ -157,7 +161,7 @@ def _entropy_from_logits(original):
 
 
 def _selective_log_softmax_and_entropy(original):
-    env = original.__globals__
+    fp32_kernel = _fp32_kernel(original.__globals__)
 
     def selective_log_softmax_and_entropy(logits, index, entropy_requires_grad=True, temperature=1.0, row_mask=None):
         args = (logits, index, entropy_requires_grad, temperature, row_mask)
@@ -166,7 +170,7 @@ def _selective_log_softmax_and_entropy(original):
             reason = _index_reason(logits, index, row_mask, allow_k=False)
 
         def compute():
-            dtype = torch.float32 if _fp32_kernel(env, logits, index, row_mask) else logits.dtype
+            dtype = torch.float32 if fp32_kernel(logits, index, row_mask) else logits.dtype
             logp, entropy = fastrl.logprobs_and_entropy(logits, _labels(index, row_mask), temperature=temperature)
             if not entropy_requires_grad:
                 entropy = entropy.detach()
@@ -184,7 +188,7 @@ _FUSED_OUTPUTS = ("log_probs", "entropy")
 
 def _fused_lm_head(original):
     """``trl.trainer.utils._ChunkedLogProbFunction`` (TRL's fused LM head, which
-    ``add_fused_lm_head`` and so GRPOTrainer call) as a subclass whose ``apply``
+    ``add_fused_lm_head`` and so GRPOTrainer call) as a class whose ``apply``
     runs ``fastrl.linear_logprobs_and_entropy``: the same 5-tuple (log-probs,
     entropy or None, and None for the three outputs fastrl does not compute)."""
     original_outputs = inspect.signature(original.forward).parameters["outputs"].default
@@ -216,7 +220,13 @@ def _fused_lm_head(original):
             f"fastrl.integrations.trl: TRL's ChunkedLogProbFunction.forward takes {[n for n, _ in theirs]}; "
             f"fastrl's replacement takes {[n for n, _ in ours]} (fastrl patches {FRAMEWORK.supported_text})"
         )
-    return type(original.__name__, (original,), {"apply": staticmethod(apply), "__fastrl_apply__": apply})
+
+    def __init__(self, *args, **kwargs):  # the parameters patch() compares with the class's: a Function's
+        raise TypeError(f"{original.__name__} is used through its apply(), not instantiated")
+
+    # A plain class, not a subclass of TRL's: torch.compile traces an autograd.Function's forward and backward
+    # whatever its apply, so a subclass would run TRL's own head in every compiled graph.
+    return type(original.__name__, (), {"apply": staticmethod(apply), "__fastrl_apply__": apply, "__init__": __init__})
 
 
 FRAMEWORK = Framework(

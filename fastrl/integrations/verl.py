@@ -279,9 +279,13 @@ def _policy_loss(original, *, gspo: bool):
                 log_prob, old_log_prob, advantages, response_mask, ratio_level="sequence" if gspo else "token",
                 loss_agg_mode=mode, rollout_is_weights=rollout_is_weights, **options,
             )  # fmt: skip
-            clipfrac, ppo_kl, clipfrac_lower = torch.stack(
-                [metrics["pg_clipfrac"], metrics["ppo_kl"], metrics["pg_clipfrac_lower"]]
-            ).tolist()  # one host sync for the three floats veRL returns
+            values = torch.stack([metrics["pg_clipfrac"], metrics["ppo_kl"], metrics["pg_clipfrac_lower"]])
+            # One host sync for the three floats veRL returns. torch.compile cannot trace tolist() of a float tensor:
+            # there .item() each, as veRL does (captured in the graph with fullgraph=True, else a graph break there).
+            if torch.compiler.is_compiling():  # (written out: a break in a generator would skip the whole frame)
+                clipfrac, ppo_kl, clipfrac_lower = values[0].item(), values[1].item(), values[2].item()
+            else:
+                clipfrac, ppo_kl, clipfrac_lower = values.tolist()
             info = {k: v for k, v in options.items() if k in _AGG_KEYS}
             dtype = loss_dtype(log_prob, old_log_prob, advantages, response_mask, rollout_is_weights, mode, info)
             return loss.to(dtype), {
