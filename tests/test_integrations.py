@@ -967,8 +967,7 @@ def test_openrlhf_aggregate_loss(openrlhf, token_level, info):
 @pytest.mark.parametrize("token_level", [True, False])
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
 def test_openrlhf_policy_loss(openrlhf, dual_clip, token_level, info):
-    """PolicyLoss built before the patch: the class's forward is replaced. (Log-ratios
-    within +-20: OpenRLHF's ppo_kl averages them unclamped, fastrl's clamped.)"""
+    """PolicyLoss built before the patch: the class's forward is replaced."""
     t = _per_token_inputs(spread=(0.01, 0.1, 0.5, 1.0, 2.0, 3.0))
     module = openrlhf.loss.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip,
                                       token_level_loss=token_level)  # fmt: skip
@@ -976,6 +975,38 @@ def test_openrlhf_policy_loss(openrlhf, dual_clip, token_level, info):
     call = lambda _, log_probs, old, adv, mask: module(log_probs, old, adv, action_mask=mask, **info)  # noqa: E731
     _parity(openrlhf.integration, lambda: vars(openrlhf.loss.PolicyLoss)["forward"], call, inputs, ["log_probs"],
             "PolicyLoss")  # fmt: skip
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_openrlhf_policy_loss_ppo_kl_is_not_clamped(openrlhf, dual_clip):
+    """OpenRLHF clamps the log-ratio to +-20 for the ratio only: its ppo_kl (as its
+    own test_policy_kl_metric_is_not_clamped asserts) is the mean of the raw
+    old_log_probs - log_probs. Log-ratios past +-20 on valid tokens, where fastrl's
+    own (veRL's) ppo_kl, of the clamped log-ratio, is far off: the patched
+    PolicyLoss still returns OpenRLHF's loss, clip_ratio, ppo_kl and gradient. With
+    NaN outside the mask, or no valid token, ppo_kl keeps fastrl's mask semantics."""
+    t = _per_token_inputs()
+    log_probs, mask = t["log_probs"], t["mask"]
+    old = t["old_log_probs"].clone()  # log-ratios of 25 to 35 on every third token, -22 to -28 on every sixth
+    old[:, ::3] = log_probs[:, ::3] + 25 + 10 * torch.rand(old[:, ::3].shape)
+    old[:, 1::6] = log_probs[:, 1::6] - 22 - 6 * torch.rand(old[:, 1::6].shape)
+    module = openrlhf.loss.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip)
+    inputs = {"log_probs": log_probs, "old": old, "adv": t["advantages"], "mask": mask}
+    call = lambda _, log_probs, old, adv, mask: module(log_probs, old, adv, action_mask=mask)  # noqa: E731
+    (after, _), (before, _) = _parity(openrlhf.integration, lambda: vars(openrlhf.loss.PolicyLoss)["forward"], call,
+                                      inputs, ["log_probs"], "PolicyLoss ppo_kl")  # fmt: skip
+    expected = (old - log_probs)[mask].mean()
+    assert torch.allclose(before[2], expected, rtol=RTOL) and torch.allclose(after[2], expected, rtol=RTOL)
+    _, clamped = fastrl.policy_loss(log_probs, old, t["advantages"], mask)
+    assert (clamped["ppo_kl"] - expected).abs() > 1.0, "the inputs must be ones where the clamp matters"
+
+    openrlhf.integration.patch()
+    with_nan = log_probs.masked_fill(~mask, float("nan"))
+    ppo_kl = module(with_nan, old, t["advantages"], action_mask=mask)[2]
+    assert torch.allclose(ppo_kl, expected, rtol=RTOL), "a token outside the mask is ignored"
+    none_valid = torch.zeros_like(mask)
+    assert torch.equal(module(with_nan, old, t["advantages"], action_mask=none_valid)[2], torch.tensor(0.0))
+    assert not integrations.fallbacks, dict(integrations.fallbacks)
 
 
 def test_openrlhf_value_and_sft_losses_aggregate_patched(openrlhf):
@@ -1091,3 +1122,131 @@ def test_unsupported_version_or_layout_names_the_version(monkeypatch, name, disp
         assert integration.patched() == []
     finally:
         integration.unpatch()
+
+
+# -------------------------------------------------------------------------- torch.compile
+
+
+def _count_native_kernels(monkeypatch) -> collections.Counter:
+    """Counts, by name, the native kernels that fastrl's operators launch when they
+    run: from an eager call or from a compiled graph alike (a launcher is looked up
+    when the operator runs, and torch.compile traces the operator, not into it)."""
+    native, launches = importlib.import_module("fastrl._native"), collections.Counter()
+
+    def counted(name, launcher):
+        return lambda *args, **kwargs: launches.update([name]) or launcher(*args, **kwargs)
+
+    for name in dir(torch.ops.fastrl):
+        if callable(getattr(native, name, None)):
+            monkeypatch.setattr(native, name, counted(name, getattr(native, name)))
+    return launches
+
+
+def _compile_inputs():
+    log_prob = -torch.rand(2, 5) * 3
+    return {"logits": _logits((2, 5, 50)), "labels": torch.randint(50, (2, 5)), "log_prob": log_prob,
+            "old_log_prob": log_prob + 0.2 * torch.randn(2, 5), "advantages": torch.randn(2, 5),
+            "mask": torch.rand(2, 5) > 0.2, "hidden": torch.randn(2, 5, 16),
+            "weight": torch.randn(50, 16) * 0.5}  # fmt: skip
+
+
+def _verl_program(verl):
+    lce = importlib.import_module("verl.utils.kernel.linear_cross_entropy")
+    head = importlib.import_module("verl.utils.experimental.torch_functional").FusedLinearForPPO(chunk_size=4)
+    config = _verl_config(verl)
+
+    def program(logits, labels, log_prob, old_log_prob, advantages, mask, hidden, weight):
+        core, F = verl.core, verl.F
+        return (
+            F.logprobs_from_logits(logits * 1.0, labels, True), F.entropy_from_logits(logits),
+            F.entropy_from_logits_with_chunking(logits.flatten(0, 1), 8),
+            core.kl_penalty(log_prob, old_log_prob, "low_var_kl"), core.agg_loss(log_prob, mask, "seq-mean-token-mean"),
+            core.get_policy_loss_fn("vanilla")(old_log_prob, log_prob, advantages, mask, "token-mean", config),
+            core.get_policy_loss_fn("gspo")(old_log_prob, log_prob, advantages, mask, "seq-mean-token-mean", config),
+            head.forward(hidden, weight, labels, 0.7), lce.linear_cross_entropy(hidden, weight, labels, 0.8, "none"),
+        )  # fmt: skip
+
+    return program
+
+
+def _trl_program(trl):
+    def program(logits, labels, log_prob, old_log_prob, advantages, mask, hidden, weight):
+        u, top2 = trl.utils, torch.stack([labels, labels.flip(-1)], dim=-1)
+        return (
+            u.selective_log_softmax(logits, labels, 0.7), u.selective_log_softmax(logits, top2, 1.0),
+            u.entropy_from_logits(logits, 7), u.selective_log_softmax_and_entropy(logits, labels, True, 0.8, mask),
+            u._ChunkedLogProbFunction.apply(hidden.flatten(0, 1), weight, None, labels.flatten(), 0.9, 4, None, 1.0,
+                                            ("log_probs", "entropy"))[:2],
+        )  # fmt: skip
+
+    return program
+
+
+def _openrlhf_program(openrlhf):
+    policy_loss = openrlhf.loss.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=3.0)
+
+    def program(logits, labels, log_prob, old_log_prob, advantages, mask, hidden, weight):
+        u = openrlhf.utils
+        return (
+            u.log_probs_from_logits(logits * 1.0, labels, 0.7), u.compute_entropy(logits),
+            u.compute_approx_kl(log_prob, old_log_prob, kl_estimator="k3"),
+            openrlhf.loss.aggregate_loss(log_prob, mask, False),
+            policy_loss(log_prob, old_log_prob, advantages, action_mask=mask),
+        )  # fmt: skip
+
+    return program
+
+
+@pytest.mark.parametrize("dynamic,fullgraph", [(True, False), (False, True)], ids=["dynamic", "fullgraph"])
+@pytest.mark.parametrize("name", ["verl", "trl", "openrlhf"])
+def test_patched_functions_compile(request, monkeypatch, name, dynamic, fullgraph):
+    """Every function a framework's patch replaces, called once in one program under
+    torch.compile: dynamic=True without fullgraph (veRL's own wrapping; veRL's policy
+    losses then break the graph at their float metrics, as veRL's own do, and the
+    frames resumed after a break hold symbolic ints and floats), and fullgraph=True
+    (no graph break; TRL's own functions break there, asking transformers whether
+    Triton imports, which logs). The same values, dtypes, metrics and gradients as
+    the patched functions run eagerly, no fallback, and the same fastrl kernels run
+    (TRL's fused head is a class: a subclass of its autograd.Function would run
+    TRL's forward, which torch.compile traces whatever apply says). Backend "eager":
+    Dynamo traces, the graphs run as they are (AOTAutograd and inductor on fastrl's
+    ops are tests/test_compile.py's)."""
+    env = request.getfixturevalue(name)
+    program = {"verl": _verl_program, "trl": _trl_program, "openrlhf": _openrlhf_program}[name](env)
+    env.integration.patch()
+    inputs, grad = _compile_inputs(), ["logits", "log_prob", "hidden", "weight"]
+    call = lambda fn, **kw: fn(**kw)  # noqa: E731
+    launches = _count_native_kernels(monkeypatch)
+    torch._dynamo.reset()
+    compiled = torch.compile(program, dynamic=dynamic, fullgraph=fullgraph, backend="eager")
+    after = _run(compiled, call, inputs, grad)
+    kernels = dict(launches)
+    launches.clear()
+    _assert_same(after, _run(program, call, inputs, grad), f"{name} compiled")
+    assert not integrations.fallbacks, dict(integrations.fallbacks)
+    assert kernels == dict(launches), f"the compiled program launched {kernels}, eagerly {dict(launches)}"
+
+
+def test_verl_entropy_compiled_as_verl_engines_compile_it(verl):
+    """veRL's engines keep ``torch.compile(verl_F.entropy_from_logits, dynamic=True)``
+    when ``use_torch_compile`` is on, its default (the FSDP engine's __init__,
+    verl/workers/engine/fsdp/transformer_impl.py), and call it on the micro-batch's
+    [total_nnz, V] logits. That wrapping of the patched function, inductor included,
+    compiles (it raised InternalTorchDynamoError), gives veRL's own entropy and
+    gradient, and serves micro-batches of other token counts with the same graph."""
+    engine = os.path.join(os.path.dirname(importlib.util.find_spec("verl").origin), "workers", "engine", "fsdp")
+    with open(os.path.join(engine, "transformer_impl.py")) as f:  # (importing it needs peft)
+        assert "torch.compile(entropy_from_logits, dynamic=True)" in f.read(), "veRL's wrapping changed: follow it"
+    call = lambda fn, logits: fn(logits)  # noqa: E731
+    own = _run(verl.F.entropy_from_logits, call, {"logits": _logits((37, 300))}, ["logits"])
+    verl.integration.patch()
+    compute_entropy_from_logits = torch.compile(verl.F.entropy_from_logits, dynamic=True)
+    for tokens in (37, 52):
+        inputs = {"logits": _logits((tokens, 300))}
+        with torch._dynamo.config.patch(error_on_recompile=tokens != 37):
+            after = _run(compute_entropy_from_logits, call, inputs, ["logits"])
+        verl.integration.unpatch()
+        before = _run(verl.F.entropy_from_logits, call, inputs, ["logits"])
+        verl.integration.patch()
+        _assert_same(after, before, f"compiled entropy, {tokens} tokens", rtol=_entropy_tolerance(inputs["logits"]))
+    assert own is not None and not integrations.fallbacks, dict(integrations.fallbacks)

@@ -44,13 +44,15 @@ OpenRLHF's conventions kept:
   by running OpenRLHF's function on meta tensors (``integrations.result_dtype``).
 - ``PolicyLoss.forward`` returns OpenRLHF's 5-tuple ``(loss, clip_ratio, ppo_kl,
   vllm_kl, is_filter_ratio)``: 0-d tensors (no host sync), the last two ``None``
-  (no rollout correction); ``dual_clip`` is fastrl's ``clip_ratio_c``.
+  (no rollout correction); ``dual_clip`` is fastrl's ``clip_ratio_c``. ``ppo_kl`` is
+  OpenRLHF's metric, the masked mean of the log-ratio ``old_log_probs - log_probs``
+  unclamped (only the ratio in the loss is clamped to +-20), formed by OpenRLHF's own
+  ``masked_mean``; fastrl's ``ppo_kl`` (veRL's) averages the clamped log-ratio.
 
 Where fastrl's semantics intentionally differ from OpenRLHF's (README, "Policy loss
 and KL semantics"), the patched functions follow fastrl's: a token outside the mask
 is ignored entirely (OpenRLHF multiplies, so NaN there spreads); x / 0 := 0 (an
-all-masked batch gives loss and metrics 0, OpenRLHF NaN); ``ppo_kl`` averages the
-log-ratio clamped to +-20 as the ratio is (OpenRLHF: unclamped); ``-inf`` logits
+all-masked batch gives loss and metrics 0, OpenRLHF NaN); ``-inf`` logits
 give a finite entropy (OpenRLHF: NaN).
 
 Calls fastrl does not reproduce exactly run OpenRLHF's own code instead (counted in
@@ -231,17 +233,25 @@ def _policy_loss_forward(original):
     env = original.__globals__
 
     def dtypes(log_probs, old_log_probs, advantages, action_mask, aggregation):
-        """The dtypes of OpenRLHF's loss, clip_ratio and ppo_kl: its per-token loss
+        """The dtypes of OpenRLHF's loss and clip_ratio: its per-token loss
         aggregated by its own aggregate_loss, and masked_mean of a float32 clip
-        indicator and of the log-ratio (both multiply by the mask and divide by its sum)."""
-        ndim, log_ratio = log_probs.dim(), promoted(log_probs, old_log_probs)
+        indicator (it multiplies by the mask and divides by its sum)."""
+        ndim = log_probs.dim()
         per_token = stand_in(promoted(log_probs, old_log_probs, advantages), ndim)
-        masked_mean = env["masked_mean"]
         return (
             result_dtype(original_of(env["aggregate_loss"]), per_token, action_mask, *aggregation),
-            result_dtype(masked_mean, stand_in(torch.float32, ndim), action_mask, None),
-            result_dtype(masked_mean, stand_in(log_ratio, ndim), action_mask, None),
+            result_dtype(env["masked_mean"], stand_in(torch.float32, ndim), action_mask, None),
         )
+
+    def ppo_kl_of(log_probs, old_log_probs, action_mask):
+        """OpenRLHF's ppo_kl, masked_mean(-(log_probs - old_log_probs), action_mask):
+        the log-ratio unclamped, in OpenRLHF's dtype, by its own masked_mean, with
+        fastrl's mask semantics (module docstring): a token outside the mask is
+        ignored (set to 0 first, so NaN there does not spread), and no valid token
+        gives 0. The mask holds 0 / 1 only (mask_reason), so its bool is the mask."""
+        valid = action_mask.bool()
+        neg_log_ratio = torch.where(valid, -(log_probs - old_log_probs).detach(), 0)
+        return torch.where(valid.any(), env["masked_mean"](neg_log_ratio, action_mask, None), 0)
 
     def forward(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None, dp_size=1,
                 batch_num_tokens=None, global_batch_size=None):  # fmt: skip
@@ -271,9 +281,10 @@ def _policy_loss_forward(original):
                 **_agg(self.token_level_loss, dp_size, batch_num_tokens, global_batch_size),
             )  # fmt: skip
             aggregation = (self.token_level_loss, dp_size, batch_num_tokens, global_batch_size)
-            loss_dtype, clip_dtype, kl_dtype = dtypes(log_probs, old_log_probs, advantages, action_mask, aggregation)
-            clip_ratio, ppo_kl = metrics["pg_clipfrac"].to(clip_dtype), metrics["ppo_kl"].to(kl_dtype)
-            return loss.to(loss_dtype), clip_ratio, ppo_kl, None, None
+            loss_dtype, clip_dtype = dtypes(log_probs, old_log_probs, advantages, action_mask, aggregation)
+            # Not metrics["ppo_kl"]: fastrl's (veRL's) averages the log-ratio clamped to +-20, OpenRLHF's does not.
+            ppo_kl = ppo_kl_of(log_probs, old_log_probs, action_mask)
+            return loss.to(loss_dtype), metrics["pg_clipfrac"].to(clip_dtype), ppo_kl, None, None
 
         return delegate(_NAME, "PolicyLoss.forward", original, args, {}, compute, reason)
 
