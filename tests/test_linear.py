@@ -17,6 +17,10 @@ KERNEL_BACKENDS = backend_params(include_reference=False)
 # Unit roundoff of the float32 arithmetic, and the rounding of a gradient returned
 # in each dtype (half an ulp at 1.0, times two).
 U32 = 2.0**-24
+# torch's float32 tanh (the cap) is within 2 ulp (CUDA's tanhf, glibc's; ATen's CPU
+# kernel calls Sleef's 1-ulp tanhf), and an ulp of t is at most 2 u |t|.
+TANH_ULPS = 2
+TANH_U = 2 * TANH_ULPS
 OUT_RTOL = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float64: 1e-14}
 
 
@@ -37,38 +41,61 @@ def _inputs(lead, hidden_size, vocab, dtype, device, bias=True):
 
 def _reference(hidden, weight, bias, labels, temperature, logit_scale, softcap, g_lp, g_ent):
     """Float64 outputs, gradients, and what the error bounds need: dL/dx at the
-    pre-cap logits x, the probabilities, the entropy, and max |x| per row."""
+    pre-cap logits x, the probabilities, |h| @ |w|.T + |b|, and with a cap its
+    tanh and dL/dlogits at the capped logits."""
     h, w = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     b = None if bias is None else bias.detach().double().requires_grad_()
     t = temperature.double() if isinstance(temperature, torch.Tensor) else temperature
     x = h @ w.T + (0 if b is None else b)
     x.retain_grad()
     logits = x * logit_scale
+    cap_tanh = None
     if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
+        cap_tanh = torch.tanh(logits / softcap)
+        logits = softcap * cap_tanh
+        logits.retain_grad()
     lp, ent = reference.logprobs_and_entropy(logits, labels, temperature=t)
     ((lp * g_lp.double()).sum() + (ent * g_ent.double()).sum()).backward()
     with torch.no_grad():
         temps = t if isinstance(t, torch.Tensor) else torch.full(lp.shape, t, dtype=torch.float64)
         p = torch.softmax(logits / temps.unsqueeze(-1), dim=-1)
         magnitude = h.abs() @ w.abs().T + (0 if b is None else b.abs())
+    # With a cap, "cap" holds what its terms of the bounds need: its size, tanh(x s / c) and dL/dlogits.
+    cap = None if softcap is None else {"c": softcap, "tanh": cap_tanh.detach(), "gz": logits.grad}
     return {"lp": lp.detach(), "ent": ent.detach(), "h": h.grad, "w": w.grad, "b": None if b is None else b.grad,
-            "gx": x.grad, "p": p, "temps": temps, "magnitude": magnitude}  # fmt: skip
+            "gx": x.grad, "p": p, "temps": temps, "magnitude": magnitude, "cap": cap}  # fmt: skip
 
 
 def _bounds(ref, hidden, weight, logit_scale, g_lp, g_ent, operand_u):
-    """Error bounds of the fused op (float32 arithmetic) against the float64 truth.
+    """Error bounds of the fused op (float32 arithmetic) against the float64 truth,
+    to first order in u; mag = |h| @ |w|.T + |b|, s = logit_scale, c = softcap.
 
-    Logits: a float32 GEMM of H terms, the bias, the scale and the cap:
-        |dz| <= (H + 4) u (|h| @ |w|.T + |b|) logit_scale            (tanh is 1-Lipschitz)
+    Logits: a float32 GEMM of H terms, the bias and the scale:
+        |dz| <= (H + 4) u mag s
+    With a cap, z = c t, t = tanh(q), q = x s / c: the GEMM, the bias, the scale and
+    the division by c leave |dq| <= (H + 3) u mag s / c; tanh is 1-Lipschitz and is
+    returned within TANH_ULPS ulp <= TANH_U u |t|, and c t rounds once more, so
+        |dz| <= (H + 3 + TANH_U + 1) u mag s                      (|z| <= |x s| <= mag s)
     log-prob and entropy move at most 2 max|dz| / T and 2 (1 + H_ent + max|log p|) max|dz| / T,
     plus the log-prob kernel's own 1e-5 (DESIGN.md).
-    G = dL/dx: p moves by at most p 2 max|dz| / T, so
-        |dG| <= 2 max|dz| / T p (|g_lp| + |g_ent| (|log p| + H_ent + 2)) logit_scale / T + 8 u |G|
-    and each gradient GEMM adds its length times u (operand_u for G rounded to the
+    G = dL/dx = G_z slope, G_z = dL/dz, slope = dz/dx = s (1 - t^2) (= s without a cap):
+    p moves by at most p 2 max|dz| / T, so
+        |dG| <= 2 max|dz| / T p (|g_lp| + |g_ent| (|log p| + H_ent + 2)) s / T + 8 u |G|
+    and with a cap the slope's own error. The op computes it from its rounded tanh
+    t' = t + dt, |dt| <= (1 - t^2) |dq| + TANH_U u |t|, as fl(fl(1 - fl(t'^2)) s):
+        |slope' - slope| <= s (2 |t| |dt| + u t^2 + 2 u (1 - t^2))
+                         <= (2 TANH_U + 1) u s t^2  +  (2 |t| |dq| + 2 u) slope
+    The first term is absolute, not relative to the slope: where the cap saturates
+    (|t| -> 1, the peaked row's logits) 1 - t'^2 cancels, as in torch's own tanh
+    backward (1 - y^2), and G = fl(G_z' slope') is off by (2 TANH_U + 1) u s |G_z|
+    however small the slope. So the cap adds to |dG|, with |dq| <= |dz| / c and the
+    product's rounding,
+        (2 TANH_U + 1) u s t^2 |G_z|  +  (2 |t| |dz| / c + 3 u) |G|
+    Each gradient GEMM adds its length times u (operand_u for G rounded to the
     operand dtype) of the sum of |terms|."""
     hidden_size = hidden.shape[-1]
-    dz = (hidden_size + 4) * U32 * ref["magnitude"] * logit_scale
+    cap = ref["cap"]
+    dz = (hidden_size + 4 + (0 if cap is None else TANH_U)) * U32 * ref["magnitude"] * logit_scale
     dz_row = dz.amax(dim=-1) / ref["temps"]
     log_p = torch.where(ref["p"] > 0, ref["p"].log(), 0.0)
     lp_tol = 2 * dz_row + 1e-5 * (1 + ref["lp"].abs())
@@ -77,6 +104,10 @@ def _bounds(ref, hidden, weight, logit_scale, g_lp, g_ent, operand_u):
         log_p.abs() + ref["ent"].unsqueeze(-1) + 2
     )
     dg = (2 * dz_row / ref["temps"]).unsqueeze(-1) * ref["p"] * weight_g * logit_scale + 8 * U32 * ref["gx"].abs()
+    if cap is not None:
+        t = cap["tanh"].abs()
+        dg = dg + (2 * TANH_U + 1) * U32 * logit_scale * t**2 * cap["gz"].abs()
+        dg = dg + (2 * t * dz / cap["c"] + 3 * U32) * ref["gx"].abs()
     gx = ref["gx"].abs()
     n_tokens, vocab = gx.reshape(-1, gx.shape[-1]).shape
     h_abs = hidden.double().abs().reshape(n_tokens, hidden_size)
