@@ -543,11 +543,30 @@ def _rows_spanning_tiles(vocab: int, dtype: torch.dtype, g: torch.Generator, int
     return torch.stack(rows).to(dtype)
 
 
-@HISTOGRAMS
-@pytest.mark.parametrize("split", [False, True], ids=["one-program", "split"])
-@pytest.mark.parametrize("dtype,vocab", [(torch.float32, 8200), (torch.bfloat16, 8200)], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("device,backend", TRITON_BACKENDS)
-def test_rows_spanning_tiles_with_hard_keys_match_the_reference(device, backend, dtype, vocab, split, histogram,
+def _hard_row_paths() -> list:
+    """(device, backend, dtype, split, window) of the hard-row test: on a GPU
+    every combination; on the interpreter (about 70 s each) the four of the
+    eight in which each pair of the three factors' values meets once (an
+    orthogonal array), so every path (one program or split, either histogram)
+    still runs on hard rows of each dtype. Split and one-program results are
+    compared bitwise with each other by test_split_rows_give_the_bits_of_one_program_a_row
+    and test_window_and_top_digit_histograms_give_the_same_bits."""
+    cases = []
+    for param in TRITON_BACKENDS:
+        device, backend = param.values
+        for dtype in (torch.float32, torch.bfloat16):
+            for split in (False, True):
+                for window in (False, True):
+                    if device == "cpu" and (dtype == torch.bfloat16) != (split != window):
+                        continue
+                    name = f"{device}-{backend}-{str(dtype)[6:]}-{'split' if split else 'one-program'}-" + (
+                        "window" if window else "top-digits")  # fmt: skip
+                    cases.append(pytest.param(device, backend, dtype, split, window, marks=param.marks, id=name))
+    return cases
+
+
+@pytest.mark.parametrize("device,backend,dtype,split,window", _hard_row_paths())
+def test_rows_spanning_tiles_with_hard_keys_match_the_reference(device, backend, dtype, split, histogram,
                                                                 monkeypatch):  # fmt: skip
     """The forward's statistics pass carries the top-digit histogram (one program
     a row) or the split programs sum it, or the window histogram takes a pass
@@ -557,6 +576,8 @@ def test_rows_spanning_tiles_with_hard_keys_match_the_reference(device, backend,
     top-k, top-p, all three filters, greedy, and a top-k past the list's
     capacity."""
     from fastrl.kernels import sampling as kernels
+
+    vocab = 8200
 
     monkeypatch.setattr(kernels, "_sm_count", lambda device: 10**6 if split else 0)
     g = torch.Generator().manual_seed(torch.randint(2**31, ()).item())

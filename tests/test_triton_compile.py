@@ -37,7 +37,12 @@ pytest.importorskip("triton", reason="triton is not installed")
 from fastrl.bench import sass  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile every kernel for this GPU")
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile every kernel for this GPU"),
+    # One pytest-xdist worker runs the whole module (make test: --dist loadgroup),
+    # so the model's fixture compiles once, not once a worker (6 minutes from cold).
+    pytest.mark.xdist_group("sm90-model"),
+]
 
 
 @pytest.fixture(scope="module")
