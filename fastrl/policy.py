@@ -12,10 +12,11 @@
                              rollout-engine vs trainer mismatch, with metrics
 
 ``fastrl.reference`` is the spec of each (names and defaults follow veRL's
-``core_algos``). The kernels (``fastrl.kernels.policy``, ``csrc/policy.cpp``)
-reduce each sequence to a few float64 partial sums; every aggregation mode is
-then ``sum_b row_weight_b * partial_b`` with a per-sequence weight (below), so
-the loss, its gradient and the metrics come from those sums on the device.
+``core_algos``). The kernels (``fastrl.kernels.policy``; ``csrc/policy.cpp``,
+its backward in ``csrc/policy_backward.cpp``) reduce each sequence to a few
+float64 partial sums; every aggregation mode is then ``sum_b row_weight_b *
+partial_b`` with a per-sequence weight (below), so the loss, its gradient and
+the metrics come from those sums on the device.
 """
 
 from __future__ import annotations
