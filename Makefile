@@ -123,11 +123,9 @@ bench-quick: setup-bench
 
 # The tests run in one pytest-xdist worker per core (TEST_WORKERS=0: in this
 # process): most of their time is the Triton interpreter, one Python thread each.
-# loadgroup: the tests of an xdist_group share one worker (and its module
-# fixtures: tests/test_triton_compile.py compiles every kernel once).
 TEST_WORKERS ?= auto
 test: setup-test
-	$(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(PYTHON) -m pytest -n $(TEST_WORKERS)
 
 # End to end: GRPO on a tiny transformer (examples/grpo_tiny.py), once on the
 # fused kernels and once on the PyTorch reference; prints the reward and the
