@@ -46,7 +46,7 @@ def install() -> bool:
         return False
     patch_lang = getattr(interpreter, "_patch_lang", None)
     executor = getattr(interpreter, "GridExecutor", None)
-    if patch_lang is None or executor is None or not callable(getattr(executor, "__call__", None)):
+    if patch_lang is None or executor is None:
         return False
     if getattr(patch_lang, "_fastrl_once", False):
         return True
