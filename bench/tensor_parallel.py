@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 import fastrl
-from fastrl import vocab_parallel
+from fastrl import _distributed
 from fastrl.bench import device_slug, environment, verl_vocab_parallel_entropy
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor")
@@ -167,7 +167,7 @@ def main() -> None:
         def unfused(backward=backward):
             h, w = hidden.detach().requires_grad_(backward), weight.detach().requires_grad_(backward)
             # Megatron's column-parallel layer: the input's gradient summed over the ranks.
-            h_in = vocab_parallel.summed_gradient_over_ranks(h, group) if backward else h
+            h_in = _distributed.summed_gradient_over_ranks(h, group) if backward else h
             log_probs, entropy = fastrl.logprobs_and_entropy(h_in @ w.T, head_labels, group=group)
             if backward:
                 (log_probs.sum() + entropy.sum()).backward()

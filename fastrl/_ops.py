@@ -33,6 +33,7 @@ from types import ModuleType
 import torch
 
 from ._native import N_STATS
+from ._rows import row_view
 
 __all__ = ["launchers", "refuse_double_backward", "row_param", "split_row_param"]
 
@@ -234,7 +235,7 @@ def _truncated_backward(logits, labels, stats, grad_logprob, grad_out, *args):
     )  # fmt: skip
 
 
-# label_base / label_kept: a vocabulary shard's (fastrl.vocab_parallel); 0 / None unsharded.
+# label_base / label_kept: a vocabulary shard's (fastrl._sharded.sampling); 0 / None unsharded.
 truncated_backward = _define(
     "truncated_backward(Tensor logits, Tensor labels, Tensor stats, Tensor grad_logprob, Tensor(a!) grad_out, "
     + _TRUNCATION + ", int label_base, Tensor? label_kept, str backend) -> ()",
@@ -266,7 +267,7 @@ def _shard_digit_histogram_fake(logits, prefix, shift, given, *args):
     return _new(logits, math.prod(logits.shape[:-1]), 1 if given is None else 2, 256, dtype=torch.int64)
 
 
-# A round of the tensor-parallel sampler's threshold search (fastrl.vocab_parallel).
+# A round of the tensor-parallel sampler's threshold search (fastrl._sharded.sampling).
 shard_digit_histogram = _define(
     "shard_digit_histogram(Tensor logits, Tensor prefix, int shift, Tensor? given, " + _TEMPERATURE
     + ", float unit_scale, str backend) -> Tensor",
@@ -274,7 +275,7 @@ shard_digit_histogram = _define(
 )  # fmt: skip
 
 
-# A vocabulary shard's pass of the tensor-parallel sampler (fastrl.vocab_parallel): the race
+# A vocabulary shard's pass of the tensor-parallel sampler (fastrl._sharded.sampling): the race
 # (labels None) or the truncated log-prob's terms (labels given), from the agreed max and threshold.
 sample_shard_pass = _define(
     "sample_shard_pass(Tensor logits, Tensor given, " + _TEMPERATURE + ", Tensor? min_p_rows, float min_p, "
@@ -339,6 +340,15 @@ full_kl_backward = _define(
     "Tensor grad_kl, Tensor(a!) grad_out, str backend) -> ()",
     _full_kl_backward, _no_output,
 )  # fmt: skip
+
+
+def full_kl_gradient(logits, ref_rows, temps, temp_scalar, stats, kl, grad_kl, backend) -> torch.Tensor:
+    """dL/dlogits from the row statistics (m, log s, m', log s') and the KL (the
+    whole row's, or the whole vocabulary's for a shard: fastrl._sharded.kl)."""
+    rows = row_view(logits)
+    grad = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    full_kl_backward(rows, ref_rows, temps, temp_scalar, stats, kl, grad_kl.to(kl.dtype).contiguous(), grad, backend)
+    return grad.reshape(logits.shape)
 
 
 # --- policy loss, aggregation, rollout correction ----------------------------------------------

@@ -1,6 +1,6 @@
 """The row layout every kernel reads logits by, shared by the native and Triton
 launchers (csrc/rows.h, ``fastrl.kernels.reduce.row_start``): the rows of
-``[N, V]``, or of the ``[outer, inner, V]`` view ``fastrl.logprobs.row_view``
+``[N, V]``, or of the ``[outer, inner, V]`` view ``row_view``
 makes, numbered row-major over the leading dims, row r at
 ``(r // inner) * outer_stride + (r % inner) * inner_stride``."""
 
@@ -21,3 +21,53 @@ def row_layout(t: torch.Tensor) -> tuple[int, int, int]:
 def row_count(t: torch.Tensor) -> int:
     """The rows of ``[N, V]`` or ``[outer, inner, V]``."""
     return math.prod(t.shape[:-1])
+
+
+def row_view(logits: torch.Tensor) -> torch.Tensor:
+    """``logits [..., V]`` as an ``[outer, inner, V]`` view of the same memory, the
+    kernels' input (csrc/rows.h): row r is (r // inner, r % inner), in the
+    row-major order of the leading dims. Leading dims that are contiguous with
+    each other merge, so every layout with unit stride in V whose leading dims
+    merge into at most two strided ones is read in place: contiguous, veRL's
+    ``logits[:, -response_length - 1:-1]``, ``logits[::2]``, a vocabulary slice,
+    a transposed ``[S, B, V]``. Only the rest (three or more leading dims that
+    cannot merge, or a strided vocabulary) is copied, once."""
+    vocab = logits.shape[-1]
+    merged: list[tuple[int, int]] = []  # (size, stride) of the merged leading dims, outermost first
+    for size, stride in zip(logits.shape[:-1], logits.stride()[:-1]):
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == stride * size:
+            merged[-1] = (merged[-1][0] * size, stride)
+        else:
+            merged.append((size, stride))
+    if (vocab == 1 or logits.stride(-1) == 1) and len(merged) <= 2:
+        (outer, outer_stride), (inner, inner_stride) = [(1, 0)] * (2 - len(merged)) + merged
+        return logits.as_strided((outer, inner, vocab), (outer_stride, inner_stride, 1))
+    return logits.reshape(-1, vocab).contiguous().unsqueeze(0)
+
+
+def can_overwrite(logits: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether the backward may write the gradient over ``rows`` (the row view of
+    ``logits``) for ``inplace_backward``: never over a leaf or a view of one (a
+    parameter's data would become the gradient, and nothing in autograd checks a
+    leaf's version), and only when no two elements share memory (sufficient test:
+    with the dims sorted by stride, each stride clears the extent of the smaller ones)."""
+    if (logits if logits._base is None else logits._base).is_leaf:
+        return False
+    # Sorted by comparisons (an insertion sort of three dims), not sorted(): under torch.compile with dynamic
+    # shapes the strides are symbolic, which dynamo compares (as guards) but does not sort by.
+    dims: list[tuple[int, int]] = []
+    for size, stride in zip(rows.shape, rows.stride()):
+        if size == 1:
+            continue
+        at = len(dims)
+        while at and dims[at - 1][1] > stride:
+            at -= 1
+        dims.insert(at, (size, stride))
+    extent = 0
+    for size, stride in dims:
+        if stride <= extent:
+            return False
+        extent += stride * (size - 1)
+    return True

@@ -19,6 +19,7 @@ import numbers
 import torch
 
 from ._backend import checks_enabled, constant_when_traced, select_backend
+from .reference import compute_dtype
 
 LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 LABEL_DTYPES = (torch.int32, torch.int64)
@@ -66,7 +67,7 @@ def check_labels(labels: object, logits: torch.Tensor, ignore_index: object, nam
 def check_token_labels(
     labels: object,
     token_shape: torch.Size,
-    vocab: int,
+    vocab: int | None,
     device: torch.device,
     ignore_index: object,
     name: str = "labels",
@@ -74,7 +75,10 @@ def check_token_labels(
 ) -> torch.Tensor:
     """:func:`check_labels` for tokens of shape ``token_shape`` over a vocabulary
     of ``vocab`` on ``device``, which ``source`` names (``"hidden"``: the fused
-    LM head's tokens are hidden.shape[:-1], its vocabulary weight.shape[0])."""
+    LM head's tokens are hidden.shape[:-1], its vocabulary weight.shape[0]).
+    ``vocab=None``: a vocabulary shard's labels, whose values the ranks' agreement
+    checks against the whole vocabulary (fastrl._distributed.agree): a rank that
+    raised here alone would leave the others waiting in a collective."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(labels).__name__}")
     if labels.dtype not in LABEL_DTYPES:
@@ -89,12 +93,8 @@ def check_token_labels(
         raise ValueError(f"{name} must have shape {source}.shape[:-1] = {tuple(token_shape)}; got {tuple(labels.shape)}")
     if labels.device != device:
         raise ValueError(f"{name} is on {labels.device} but {source} is on {device}; they must share a device")
-    if labels.numel() and host_checks(labels.device):
-        # (A bound beyond the labels' dtype, as a sharded vocabulary's first check passes, bounds nothing:
-        # compared as that dtype it would wrap.)
-        bad = labels < 0
-        if vocab <= torch.iinfo(labels.dtype).max:
-            bad |= labels >= vocab
+    if vocab is not None and labels.numel() and host_checks(labels.device):
+        bad = (labels < 0) | (labels >= vocab) if vocab <= torch.iinfo(labels.dtype).max else labels < 0
         if ignore_index is not None:
             bad &= labels != ignore_index
         if bool(bad.any()):
@@ -349,3 +349,15 @@ def keyword_only_options(op=None, *, hint: str = ""):
         return op(*args, **kwargs)
 
     return checked
+
+
+def check_logprobs_arguments(logits, labels, temperature, ignore_index, sharded: bool = False):
+    """The checks of the log-prob ops' arguments, labels in [0, V) or ignore_index
+    (``sharded``: a vocabulary shard's, whose labels' values the ranks' agreement
+    checks); returns the checked temperature."""
+    check_logits(logits)
+    check_ignore_index(ignore_index)
+    if labels is not None:
+        vocab = None if sharded else logits.shape[-1]
+        check_token_labels(labels, logits.shape[:-1], vocab, logits.device, ignore_index)
+    return check_temperature(temperature, logits.shape[:-1], logits.device, compute_dtype(logits))

@@ -19,7 +19,8 @@ import torch
 
 from . import _ops, _validation, reference
 from ._backend import select_backend
-from .logprobs import row_view
+from ._rows import row_view
+from ._sharded.kl import full_kl_sharded
 
 __all__ = ["full_kl", "kl_penalty"]
 
@@ -93,16 +94,7 @@ class _FullKL(torch.autograd.Function):
     def backward(ctx, grad_kl):
         _ops.refuse_double_backward()
         logits, ref_rows, temps, stats, kl = ctx.saved_tensors
-        return full_kl_gradient(logits, ref_rows, temps, ctx.temp_scalar, stats, kl, grad_kl, ctx.backend), None, None, None
-
-
-def full_kl_gradient(logits, ref_rows, temps, temp_scalar, stats, kl, grad_kl, backend) -> torch.Tensor:
-    """dL/dlogits from the row statistics (m, log s, m', log s') and the KL (the
-    whole row's, or the whole vocabulary's for a shard: fastrl.vocab_parallel)."""
-    rows = row_view(logits)
-    grad = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
-    _ops.full_kl_backward(rows, ref_rows, temps, temp_scalar, stats, kl, grad_kl.to(kl.dtype).contiguous(), grad, backend)
-    return grad.reshape(logits.shape)
+        return _ops.full_kl_gradient(logits, ref_rows, temps, ctx.temp_scalar, stats, kl, grad_kl, ctx.backend), None, None, None
 
 
 @_validation.keyword_only_options
@@ -125,7 +117,7 @@ def full_kl(
         group, vocab_start: vocabulary-sharded logits (both tensors this rank's
             columns), as :func:`fastrl.logprobs_from_logits` takes them: every
             rank gets the whole vocabulary's KL (one all-gather of 5 numbers a
-            row forward, none backward; ``fastrl.vocab_parallel``).
+            row forward, none backward; ``fastrl._sharded.kl``).
 
     Returns fp32 ``[...]`` (fp64 for fp64 logits), differentiable w.r.t. ``logits``.
     -inf logits are a masked vocabulary: where p(v) = 0 the token adds nothing;
@@ -145,8 +137,6 @@ def full_kl(
     if group is not None or vocab_start is not None:
         if group is None:
             raise ValueError("vocab_start is for vocabulary-sharded logits: pass the group= they are sharded over")
-        from .vocab_parallel import full_kl_sharded
-
         return full_kl_sharded(logits, ref_logits, temperature, group, vocab_start, check_arguments)
     temperature = check_arguments()
     token_shape = logits.shape[:-1]

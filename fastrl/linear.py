@@ -58,9 +58,10 @@ import dataclasses
 
 import torch
 
-from . import _native, _ops, _validation, policy, reference, vocab_parallel
+from . import _distributed, _native, _ops, _validation, policy, reference
 from ._backend import select_backend
-from .logprobs import row_view
+from ._rows import row_view
+from ._sharded import logprobs as sharded
 
 __all__ = ["linear_logprobs_and_entropy", "policy_loss_from_hidden"]
 
@@ -310,7 +311,7 @@ class _LinearLogprobs(torch.autograd.Function):
             if want_weight and weight.dtype != acc:
                 grad_weight[v0:v1] = grad_weight_s
         if shard is not None and grad_hidden is not None:  # summed in float32 (float64), rounded once
-            grad_hidden = vocab_parallel.sum_in_rank_order(grad_hidden, shard.group)
+            grad_hidden = _distributed.sum_in_rank_order(grad_hidden, shard.group)
         return (
             None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             grad_weight,
@@ -323,7 +324,7 @@ def _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index, wit
              rows, backend, acc, with_stats, shard=None):  # fmt: skip
     """(logprob [N], entropy [N] or empty, stats [N, 2] or empty, (logits, slope)
     of the last chunk), a chunk of ``rows`` tokens at a time. For a vocabulary
-    ``shard`` (fastrl.vocab_parallel), each chunk gives its shard's row
+    ``shard`` (fastrl._sharded.logprobs), each chunk gives its shard's row
     statistics, and the ranks' are gathered and combined once at the end."""
     n_tokens = hidden.shape[0]
     new = lambda *shape: torch.empty(shape, dtype=acc, device=hidden.device)  # noqa: E731
@@ -339,7 +340,7 @@ def _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index, wit
         t1 = min(t0 + rows, n_tokens)
         logits, slope = _chunk_logits(hidden[t0:t1], weight, bias_acc, logit_scale, softcap, slab, buffer)
         if not whole:
-            local[t0:t1] = vocab_parallel.local_stats(
+            local[t0:t1] = sharded.local_stats(
                 row_view(logits), labels[t0:t1], None if temps is None else temps[t0:t1], temp_scalar, shard,
                 with_entropy, backend,
             )  # fmt: skip
@@ -355,7 +356,7 @@ def _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index, wit
         if with_stats:
             stats[t0:t1] = st
     if not whole:
-        logprob, all_entropy, stats = vocab_parallel.combine_across_ranks(local, labels, temps, temp_scalar,
+        logprob, all_entropy, stats = sharded.combine_across_ranks(local, labels, temps, temp_scalar,
                                                                           ignore_index, shard)  # fmt: skip
         entropy = all_entropy if with_entropy else entropy
     return logprob, entropy, stats, (logits, slope) if n_tokens else (None, None)
@@ -470,18 +471,18 @@ class _Head:
 
 
 def _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale, softcap, chunk_size,
-             chunk_bytes, group=None, vocab_start=None, also_check=None) -> tuple[_Head, vocab_parallel.Shard | None]:  # fmt: skip
+             chunk_bytes, group=None, vocab_start=None, also_check=None) -> tuple[_Head, _distributed.Shard | None]:  # fmt: skip
     """The checked arguments, and with a ``group`` this rank's vocabulary shard,
-    agreed with the other ranks (vocab_parallel.agree) after the same checks;
+    agreed with the other ranks (_distributed.agree) after the same checks;
     ``also_check(head)``: the caller's checks of its other arguments, run
     before the agreement (a rank that raised after it would leave the others
     waiting in the backward's collective), returning more options the ranks
     must agree on (a dict)."""
     extra = {}
 
-    def check(label_vocab):
+    def check(sharded):
         head = _checked_head(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale,
-                             softcap, chunk_size, chunk_bytes, label_vocab)  # fmt: skip
+                             softcap, chunk_size, chunk_bytes, sharded)  # fmt: skip
         if also_check is not None:
             extra.update(also_check(head))
         return head
@@ -489,36 +490,35 @@ def _prepare(hidden, weight, labels, bias, temperature, ignore_index, with_entro
     if group is None:
         if vocab_start is not None:
             raise ValueError("vocab_start is for a vocabulary-sharded weight: pass the group= it is sharded over")
-        return check(None), None
+        return check(False), None
     checked = {}
 
     def layout():
-        # Labels only >= 0 here: their range is checked against the whole vocabulary once the ranks have agreed.
-        head = checked["head"] = check(torch.iinfo(torch.int64).max)
+        head = checked["head"] = check(True)
         options = {"temperature": head.temp_scalar if head.temps is None else head.temps,
                    "ignore_index": ignore_index, "logit_scale": head.logit_scale, "softcap": head.softcap,
                    "with_entropy": with_entropy, "bias": head.bias is not None,
                    # dL/dhidden is summed over the ranks in the backward: every rank or none must form it.
                    "hidden_needs_grad": torch.is_grad_enabled() and head.hidden.requires_grad, **extra}  # fmt: skip
         shape = (*head.token_shape, head.hidden.shape[-1])
-        return vocab_parallel.Layout(shape, head.weight.shape[0], head.hidden.dtype, head.hidden.device, options,
+        return _distributed.Layout(shape, head.weight.shape[0], head.hidden.dtype, head.hidden.device, options,
                                      "hidden shapes")  # fmt: skip
 
-    outputs = vocab_parallel.LABELED | (vocab_parallel.ENTROPY if with_entropy else 0)
-    shard = vocab_parallel.agree(group, layout, vocab_start, outputs, vocab_parallel.label_range(labels, ignore_index),
+    outputs = _distributed.LABELED | (_distributed.ENTROPY if with_entropy else 0)
+    shard = _distributed.agree(group, layout, vocab_start, outputs, _distributed.label_range(labels, ignore_index),
                                  lambda: (labels, checked["head"].temps))  # fmt: skip
     return checked["head"], shard
 
 
 def _checked_head(hidden, weight, labels, bias, temperature, ignore_index, with_entropy, logit_scale, softcap,
-                  chunk_size, chunk_bytes, label_vocab) -> _Head:  # fmt: skip
-    """The checks of one rank's arguments: labels in [0, label_vocab) (None: the
-    weight's rows) or ignore_index."""
+                  chunk_size, chunk_bytes, sharded) -> _Head:  # fmt: skip
+    """The checks of one rank's arguments: labels in [0, the weight's rows) or
+    ignore_index (``sharded``: their values are the ranks' agreement's to check)."""
     _check_head(hidden, weight, bias)
     hidden, weight, bias = _gather_sharded(hidden, weight, bias)
     _validation.check_ignore_index(ignore_index)
     token_shape = hidden.shape[:-1]
-    label_vocab = weight.shape[0] if label_vocab is None else label_vocab
+    label_vocab = None if sharded else weight.shape[0]
     _validation.check_token_labels(labels, token_shape, label_vocab, hidden.device, ignore_index, source="hidden")
     _validation.check_bool(with_entropy, "with_entropy")
     if chunk_size is not None:
@@ -593,7 +593,7 @@ def linear_logprobs_and_entropy(
             column-parallel layer, its copy-to-tensor-parallel-region
             included: do not pass ``hidden`` through one): an all-to-all and an
             all-gather of float32 [N, H], the traffic of an all-reduce, added
-            in rank order (``fastrl.vocab_parallel.sum_in_rank_order``); every
+            in rank order (``fastrl._distributed.sum_in_rank_order``); every
             rank must run it. None: unsharded.
         vocab_start: with ``group``, the global id of this rank's first row
             (default: the shards in rank order).
@@ -612,10 +612,10 @@ def _logprobs_of(head: _Head, labels, ignore_index, with_entropy, chunk_bytes, c
     of the head, or None)."""
     if shard is not None and (head.backend == "reference" or labels.numel() == 0):
         # The spec's logits of the shard, the sharded reference log-probs, and hidden's gradient summed over the ranks.
-        hidden = vocab_parallel.summed_gradient_over_ranks(head.hidden.to(head.acc), shard.group)
+        hidden = _distributed.summed_gradient_over_ranks(head.hidden.to(head.acc), shard.group)
         logits = reference.lm_head_logits(hidden, head.weight, head.bias, logit_scale=head.logit_scale,
                                           softcap=head.softcap)  # fmt: skip
-        logprob, entropy = vocab_parallel.logprobs_of_shard(logits, head.labels, head.temps, head.temp_scalar,
+        logprob, entropy = sharded.logprobs_of_shard(logits, head.labels, head.temps, head.temp_scalar,
                                                             ignore_index, with_entropy, shard, "reference")  # fmt: skip
         return logprob.view(head.token_shape), entropy.view(head.token_shape) if with_entropy else None
     if head.backend == "reference" or labels.numel() == 0:

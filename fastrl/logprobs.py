@@ -31,58 +31,10 @@ import torch
 
 from . import _ops, _validation, reference
 from ._backend import select_backend
+from ._rows import can_overwrite, row_view
+from ._sharded.logprobs import logprobs_and_entropy_sharded
 
 __all__ = ["logprobs_from_logits", "logprobs_and_entropy", "entropy_from_logits"]
-
-
-def row_view(logits: torch.Tensor) -> torch.Tensor:
-    """``logits [..., V]`` as an ``[outer, inner, V]`` view of the same memory, the
-    kernels' input (csrc/rows.h): row r is (r // inner, r % inner), in the
-    row-major order of the leading dims. Leading dims that are contiguous with
-    each other merge, so every layout with unit stride in V whose leading dims
-    merge into at most two strided ones is read in place: contiguous, veRL's
-    ``logits[:, -response_length - 1:-1]``, ``logits[::2]``, a vocabulary slice,
-    a transposed ``[S, B, V]``. Only the rest (three or more leading dims that
-    cannot merge, or a strided vocabulary) is copied, once."""
-    vocab = logits.shape[-1]
-    merged: list[tuple[int, int]] = []  # (size, stride) of the merged leading dims, outermost first
-    for size, stride in zip(logits.shape[:-1], logits.stride()[:-1]):
-        if size == 1:
-            continue
-        if merged and merged[-1][1] == stride * size:
-            merged[-1] = (merged[-1][0] * size, stride)
-        else:
-            merged.append((size, stride))
-    if (vocab == 1 or logits.stride(-1) == 1) and len(merged) <= 2:
-        (outer, outer_stride), (inner, inner_stride) = [(1, 0)] * (2 - len(merged)) + merged
-        return logits.as_strided((outer, inner, vocab), (outer_stride, inner_stride, 1))
-    return logits.reshape(-1, vocab).contiguous().unsqueeze(0)
-
-
-def can_overwrite(logits: torch.Tensor, rows: torch.Tensor) -> bool:
-    """Whether the backward may write the gradient over ``rows`` (the row view of
-    ``logits``) for ``inplace_backward``: never over a leaf or a view of one (a
-    parameter's data would become the gradient, and nothing in autograd checks a
-    leaf's version), and only when no two elements share memory (sufficient test:
-    with the dims sorted by stride, each stride clears the extent of the smaller ones)."""
-    if (logits if logits._base is None else logits._base).is_leaf:
-        return False
-    # Sorted by comparisons (an insertion sort of three dims), not sorted(): under torch.compile with dynamic
-    # shapes the strides are symbolic, which dynamo compares (as guards) but does not sort by.
-    dims: list[tuple[int, int]] = []
-    for size, stride in zip(rows.shape, rows.stride()):
-        if size == 1:
-            continue
-        at = len(dims)
-        while at and dims[at - 1][1] > stride:
-            at -= 1
-        dims.insert(at, (size, stride))
-    extent = 0
-    for size, stride in dims:
-        if stride <= extent:
-            return False
-        extent += stride * (size - 1)
-    return True
 
 
 class _LogprobsEntropy(torch.autograd.Function):
@@ -133,33 +85,19 @@ class _LogprobsEntropy(torch.autograd.Function):
         return grad_rows.reshape(ctx.logits_shape), None, None, None, None, None, None
 
 
-def check_arguments(logits, labels, temperature, ignore_index, vocab: int | None = None):
-    """The checks of the log-prob ops' arguments, labels in [0, vocab) (default
-    logits.shape[-1]; a vocabulary shard checks its labels against the whole
-    vocabulary later) or ignore_index; returns the checked temperature."""
-    _validation.check_logits(logits)
-    _validation.check_ignore_index(ignore_index)
-    if labels is not None:
-        vocab = logits.shape[-1] if vocab is None else vocab
-        _validation.check_token_labels(labels, logits.shape[:-1], vocab, logits.device, ignore_index)
-    return _validation.check_temperature(temperature, logits.shape[:-1], logits.device, reference.compute_dtype(logits))
-
-
 def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy, group=None, vocab_start=None,
          agree_options=None):  # fmt: skip
     """Validates, picks the backend and runs the op. Returns (logprob, entropy),
     either None when not asked for, shaped like ``logits.shape[:-1]``. With a
-    ``group`` the logits are this rank's vocabulary shard (fastrl.vocab_parallel),
+    ``group`` the logits are this rank's vocabulary shard (fastrl._sharded.logprobs),
     and ``agree_options`` the caller's options the ranks must also agree on."""
     if group is None and vocab_start is not None:
         raise ValueError("vocab_start is for vocabulary-sharded logits: pass the group= they are sharded over")
     _validation.check_bool(inplace_backward, "inplace_backward")
     if group is not None:
-        from .vocab_parallel import logprobs_and_entropy_sharded
-
         return logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with_entropy, group, vocab_start,
                                             agree_options or {}, inplace_backward)  # fmt: skip
-    temperature = check_arguments(logits, labels, temperature, ignore_index)
+    temperature = _validation.check_logprobs_arguments(logits, labels, temperature, ignore_index)
     token_shape = logits.shape[:-1]
     acc = reference.compute_dtype(logits)
 
@@ -249,7 +187,7 @@ def logprobs_from_logits(
             the vocabulary is sharded (tensor parallelism): ``logits`` are this
             rank's ``[..., V_r]`` columns, labels are global ids, and every rank
             gets the unsharded result (one all-gather of 16 bytes a row forward,
-            no collective backward; ``fastrl.vocab_parallel``);
+            no collective backward; ``fastrl._sharded.logprobs``);
             ``inplace_backward`` applies to the shard as to whole logits.
         vocab_start: keyword-only, with ``group``; the global id of this rank's
             first column, where the shards do not follow rank order (default:

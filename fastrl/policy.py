@@ -315,7 +315,7 @@ def policy_loss(
 
 def options_to_agree(options: dict) -> dict:
     """:func:`policy_loss`'s keyword arguments as options the ranks of a
-    vocabulary-sharded call must agree on (fastrl.vocab_parallel.agree)."""
+    vocabulary-sharded call must agree on (fastrl._distributed.agree)."""
     return {f"policy_loss {name}": value for name, value in options.items()}
 
 

@@ -35,7 +35,8 @@ import torch
 
 from . import _ops, _validation, reference
 from ._backend import select_backend
-from .logprobs import row_view
+from ._rows import row_view
+from ._sharded.sampling import sample_sharded, truncated_logprobs_sharded
 
 __all__ = ["SampleOutput", "sample", "truncated_logprobs"]
 
@@ -160,15 +161,13 @@ def sample(
     vocabulary is sharded (tensor parallelism): ``logits`` is this rank's
     ``[..., V_r]`` slice, starting at ``vocab_start`` (default: the ranks'
     shards in rank order), and every rank gets the unsharded op's result
-    (fastrl.vocab_parallel): the same tokens for the same seed, since the
+    (fastrl._sharded.sampling): the same tokens for the same seed, since the
     Philox counter is the global vocabulary index. Pass the same ``seed`` on
     every rank (a seed drawn from each rank's own generator must agree, or
     the call raises).
     """
     rows = logits.shape[:-1] if isinstance(logits, torch.Tensor) else None
     if group is not None:
-        from .vocab_parallel import sample_sharded
-
         def check():
             _validation.check_logits(logits)
             params = _truncation(logits, temperature, top_k, top_p, min_p)
@@ -258,13 +257,10 @@ def truncated_logprobs(
     ``group`` / ``vocab_start``: vocabulary-sharded logits, as :func:`sample`;
     ``labels`` are then global ids. The backward needs no collective."""
     if group is not None:
-        from .vocab_parallel import truncated_logprobs_sharded
-
         def check():
             _validation.check_logits(logits)
-            # Labels only >= 0 here: their range is checked against the whole vocabulary once the ranks agree.
-            _validation.check_token_labels(labels, logits.shape[:-1], _validation.INT64_MAX, logits.device,
-                                           ignore_index=None)  # fmt: skip
+            # (The labels' values: checked against the whole vocabulary by the agreement.)
+            _validation.check_token_labels(labels, logits.shape[:-1], None, logits.device, ignore_index=None)
             return _truncation(logits, temperature, top_k, top_p, min_p)
 
         out = truncated_logprobs_sharded(logits, labels, check, group, vocab_start)

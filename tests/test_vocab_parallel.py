@@ -1,4 +1,4 @@
-"""Log-probs and entropy of vocabulary-sharded logits (fastrl.vocab_parallel) on
+"""Log-probs and entropy of vocabulary-sharded logits (fastrl._sharded) on
 gloo process groups of 2 and 4 CPU ranks, spawned by the test: values and
 gradients against the float64 reference of the unsharded logits, bitwise the
 same on every rank and from run to run, uneven and out-of-order shards,
@@ -38,16 +38,24 @@ def _uneven_bounds(vocab: int, world: int) -> list[int]:
 
 
 def _expect_error_everywhere(match: str, call, error=ValueError) -> None:
-    with pytest.raises(error, match=match):
-        call()
+    """``call`` raises on every rank. Under FASTRL_CHECKS=1, which agrees every call: a rank that
+    alone changes an argument of a configuration the group agreed before (as these cases do, one
+    after the other) is seen by that agreement alone (fastrl._distributed; _check_agreed_once
+    tests a first call's error without it)."""
+    os.environ["FASTRL_CHECKS"] = "1"
+    try:
+        with pytest.raises(error, match=match):
+            call()
+    finally:
+        del os.environ["FASTRL_CHECKS"]
 
 
-def _rank_main(rank: int, check, world: int, init_file: str, seed: int) -> None:
-    """One spawned rank: ``check(rank, world, group, seed)`` in a gloo group of
-    ``world`` ranks (a module-level function: spawn pickles it by name)."""
+def _rank_main(rank: int, check, world: int, init_file: str, seed: int, backend: str = "gloo") -> None:
+    """One spawned rank: ``check(rank, world, group, seed)`` in a ``backend`` group
+    of ``world`` ranks (a module-level function: spawn pickles it by name)."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         check(rank, world, dist.group.WORLD, seed)
     finally:
@@ -62,12 +70,12 @@ def _rank_main(rank: int, check, world: int, init_file: str, seed: int) -> None:
     os._exit(0)
 
 
-def _spawn(check, world: int, tmp_path) -> None:
+def _spawn(check, world: int, tmp_path, backend: str = "gloo") -> None:
     """``check`` on ``world`` spawned ranks, every rank drawing from one fresh seed."""
     import torch.multiprocessing as mp
 
     seed = int(torch.randint(2**31, ()))
-    mp.spawn(_rank_main, args=(check, world, str(tmp_path / "store"), seed), nprocs=world)
+    mp.spawn(_rank_main, args=(check, world, str(tmp_path / "store"), seed, backend), nprocs=world)
 
 
 def _check_logits_ops(rank: int, world: int, group, seed: int) -> None:
@@ -240,6 +248,126 @@ def _check_logits_ops(rank: int, world: int, group, seed: int) -> None:
     lp, ent = fastrl.logprobs_and_entropy(empty, labels[:0, None].expand(0, 3), group=group, vocab_start=lo)
     kl = fastrl.full_kl(empty, empty, group=group, vocab_start=lo)
     assert lp.shape == ent.shape == kl.shape == (0, 3)
+    _check_agreed_once(rank, world, group, logits, labels, lo, hi)
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts what reads a tensor's values back to the host: item / bool / int of a tensor
+    (aten._local_scalar_dense) and tolist (which reads memory without dispatching), and the
+    all-gathers of torch.distributed, while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.gathers = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self._tolist, self._all_gather = torch.Tensor.tolist, dist.all_gather
+
+        def tolist(t):
+            self.reads += 1
+            return self._tolist(t)
+
+        def all_gather(*args, **kwargs):
+            self.gathers += 1
+            return self._all_gather(*args, **kwargs)
+
+        torch.Tensor.tolist, dist.all_gather = tolist, all_gather
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        torch.Tensor.tolist, dist.all_gather = self._tolist, self._all_gather
+        return super().__exit__(*exc)
+
+
+def _counted(call):
+    with _HostReads() as counts:
+        call()
+    return counts
+
+
+def _check_agreed_once(rank, world, group, logits, labels, lo, hi) -> None:
+    """A configuration is agreed across the group once (fastrl._distributed): a repeated call
+    makes no host read beyond the unsharded op's on the same tensors, and one all-gather fewer
+    than its first; FASTRL_CHECKS=1 agrees every call, catching what only the agreement sees."""
+    shard = logits[:, lo:hi]
+    wide = logits.repeat(1, 2)  # (sampling: a new configuration, first agreed below)
+    wide_shard = wide[:, 2 * lo : 2 * hi]
+    kept = labels.clamp(min=0)  # (truncated_logprobs ignores no label)
+    calls = {
+        "logprobs": (lambda: fastrl.logprobs_and_entropy(shard, labels, temperature=t, group=group, vocab_start=lo),
+                     lambda: fastrl.logprobs_and_entropy(logits, labels, temperature=t)),
+        "full_kl": (lambda: fastrl.full_kl(shard, shard.flip(0), temperature=t, group=group, vocab_start=lo),
+                    lambda: fastrl.full_kl(logits, logits.flip(0), temperature=t)),
+        # (a seed drawn per call, as sample(seed=None) does: not part of the configuration)
+        "sample": (lambda: fastrl.sample(wide_shard, temperature=t, top_k=5, top_p=0.9,
+                                         seed=int(torch.randint(1 << 30, ())), group=group, vocab_start=2 * lo),
+                   lambda: fastrl.sample(wide, temperature=t, top_k=5, top_p=0.9, seed=int(torch.randint(1 << 30, ())))),
+        "truncated": (lambda: fastrl.truncated_logprobs(wide_shard, kept, temperature=t, top_k=5, group=group,
+                                                        vocab_start=2 * lo),
+                      lambda: fastrl.truncated_logprobs(wide, kept, temperature=t, top_k=5)),
+    }  # fmt: skip
+    t = 0.7  # (a configuration no call above has agreed)
+    first_gathers = {}
+    for name, (sharded, unsharded) in calls.items():
+        first = _counted(sharded)
+        again = _counted(sharded)
+        alone = _counted(unsharded)
+        assert again.reads <= alone.reads, f"{name}: {again.reads} host reads agreed, {alone.reads} unsharded"
+        assert again.gathers == first.gathers - 1, f"{name}: {first.gathers} all-gathers, then {again.gathers}"
+        first_gathers[name] = first.gathers
+    # A first call's rank-dependent argument raises on every rank; under FASTRL_CHECKS=1 every call is
+    # agreed: labels out of the vocabulary on one rank alone, in a configuration agreed above, raise.
+    with pytest.raises(ValueError, match="disagree on their options"):
+        fastrl.logprobs_and_entropy(shard, labels, temperature=0.3 + rank, group=group, vocab_start=lo)
+    too_big = labels.clone()
+    too_big[1] = logits.shape[-1] + 5 if rank == world - 1 else too_big[1]
+    os.environ["FASTRL_CHECKS"] = "1"
+    try:
+        assert _counted(calls["logprobs"][0]).gathers == first_gathers["logprobs"]
+    finally:
+        del os.environ["FASTRL_CHECKS"]
+    _expect_error_everywhere(r"labels must lie in \[0, 1031\)",
+                             lambda: fastrl.logprobs_and_entropy(shard, too_big, temperature=t, group=group,
+                                                                 vocab_start=lo))  # fmt: skip
+    if world == 2:  # (once: each rank compiles for itself, and 4 ranks share 2 cores on CI)
+        _check_compiled_after_agreement(group, shard, labels, kept, lo, hi, wide_shard, t)
+
+
+def _check_compiled_after_agreement(group, shard, labels, kept, lo, hi, wide_shard, t) -> None:
+    """An agreed configuration traces whole (torch.compile(fullgraph=True): no host read, no graph
+    break), forward and backward, to the eager results' bits. aot_eager: the tracing and the
+    functional collectives are what is tested here, inductor's code generation in test_compile."""
+    hidden = torch.randn(shard.shape[0], 8)
+    weight = torch.randn(2 * shard.shape[-1], 8)[: hi - lo]
+    calls = {
+        "logprobs": lambda x: fastrl.logprobs_and_entropy(x, labels, temperature=t, group=group, vocab_start=lo),
+        "full_kl": lambda x: fastrl.full_kl(x, x.flip(0).detach(), temperature=t, group=group, vocab_start=lo),
+        "sample": lambda x: fastrl.sample(wide_shard, temperature=t, top_k=5, top_p=0.9, seed=7, group=group,
+                                          vocab_start=2 * lo),
+        "truncated": lambda x: fastrl.truncated_logprobs(wide_shard, kept, temperature=t, top_k=5, group=group,
+                                                         vocab_start=2 * lo),
+        "lm_head": lambda x: fastrl.linear_logprobs_and_entropy(hidden, weight, labels, group=group)[0],
+    }  # fmt: skip
+    for name, call in calls.items():
+        results = []
+        for run in (call, torch.compile(call, fullgraph=True, backend="aot_eager")):
+            x = shard.clone().requires_grad_(name in ("logprobs", "full_kl"))
+            out = run(x)
+            outs = [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor)]
+            if x.requires_grad:
+                sum(o.float().nan_to_num().sum() for o in outs).backward()
+                outs.append(x.grad)
+            results.append(outs)
+        for eager, compiled in zip(*results, strict=True):
+            assert torch.equal(eager.nan_to_num(0.5), compiled.nan_to_num(0.5)), f"{name} compiled"
 
 
 def _check_lm_head(rank: int, world: int, group, seed: int) -> None:
@@ -248,7 +376,7 @@ def _check_lm_head(rank: int, world: int, group, seed: int) -> None:
     from test_linear import _reference as head_reference
 
     from fastrl import linear
-    from fastrl.vocab_parallel import sum_in_rank_order
+    from fastrl._distributed import sum_in_rank_order
 
     linear._BACKWARD_COLS = 64  # several backward slabs a shard, the last one short
     torch.manual_seed(seed)  # every rank draws the same full tensors
@@ -588,6 +716,43 @@ def test_sharded_sampling_matches_the_unsharded_sampler(world, tmp_path):
     top-k threshold), log-probs and gradients within the float64 spec's
     bounds, every rank and run the same bits; bad input raising on every rank."""
     _spawn(_check_sampling, world, tmp_path)
+
+
+def _check_cuda_graph(rank: int, world: int, group, seed: int) -> None:
+    """A sharded op whose configuration is agreed is captured in a CUDA graph (no host sync),
+    and the replay gives the eager bits."""
+    torch.manual_seed(seed)
+    torch.cuda.set_device(0)
+    logits = make_logits((16,), 4096, torch.bfloat16, device="cuda")
+    labels = make_labels(logits)
+    calls = {
+        "logprobs": lambda: fastrl.logprobs_and_entropy(logits, labels, temperature=0.7, group=group),
+        "full_kl": lambda: (fastrl.full_kl(logits, logits.flip(0), group=group),),
+        "sample": lambda: fastrl.sample(logits, top_k=50, top_p=0.9, seed=11, group=group),
+    }
+    for name, call in calls.items():
+        eager = call()  # (agrees the configuration)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        graph.replay()
+        torch.cuda.synchronize()
+        for e, c in zip(eager, captured, strict=True):
+            assert torch.equal(e.nan_to_num(0.5), c.nan_to_num(0.5)), f"{name}: the replay differs from eager"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not torch.distributed.is_nccl_available(),
+                    reason="needs a CUDA device and NCCL")  # fmt: skip
+def test_sharded_ops_are_captured_in_a_cuda_graph(tmp_path):
+    """One NCCL rank (the whole vocabulary its shard): the collectives and the agreement's path
+    of a repeated call, as every tensor-parallel degree runs them."""
+    _spawn(_check_cuda_graph, 1, tmp_path, backend="nccl")
 
 
 def test_vocab_start_without_a_group_and_bad_groups():

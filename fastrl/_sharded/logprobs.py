@@ -1,0 +1,228 @@
+"""Log-probs and entropy of vocabulary-sharded logits and LM heads (tensor parallelism)
+over torch.distributed: the combine math (the ranks' agreement and collectives: fastrl._distributed).
+
+Megatron-style tensor parallelism shards the LM head by vocabulary: rank r of
+the group holds logits ``[..., V_r]`` for the global entries ``[start_r, start_r
++ V_r)``. ``logprobs_from_logits`` / ``logprobs_and_entropy`` /
+``entropy_from_logits`` / ``policy_loss_from_logits`` / ``full_kl`` take
+``group=`` (and, for shards not laid out in rank order, ``vocab_start=``) and
+give every rank the unsharded op's per-token result (``full_kl``: fastrl._sharded.kl).
+
+Forward, per row, with d = (x - m) / T as in ``reference.scaled_logits``:
+
+    local (the existing kernel on the shard):  m_r = max x,  L_r = log sum exp((x - m_r) / T),
+                                               H_r = the shard's own entropy,  x_y when the label is local
+    one all-gather of those 4 numbers (16 bytes a row in float32), then on every rank, in rank order:
+    M = max_r m_r,   l_r = L_r + (m_r - M) / T,   log S = log sum_r exp(l_r),   w_r = exp(l_r - log S)
+    logprob = (x_y - M) / T - log S
+    entropy = sum_r w_r (H_r + log S - l_r)
+
+(the entropy: H = log S - sum_j p_j d_j and sum_{j in r} p_j d_j = w_r (l_r - H_r);
+the form above sums non-negative terms). The combination runs in float64 on the
+gathered numbers, the same on every rank, so every rank gets the same bits
+whatever the collective's algorithm. A shard whose row is all -inf (m_r = -inf)
+adds nothing; NaN anywhere in a row gives NaN, as unsharded.
+
+Backward: none of the math needs another rank. With the global (M, log S) and
+entropy the log-prob backward kernel writes the shard's gradient, told that its
+columns start at start_r of V (the fused LM head's vocabulary slabs use the same
+arguments): no collective.
+
+The fused LM head (``linear_logprobs_and_entropy`` / ``policy_loss_from_hidden``
+with ``group=``) takes the head's rows sharded the same way (Megatron's
+column-parallel output layer), the hidden states the same on every rank: each
+chunk of tokens gives its shard's four numbers as above, gathered once at the
+end. Its backward needs one reduction the logits ops do not: dL/dhidden =
+sum_r G_r W_r is a sum over the ranks' shards. ``_distributed.sum_in_rank_order`` adds the
+ranks' float32 partial sums in rank order (an all-to-all and an all-gather:
+an all-reduce's traffic, every rank the same bits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _ops, _validation, reference
+from .._backend import select_backend
+from .._distributed import ENTROPY, LABELED, Shard, agree, gather_ranks, label_range, logits_layout
+from .._rows import can_overwrite, row_view
+
+
+def local_stats(rows, labels, temps, temp_scalar, shard: Shard, with_entropy, backend):
+    """[N, 4] in the compute dtype: (m_r, L_r, H_r or 0, x_y or NaN) of this
+    shard (module docstring); x_y is the raw label logit where the label is local."""
+    acc = reference.compute_dtype(rows)
+    outer, inner, _ = rows.shape
+    stats = torch.empty(outer * inner, 4, dtype=acc, device=rows.device)
+    if backend == "reference":
+        x = rows.reshape(outer * inner, rows.shape[-1]).to(acc)
+        m = x.amax(dim=-1)
+        d = (x - m.unsqueeze(-1)) / (temps.unsqueeze(-1) if temps is not None else temp_scalar)
+        # An all -inf row: L = -inf, as the kernels give it (combine_across_ranks tells it from a NaN row so).
+        stats[:, 0] = m
+        stats[:, 1] = torch.where(torch.isneginf(m), -torch.inf, reference._log_sum_exp_of_scaled(d)[0])
+        stats[:, 2] = reference._entropy_of_scaled(d) if with_entropy else 0.0
+    else:
+        _, entropy, local = _ops.logprobs_forward(rows, None, temps, temp_scalar, -100, with_entropy, True, backend)
+        stats[:, :2] = local
+        stats[:, 2] = entropy if with_entropy else 0.0
+    stats[:, 3] = torch.nan
+    if labels is not None:
+        offset = labels.long() - shard.start
+        here = (offset >= 0) & (offset < shard.local)
+        token = torch.arange(outer * inner, device=rows.device)
+        picked = rows[token // inner, token % inner, torch.where(here, offset, 0)].to(acc)
+        stats[:, 3] = torch.where(here, picked, stats[:, 3])
+    return stats
+
+
+def combine_across_ranks(local, labels, temps, temp_scalar, ignore_index, shard: Shard):
+    """(logprob or None, entropy, (M, log S) [N, 2]) in the compute dtype of
+    ``local`` (this rank's [N, 4] ``local_stats``), from every rank's, gathered
+    and combined in float64 in rank order: the same on every rank (module
+    docstring)."""
+    acc = local.dtype
+    g = gather_ranks(local, shard).double()
+    m, big_l, h, label_logit = g.unbind(-1)  # each [world, N]
+    t = temps.double() if temps is not None else temp_scalar
+    top = m.amax(dim=0)
+    # A shard whose row is all -inf adds nothing: its kernel gives m = L = -inf (one with NaN among its
+    # -inf gives m = -inf, L = NaN: a NaN row, as unsharded).
+    empty = torch.isneginf(m) & torch.isneginf(big_l)
+    shift = torch.where(empty, 0.0, (m - top) / t)
+    l_r = torch.where(empty, -torch.inf, big_l + shift)
+    # log S = l_top + log n + log1p(rest / n), n shards at the largest l_r (l_top), rest the others' masses
+    # relative to it; then log S - l_r = (l_top - l_r) + (log S - l_top) is never the difference of two close
+    # numbers: a peaked row's entropy is about its shard's tiny log S - l_r (reference._log_sum_exp_of_scaled
+    # keeps it so within a row).
+    l_top = l_r.amax(dim=0)
+    at_top = l_r == l_top
+    n_top = at_top.sum(dim=0)
+    rest = torch.where(at_top | empty, 0.0, torch.exp(l_r - torch.where(torch.isfinite(l_top), l_top, 0.0)))
+    above_top = torch.log(n_top) + torch.log1p(rest.sum(dim=0) / n_top)
+    log_s = l_top + above_top
+    gap = l_top - l_r  # log S - l_r = gap + above_top >= 0
+    weight = torch.where(empty, 0.0, torch.exp(-(gap + above_top)))
+    entropy = torch.where(empty, 0.0, weight * (h + gap + above_top)).sum(dim=0)
+    nan_row = torch.isnan(m).any(dim=0) | torch.isnan(big_l).any(dim=0) | torch.isneginf(top)
+    entropy = torch.where(nan_row, torch.nan, entropy)
+    log_s = torch.where(nan_row, torch.nan, log_s)
+    logprob = None
+    if labels is not None:
+        keep = labels != ignore_index
+        starts = torch.tensor(shard.starts, device=labels.device)
+        sizes = torch.tensor(shard.sizes, device=labels.device)
+        owner = (labels.long().unsqueeze(0) >= starts.unsqueeze(1)) & (
+            labels.long().unsqueeze(0) < (starts + sizes).unsqueeze(1)
+        )
+        owner = owner.long().argmax(dim=0)
+        x_y = label_logit.gather(0, owner.unsqueeze(0)).squeeze(0)
+        logprob = torch.where(keep, (x_y - top) / t - log_s, 0.0).to(acc)
+    stats = torch.stack([top, log_s], dim=-1).to(acc)
+    return logprob, entropy.to(acc), stats
+
+
+class _ShardedLogprobs(torch.autograd.Function):
+    """Outputs: logprob [N] (empty without labels), entropy [N] (empty unless asked for)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard, backend, inplace_backward):
+        rows = row_view(logits)
+        local = local_stats(rows, labels, temps, temp_scalar, shard, with_entropy, backend)
+        logprob, entropy, stats = combine_across_ranks(local, labels, temps, temp_scalar, ignore_index, shard)
+        ctx.save_for_backward(logits, labels, temps, stats, entropy if with_entropy else None)
+        ctx.temp_scalar, ctx.ignore_index, ctx.shard, ctx.backend = temp_scalar, ignore_index, shard, backend
+        ctx.with_entropy = with_entropy
+        # (as logprobs._LogprobsEntropy; the reference backend's gradient is always a fresh tensor)
+        ctx.inplace_backward = inplace_backward and backend != "reference" and can_overwrite(logits, rows)
+        ctx.set_materialize_grads(False)
+        empty = logits.new_empty(0, dtype=stats.dtype)
+        return (empty if logprob is None else logprob), (entropy if with_entropy else empty)
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        """This shard's dL/dlogits from the global statistics: no collective."""
+        _ops.refuse_double_backward()
+        logits, labels, temps, stats, entropy = ctx.saved_tensors
+        if labels is None:
+            grad_logprob = None
+        if not ctx.with_entropy:
+            grad_entropy = None
+        if grad_logprob is None and grad_entropy is None:
+            return (None,) * 9
+        acc = stats.dtype
+        grad_logprob = None if grad_logprob is None else grad_logprob.to(acc).contiguous()
+        grad_entropy = None if grad_entropy is None else grad_entropy.to(acc).contiguous()
+        rows = row_view(logits)
+        if ctx.backend == "reference":
+            grad = _reference_backward(rows.reshape(-1, rows.shape[-1]), labels, temps, ctx.temp_scalar,
+                                       ctx.ignore_index, stats, entropy, grad_logprob, grad_entropy, ctx.shard)  # fmt: skip
+        else:
+            grad = rows if ctx.inplace_backward else torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+            _ops.logprobs_backward(
+                rows, labels, temps, ctx.temp_scalar, ctx.ignore_index, stats, entropy, grad_logprob, grad_entropy,
+                grad, ctx.shard.start, ctx.shard.vocab, ctx.backend,
+            )  # fmt: skip
+            if ctx.inplace_backward and not torch.compiler.is_compiling():
+                torch.autograd.graph.increment_version(rows)  # (as logprobs._LogprobsEntropy)
+        return grad.reshape(logits.shape), *(None,) * 8
+
+
+def logprobs_of_shard(logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard: Shard, backend,
+                      inplace_backward=False):  # fmt: skip
+    """(logprob [N] or empty, entropy [N] or empty) of this rank's [N, V_r]
+    ``logits`` on checked, agreed arguments; differentiable (no collective
+    backward; the gradient written over the logits with ``inplace_backward``
+    where logprobs_from_logits would)."""
+    return _ShardedLogprobs.apply(logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard, backend,
+                                  inplace_backward)  # fmt: skip
+
+
+def _reference_backward(rows, labels, temps, temp_scalar, ignore_index, stats, entropy, grad_logprob, grad_entropy,
+                        shard: Shard):  # fmt: skip
+    """dL/dx of the shard in plain torch (the reference backend), from the global
+    log p = (x - M) / T - log S: d log p_y / dx = (onehot_y - p) / T and
+    dH / dx = -p (log p + H) / T."""
+    acc = stats.dtype
+    t = temps.unsqueeze(-1) if temps is not None else temp_scalar
+    log_p = (rows.to(acc) - stats[:, :1]) / t - stats[:, 1:]
+    p = log_p.exp()
+    grad = torch.zeros_like(p)
+    if grad_logprob is not None and labels is not None:
+        keep = torch.where(labels != ignore_index, grad_logprob, 0.0)  # (an ignored token's NaN upstream: 0)
+        grad -= keep.unsqueeze(-1) * p
+        offset = labels.long() - shard.start
+        here = (offset >= 0) & (offset < shard.local) & (labels != ignore_index)
+        grad[here, offset[here]] += keep[here]
+    if grad_entropy is not None:
+        grad -= grad_entropy.unsqueeze(-1) * p * (torch.where(p > 0, log_p, 0.0) + entropy.unsqueeze(-1))
+    return (grad / t).to(rows.dtype)
+
+
+def logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with_entropy, group, vocab_start,
+                                 agree_options, inplace_backward):  # fmt: skip
+    """The sharded form of ``logprobs._run``: (logprob or None, entropy or None),
+    shaped like ``logits.shape[:-1]``; ``agree_options``: the caller's options
+    (a dict) the ranks must agree on too."""
+    checked = {}
+
+    def check():
+        # (The labels' values: checked against the whole vocabulary by the agreement.)
+        temperature_ = _validation.check_logprobs_arguments(logits, labels, temperature, ignore_index, sharded=True)
+        checked["temperature"] = temperature_
+        return logits_layout(logits, temperature=temperature_, ignore_index=ignore_index, **agree_options)
+
+    outputs = (LABELED if labels is not None else 0) | (ENTROPY if with_entropy else 0)
+    shard = agree(group, check, vocab_start, outputs, label_range(labels, ignore_index),
+                  lambda: (labels, checked["temperature"]))
+    token_shape = logits.shape[:-1]
+    acc = reference.compute_dtype(logits)
+    temps, temp_scalar = _ops.split_row_param(_validation.flat_per_row(checked["temperature"], token_shape, acc))
+    flat_labels = labels.reshape(-1).contiguous() if labels is not None else None
+    backend = select_backend(logits.device)
+    if token_shape.numel() == 0:
+        backend = "reference"
+    logprob, entropy = logprobs_of_shard(logits, flat_labels, temps, temp_scalar, ignore_index, with_entropy, shard,
+                                         backend, inplace_backward)  # fmt: skip
+    reshape = lambda t: t.view(token_shape)  # noqa: E731
+    return (reshape(logprob) if labels is not None else None), (reshape(entropy) if with_entropy else None)

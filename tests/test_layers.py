@@ -1,0 +1,64 @@
+"""The layers of DESIGN.md hold in the source: no import circle in fastrl/ (imports inside
+functions included)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _imports(path: pathlib.Path, package: str) -> set[str]:
+    """The fastrl modules ``path`` (module ``package``.stem, or the package itself for an
+    __init__.py) imports anywhere in its body, as dotted names; ``from m import x`` counts as
+    m and, where x is a module, m.x."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name == "fastrl" or name.startswith("fastrl.")}
+
+
+def _fastrl_modules() -> dict[str, set[str]]:
+    """Every module of the installed-package sources under fastrl/ -> the fastrl modules it imports."""
+    modules = {}
+    for path in sorted((ROOT / "fastrl").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = name if parts[-1] == "__init__" else name.rpartition(".")[0]
+        modules[name] = _imports(path, package)
+    # An import of a package's member is an edge to the member alone; of the package itself (its
+    # __init__), an edge to the package. A module's own parent packages are not edges: importing
+    # fastrl.integrations.verl runs fastrl/__init__ first whatever verl imports.
+    return {name: {d for d in deps if d in modules and d != name and not name.startswith(d + ".")}
+            for name, deps in modules.items()}  # fmt: skip
+
+
+def test_no_import_circle_in_fastrl():
+    graph = _fastrl_modules()
+    assert "fastrl._distributed" in graph and "fastrl._sharded.logprobs" in graph  # (the walk found the tree)
+    circles = []
+    state: dict[str, str] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for dep in sorted(graph[name]):
+            if state.get(dep) == "open":
+                circles.append(path[path.index(dep) :] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, f"import circles: {circles}"
