@@ -74,12 +74,12 @@ def render_predicted(payload: dict, measured: list[dict]) -> str:
     gpu = _measured_gpu_times(measured)
     models = payload["model"]
     lines = [
-        f"**Predicted, not measured: {payload['device']}** by the static sm_90 model (`python -m fastrl.bench.sass`, "
+        f"**Predicted, not measured: {payload['device']}** by the static sm_90 model (`python -m tools.sass`, "
         f"triton {payload['triton']}, commit `{commit}`, {payload['date'][:10]}). "
         f"Copy bandwidth assumed {models['H100']['copy_bw'] / 1e12:.1f} TB/s (H100) and "
         f"{models['H200']['copy_bw'] / 1e12:.1f} TB/s (H200), {models['H100']['sms']} SMs at "
         f"{models['H100']['clock_hz'] / 1e9:.3f} GHz; the model and its assumptions are stated in "
-        "`fastrl/bench/sass.py`. Predicted % of copy bandwidth = the op's minimum bytes / predicted time.",
+        "`tools/sass/__init__.py`. Predicted % of copy bandwidth = the op's minimum bytes / predicted time.",
         "",
         "| op | shape | dtype | predicted H100 | % of copy BW | predicted H200 | % of copy BW | bound | measured |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",

@@ -5,7 +5,7 @@ canonical shapes of DESIGN.md, called with meta tensors (no storage, so
 - ``CASES``: the canonical cases, one per benchmark op (names as in
   ``fastrl.bench``: "logprobs fwd", "policy_loss fwd+bwd", ...) and shape,
   each declaring the kernel launches it makes, in order, by role. These are
-  modelled, tabled and gated (``fastrl.bench.sass``).
+  modelled, tabled and gated (``tools.sass``).
 - ``COVERAGE``: the flag combinations the API uses that no canonical case
   reaches (per-row temperatures and parameters, device-side seeds, every KL
   estimator and aggregation mode, ...), at the same shapes. These are compiled
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from .sass_capture import meta, role
+from .capture import meta, role
 
 BF16, F32, F64, I64, U8 = torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.uint8
 
