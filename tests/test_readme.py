@@ -237,7 +237,7 @@ def _check_command(words: list[str], problems: list[str], line: str) -> None:
                 problems.append(f"{line}: no make target {target}")
     elif command in ("python", "python3") and args[:1] == ["-m"]:
         module = args[1]
-        if module.split(".")[0] in ("fastrl", "tools"):  # this tree's: imported, and runnable
+        if module.split(".")[0] in ("fastrl", "bench", "tools"):  # this tree's: imported, and runnable
             importlib.import_module(module)
             if importlib.util.find_spec(module).submodule_search_locations is not None:
                 assert importlib.util.find_spec(f"{module}.__main__"), f"{line}: {module} has no __main__"

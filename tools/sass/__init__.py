@@ -519,22 +519,23 @@ def _row_dtype(v) -> str:
 
 
 def bench_min_bytes(op: str, shape: list[int], dtype: str) -> int | None:
-    """The minimum bytes fastrl.bench counts for the ops it measures (so that a
-    predicted and a measured share of the copy bandwidth have one basis)."""
+    """The minimum bytes the benchmark harness (``bench``) counts for the ops it
+    measures (so that a predicted and a measured share of the copy bandwidth
+    have one basis)."""
     import torch
 
-    from fastrl.bench.logprobs import _min_bytes
+    from bench.logprobs import _min_bytes
 
     e = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     if op.startswith("logprobs") and len(shape) == 2:
         return _min_bytes(op, shape[0], shape[1], getattr(torch, dtype))
-    if op == "full_kl fwd":  # fastrl.bench.kl: 2*N*V*e + 4N
+    if op == "full_kl fwd":  # bench.kl: 2*N*V*e + 4N
         return 2 * shape[0] * shape[1] * e + 4 * shape[0]
     if op == "full_kl fwd+bwd":  # 5*N*V*e + 8N
         return 5 * shape[0] * shape[1] * e + 8 * shape[0]
-    if op.startswith("sample "):  # fastrl.bench.sampling: B*V*e + 16B
+    if op.startswith("sample "):  # bench.sampling: B*V*e + 16B
         return shape[0] * shape[1] * e + 16 * shape[0]
-    if op == "policy_loss fwd+bwd":  # fastrl.bench.policy: T*(4*4+1) + 4T
+    if op == "policy_loss fwd+bwd":  # bench.policy: T*(4*4+1) + 4T
         return 21 * shape[0] * shape[1]
     return None
 
@@ -743,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     args.json.write_text(dumps(payload))
     if not args.quiet:
         print(f"\nAll figures {LABEL}.\n")
-        from fastrl.bench.report import launch_table
+        from bench.report import launch_table
 
         print(launch_table(payload))
         print(f"\nwrote {args.json}")
