@@ -98,14 +98,14 @@ setup: setup-test
 # Every op against every peer on this machine; writes build/bench/<device>.json
 # and its plots, and changes no committed file.
 bench: setup-bench
-	$(PYTHON) -m fastrl.bench --results-dir build/bench --plot build/bench/plots
+	$(PYTHON) -m bench --results-dir build/bench --plot build/bench/plots
 
 # Maintainers: the same, recorded as this machine's results in
 # bench/results/<device>.json (plots in bench/results/plots/), then the README's
 # performance section regenerated from every results file.
 bench-record: setup-bench
-	$(PYTHON) -m fastrl.bench --plot bench/results/plots
-	$(PYTHON) -m fastrl.bench.report
+	$(PYTHON) -m bench --plot bench/results/plots
+	$(PYTHON) -m bench.report
 
 # CI: small shapes; fails if a result is off the reference, or if fastrl is
 # slower than the torch reference or than torch.compile of it (the LM head's
@@ -118,7 +118,7 @@ bench-record: setup-bench
 # On AVX2 CPUs (AMD EPYC CI machines) the eager margin stays at 0.6x: before
 # the AVX2 loops vectorised, busy machines measured 0.73x there.
 bench-quick: setup-bench
-	$(PYTHON) -m fastrl.bench --quick --check-speed 1.0 --check-speed-avx2 0.6 --check-speed-compiled 1.0 \
+	$(PYTHON) -m bench --quick --check-speed 1.0 --check-speed-avx2 0.6 --check-speed-compiled 1.0 \
 		--json build/bench-quick.json --plot build/bench-quick-plots
 
 # The tests run in one pytest-xdist worker per core (TEST_WORKERS=0: in this

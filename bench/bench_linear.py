@@ -1,10 +1,10 @@
 """pytest-benchmark view of the fused LM head cases: the same cases, peers and
-byte models as ``python -m fastrl.bench --op linear`` (quick shapes unless
+byte models as ``python -m bench --op linear`` (quick shapes unless
 FASTRL_BENCH_FULL=1).  Run: pytest bench/bench_linear.py"""
 
 import pytest
 
-from fastrl.bench import linear, pytest_benchmark_run, pytest_params
+from bench import linear, pytest_benchmark_run, pytest_params
 
 
 @pytest.mark.parametrize("case,impl", pytest_params(linear))

@@ -1,10 +1,10 @@
 """pytest-benchmark view of the logprobs cases: the same cases, peers and byte
-models as ``python -m fastrl.bench --op logprobs`` (quick shapes unless
+models as ``python -m bench --op logprobs`` (quick shapes unless
 FASTRL_BENCH_FULL=1).  Run: pytest bench/bench_logprobs.py"""
 
 import pytest
 
-from fastrl.bench import logprobs, pytest_benchmark_run, pytest_params
+from bench import logprobs, pytest_benchmark_run, pytest_params
 
 
 @pytest.mark.parametrize("case,impl", pytest_params(logprobs))

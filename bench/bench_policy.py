@@ -1,10 +1,10 @@
 """pytest-benchmark view of the policy cases: the same cases, peers and byte
-models as ``python -m fastrl.bench --op policy`` (quick shapes unless
+models as ``python -m bench --op policy`` (quick shapes unless
 FASTRL_BENCH_FULL=1).  Run: pytest bench/bench_policy.py"""
 
 import pytest
 
-from fastrl.bench import policy, pytest_benchmark_run, pytest_params
+from bench import policy, pytest_benchmark_run, pytest_params
 
 
 @pytest.mark.parametrize("case,impl", pytest_params(policy))

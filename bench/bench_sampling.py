@@ -1,10 +1,10 @@
 """pytest-benchmark view of the sampling cases: the same cases, peers and byte
-models as ``python -m fastrl.bench --op sampling`` (quick shapes unless
+models as ``python -m bench --op sampling`` (quick shapes unless
 FASTRL_BENCH_FULL=1).  Run: pytest bench/bench_sampling.py"""
 
 import pytest
 
-from fastrl.bench import pytest_benchmark_run, pytest_params, sampling
+from bench import pytest_benchmark_run, pytest_params, sampling
 
 
 @pytest.mark.parametrize("case,impl", pytest_params(sampling))

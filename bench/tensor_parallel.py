@@ -4,7 +4,9 @@ rank in step: a barrier before and after each call) and the bytes each rank puts
 into collectives per token row, forward and forward + backward. Launch with
 torchrun (gloo on CPU; NCCL with ``--device cuda``, one GPU a rank):
 
-    torchrun --standalone --nproc-per-node 2 bench/tensor_parallel.py
+    torchrun --standalone --nproc-per-node 2 -m bench.tensor_parallel
+
+(from the repository root: a module of the harness's package ``bench``).
 
 Cases (rows N, vocabulary V split in rank order, bf16 unless ``--dtype``):
 - entropy of [N, V / tp] logits: ``fastrl.entropy_from_logits(group=)`` against
@@ -37,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 import fastrl
+from bench import device_slug, environment, verl_vocab_parallel_entropy
 from fastrl import _distributed
-from fastrl.bench import device_slug, environment, verl_vocab_parallel_entropy
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor")
 

@@ -1135,7 +1135,7 @@ def _tiles(vocab: int, config: dict) -> int:
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     """The device's SMs; for the CPU (the interpreter) and the meta tensors of the
-    static model (fastrl.bench.sass), an H100's 132."""
+    static model (tools.sass), an H100's 132."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 132

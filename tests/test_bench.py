@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastrl import bench
-from fastrl.bench import __main__ as bench_main
-from fastrl.bench import report
-from fastrl.bench.plots import write_plots
+import bench
+from bench import __main__ as bench_main
+from bench import report
+from bench.plots import write_plots
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = sorted((ROOT / "bench" / "results").glob("*.json"))
@@ -27,7 +27,7 @@ RESULTS = sorted((ROOT / "bench" / "results").glob("*.json"))
 def test_readme_performance_section_is_generated_from_the_recorded_results():
     readme = (ROOT / "README.md").read_text()
     assert readme == report.updated(readme, report.render(ROOT / "bench" / "results")), (
-        "README's performance section is out of date: run python -m fastrl.bench.report"
+        "README's performance section is out of date: run python -m bench.report"
     )
 
 
@@ -174,7 +174,7 @@ def test_speed_gate_margin_follows_the_native_isa(monkeypatch, isa, device, expe
     ],
 )  # fmt: skip
 def test_the_flashinfer_peer_uses_the_entry_point_the_install_has(monkeypatch, has, filters, called):
-    from fastrl.bench import sampling
+    from bench import sampling
 
     calls = []
     module = types.ModuleType("flashinfer.sampling")
@@ -188,7 +188,7 @@ def test_the_flashinfer_peer_uses_the_entry_point_the_install_has(monkeypatch, h
 
 
 def test_the_flashinfer_peer_says_why_it_is_absent(monkeypatch):
-    from fastrl.bench import sampling
+    from bench import sampling
 
     monkeypatch.setitem(sys.modules, "flashinfer.sampling", types.ModuleType("flashinfer.sampling"))
     run, why = sampling._flashinfer({"top_k": 50}, torch.device("cuda"))
@@ -221,7 +221,7 @@ def test_the_compiled_speed_check_compares_with_torch_compile(fastrl_seconds, ga
 
 
 def test_a_quick_run_compiles_the_reference_only_for_the_compiled_speed_check():
-    from fastrl.bench import kl
+    from bench import kl
 
     compiled = lambda: next(i for i in kl.cases(torch.device("cpu"), quick=True)[0].impls if i.name == bench.COMPILED)  # noqa: E731
     assert compiled().unavailable == "skipped in --quick (compile time)"
@@ -254,7 +254,7 @@ def test_cpu_isa_restarts_the_run_at_that_level(monkeypatch):
     monkeypatch.delenv("FASTRL_CPU_ISA", raising=False)
     bench_main._run_at_cpu_level("x86-64-v3", ["--quick", "--cpu-isa", "x86-64-v3"])
     (argv, env), = calls
-    assert argv[1:] == ["-m", "fastrl.bench", "--quick", "--cpu-isa", "x86-64-v3"]
+    assert argv[1:] == ["-m", "bench", "--quick", "--cpu-isa", "x86-64-v3"]
     assert env["FASTRL_CPU_ISA"] == "x86-64-v3" and env["ATEN_CPU_CAPABILITY"] == "avx2"
     from torch._inductor import config
 

@@ -52,11 +52,12 @@ def test_metadata_declares_dependencies_and_extras():
 
 @pytest.mark.slow
 def test_wheel_contents(tmp_path):
-    """A wheel built from the source tree carries fastrl and every subpackage
-    (fastrl.kernels from kernels/), py.typed and the native extension; with FASTRL_NO_NATIVE=1 it
-    still builds and installs without the extension. The native wheel is built twice under pip's
-    build isolation (CMake, Ninja and pybind11 from a new temporary directory each time): the
-    second compiles nothing (the CMake cache once was keyed on those paths, and every
+    """A wheel built from the source tree carries fastrl and every subpackage (fastrl.kernels from
+    kernels/), py.typed and the native extension, and no developer tooling (the benchmark harness,
+    bench/, and the static SASS model, tools/sass/, which run from the source tree); with
+    FASTRL_NO_NATIVE=1 it still builds and installs without the extension. The native wheel is built
+    twice under pip's build isolation (CMake, Ninja and pybind11 from a new temporary directory each
+    time): the second compiles nothing (the CMake cache once was keyed on those paths, and every
     `pip install .` rebuilt everything). Under `make test` this Python is a virtual environment's,
     so the first build, without isolation, also checks that the build finds pybind11 there (CMake
     runs the base interpreter, which cannot import it)."""
@@ -79,7 +80,8 @@ def test_wheel_contents(tmp_path):
                          "fastrl/kernels/reduce.py", *subpackages):  # fmt: skip
             assert required in names, (required, names)
         assert any(n.startswith("fastrl/_C") and n.endswith(".so") for n in names) == (no_native == "0"), names
-        assert not any(n.startswith(("tests/", "bench/", "csrc/")) for n in names), names
+        tooling = ("tests/", "bench/", "tools/", "csrc/", "fastrl/bench/")  # fastrl/bench/: where the harness was
+        assert not any(n.startswith(tooling) or "sass" in n for n in names), names
         assert any(n.endswith("licenses/LICENSE") for n in names), names
     log = build.stdout + build.stderr
     compiled = [line for line in log.splitlines() if "Building CXX object" in line]

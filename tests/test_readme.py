@@ -237,7 +237,7 @@ def _check_command(words: list[str], problems: list[str], line: str) -> None:
                 problems.append(f"{line}: no make target {target}")
     elif command in ("python", "python3") and args[:1] == ["-m"]:
         module = args[1]
-        if module.split(".")[0] == "fastrl":
+        if module.split(".")[0] in ("fastrl", "bench", "tools"):  # this tree's: imported, and runnable
             importlib.import_module(module)
             if importlib.util.find_spec(module).submodule_search_locations is not None:
                 assert importlib.util.find_spec(f"{module}.__main__"), f"{line}: {module} has no __main__"
@@ -275,7 +275,7 @@ def test_every_make_command_and_path_the_readme_names_exists():
     named = {m.split()[0] for m in re.findall(r"`make ([^`=]+)`", README)}
     named |= {m for m in re.findall(r"^make ([\w-]+)", README, re.M)}
     assert named - targets == set(), f"make targets the README names that the Makefile lacks: {named - targets}"
-    path = r"(?<![\w/.<-])((?:examples|bench|tests|fastrl|csrc|kernels)/[\w/.-]*\.(?:py|sh|cpp|h|png|json))"
+    path = r"(?<![\w/.<-])((?:examples|bench|tests|tools|fastrl|csrc|kernels)/[\w/.-]*\.(?:py|sh|cpp|h|png|json))"
     paths = set(re.findall(path, README))
     missing = sorted(p for p in paths if not (ROOT / p).exists())
     assert not missing, f"files the README names that do not exist: {missing}"

@@ -2,18 +2,18 @@
 to its budgets in the static sm_90 performance model, checked without a GPU.
 
 CI runs the kernels through the Triton interpreter, which executes Python and
-does not apply the compiler's rules. ``python -m fastrl.bench.sass`` (run once
+does not apply the compiler's rules. ``python -m tools.sass`` (run once
 here, in a fresh process, for the whole module) captures every launch of every
 launcher at the canonical shapes, binds it with Triton's own JIT binder (so the
 cubin has a real launch's divisibility specialisation), compiles it with
 Triton's ptxas, reads the SASS and predicts each launch's time
-(fastrl/bench/sass.py states the model). The tests then check, per kernel and
-case, the budgets of ``fastrl.bench.sass.BUDGETS`` / ``OP_BUDGETS``: no spills,
+(tools/sass/__init__.py states the model). The tests then check, per kernel and
+case, the budgets of ``tools.sass.BUDGETS`` / ``OP_BUDGETS``: no spills,
 128-bit loads on every pass over a bf16 / fp32 row, a predicted issue / memory
 ratio within budget for memory-bound kernels, a grid that occupies at least
 half the SMs, passes over the row, and the predicted share of the copy
 bandwidth of the log-prob and KL ops. What today's kernels miss is listed in
-``fastrl.bench.sass.KNOWN_FAILURES`` with the change that fixes it, and marked
+``tools.sass.KNOWN_FAILURES`` with the change that fixes it, and marked
 xfail(strict=True) here: fixing the kernel makes that test XPASS, which fails
 until its entry is removed. On a machine with a GPU the kernels are compiled
 for real by the other tests and this module is skipped. Triton's cache makes a
@@ -34,7 +34,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from fastrl.bench import sass  # noqa: E402
+from tools import sass  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile every kernel for this GPU")
@@ -57,7 +57,7 @@ def model(tmp_path_factory) -> dict:
             env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
             partial = shared / "sm90-predicted.partial.json"
             result = subprocess.run(
-                [sys.executable, "-m", "fastrl.bench.sass", "--arch", "90", "--json", str(partial)],
+                [sys.executable, "-m", "tools.sass", "--arch", "90", "--json", str(partial)],
                 capture_output=True, text=True, env=env, timeout=1800, cwd=ROOT,
             )  # fmt: skip
             assert partial.exists(), result.stdout[-4000:] + result.stderr[-4000:]
@@ -69,7 +69,7 @@ def test_every_triton_kernel_compiles_for_the_target_gpus(model):
     assert not model["compile_failures"], "\n".join(model["compile_failures"])
     assert "_policy_fwd_kernel" in model["launched"]
     missed = set(model["triton_kernels"]) - set(model["launched"])
-    assert not missed, f"never launched by fastrl.bench.sass_cases: {sorted(missed)}"
+    assert not missed, f"never launched by tools.sass.cases: {sorted(missed)}"
     assert not model["fusion_unnamed"], f"launched without enable_fp_fusion: {model['fusion_unnamed']}"
 
 

@@ -513,7 +513,7 @@ def test_sharded_lm_head_matches_the_unsharded_reference(world, tmp_path):
 
 def _check_verl(rank: int, world: int, group, seed: int) -> None:
     """One rank of test_verl_vocab_parallel_entropy_parity."""
-    from fastrl.bench import verl_vocab_parallel_entropy
+    from bench import verl_vocab_parallel_entropy
 
     torch._dynamo.config.disable = True  # veRL compiles a helper inside its forward: run it eagerly (same math)
     verl_entropy = verl_vocab_parallel_entropy(group)

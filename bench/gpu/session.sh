@@ -22,7 +22,7 @@
 #   test            the GPU tests (pytest -m gpu: compiled Triton, CUDA graphs,
 #                   torch.compile's reduce-overhead mode)
 #   test-all        the whole suite (the CPU part also runs in CI)
-#   bench-logprobs  python -m fastrl.bench --op logprobs (its torch.compile
+#   bench-logprobs  python -m bench --op logprobs (its torch.compile
 #                   peers take most of the time); starts bench/results/<gpu>.json
 #   bench-rest      sampling, policy and kl, merged into that file when it is
 #                   this commit's (same GPU model, torch and FASTRL_BENCH_COMMIT),
@@ -82,10 +82,10 @@ setup() {
 # file is another commit's (exit 2: refused before anything is timed), so that
 # the first stage of a session starts the file and the later ones add to it.
 bench_merged() {
-    $PY -m fastrl.bench "$@" --merge --plot bench/results/plots
+    $PY -m bench "$@" --merge --plot bench/results/plots
     local status=$?
     if [ $status -eq 2 ]; then
-        $PY -m fastrl.bench "$@" --plot bench/results/plots
+        $PY -m bench "$@" --plot bench/results/plots
         status=$?
     fi
     return $status
@@ -99,7 +99,7 @@ for stage in "$@"; do
         # first H100 run's -m gpu suite took over 330 s on 16 workers)
         test) run_stage test 480 $PY -m pytest -v -rfE -m gpu -n 16 -p no:cacheprovider --junitxml "$OUT/junit.xml" ;;
         test-all) run_stage test-all 540 $PY -m pytest -q -n 8 -p no:cacheprovider --junitxml "$OUT/junit-all.xml" ;;
-        bench-logprobs) run_stage bench-logprobs 570 $PY -m fastrl.bench --op logprobs --plot bench/results/plots ;;
+        bench-logprobs) run_stage bench-logprobs 570 $PY -m bench --op logprobs --plot bench/results/plots ;;
         bench-rest) run_stage bench-rest 420 bash -c \
             "$(declare -f bench_merged); PY=$PY; bench_merged --op sampling --op policy --op kl" ;;
         bench-logprobs=*)  # its log's name in the letters a file from $OUT may have
@@ -108,7 +108,7 @@ for stage in "$@"; do
                 "$(declare -f bench_merged); PY=$PY; bench_merged --op logprobs --shape $shape" ;;
         profile-sampler) run_stage profile-sampler 240 $PY bench/gpu/sampler_profile.py ;;
         demo) run_stage demo 300 $PY examples/grpo_tiny.py --compare --device cuda --plot "$OUT/reward_curve_cuda.png" ;;
-        pack) run_stage pack 120 bash -c "$PY -m fastrl.bench.report && tar -czf '$OUT/results.tgz' bench/results README.md" ;;
+        pack) run_stage pack 120 bash -c "$PY -m bench.report && tar -czf '$OUT/results.tgz' bench/results README.md" ;;
         *) echo "unknown stage: $stage" >&2; exit 2 ;;
     esac || status=1
     if [ "$stage" = setup ]; then

@@ -1,16 +1,16 @@
-"""``python -m fastrl.bench.sass``: the static sm_90 performance model of every
+"""``python -m tools.sass``: the static sm_90 performance model of every
 kernel, *predicted* from the compiled code, never measured.
 
-    python -m fastrl.bench.sass                 model, table, bench/results/sm90-predicted.json
-    python -m fastrl.bench.sass --arch 90       sm_90 only (default: sm_90 and sm_80)
+    python -m tools.sass                 model, table, bench/results/sm90-predicted.json
+    python -m tools.sass --arch 90       sm_90 only (default: sm_90 and sm_80)
 
 What it compiles. Every Triton kernel variant the API launches, at the canonical
-shapes of DESIGN.md (``fastrl.bench.sass_cases``: the launchers called with meta
+shapes of DESIGN.md (``tools.sass.cases``: the launchers called with meta
 tensors, which have shapes and strides but no storage), through the same JIT
-argument binder a real launch uses (``fastrl.bench.sass_capture``), so the
+argument binder a real launch uses (``tools.sass.capture``), so the
 cubins carry the ``tt.divisibility`` specialisation of a GPU launch.
 
-What it reads (``fastrl.bench.sass_parse``), per kernel: registers, spills (the
+What it reads (``tools.sass.parse``), per kernel: registers, spills (the
 local memory ptxas gives the kernel, which is what Triton reports as n_spills
 on a GPU, and any LDL / STL on a loop's hot path; the few bytes of call stack
 an fp64 division's slow path saves a register in are reported apart), shared
@@ -29,7 +29,7 @@ instructions per row element per thread, global load / store widths, barriers,
 MUFU, fp64 and 64-bit integer (address) operations. A *row loop* is one bounded by the length of a row it
 loads; its executions are the passes over the row.
 
-How it predicts one launch (``fastrl.bench.sass_model.predict``), on an H100
+How it predicts one launch (``tools.sass.model.predict``), on an H100
 (and an H200: the same SMs with 4.3 TB/s):
 - Memory time T_mem = DRAM bytes / copy bandwidth (3.0 TB/s H100, 4.3 TB/s H200:
   the device-to-device copy the benchmarks measure, so mixed reads and writes
@@ -98,11 +98,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import sass_model as sm
+from . import model as sm
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "sm90-predicted.json"
-LABEL = "predicted by the static sm_90 model (fastrl.bench.sass), not measured"
+LABEL = "predicted by the static sm_90 model (tools.sass), not measured"
 
 
 # ---------------------------------------------------------------------------
@@ -403,12 +403,12 @@ def _rounded(p: dict) -> dict:
 
 def capture_triton(progress: Callable[[str], None]) -> tuple[list, list]:
     """(canonical launches with their case, coverage launches), captured."""
-    from . import sass_capture as cap
-    from . import sass_cases
+    from . import capture as cap
+    from . import cases
 
     canonical = []
     with cap.recording() as sink:
-        for case in sass_cases.cases():
+        for case in cases.cases():
             start = len(sink)
             case.run()
             made = sink[start:]
@@ -416,7 +416,7 @@ def capture_triton(progress: Callable[[str], None]) -> tuple[list, list]:
                 raise RuntimeError(f"{case.id}: {len(made)} launches, declared {case.roles}")
             canonical += [(case, r, launch) for r, launch in zip(case.roles, made)]
         start = len(sink)
-        sass_cases.coverage()
+        cases.coverage()
         coverage = sink[start:]
     progress(f"captured {len(canonical)} canonical launches and {len(coverage)} coverage launches")
     return canonical, coverage
@@ -425,7 +425,7 @@ def capture_triton(progress: Callable[[str], None]) -> tuple[list, list]:
 def run_model(archs: tuple[int, ...] = (90, 80), workers: int | None = None,
               progress: Callable[[str], None] = print) -> dict:  # fmt: skip
     """Compiles, analyses and predicts everything; the results file's payload."""
-    from . import sass_capture as cap
+    from . import capture as cap
 
     os.environ.pop("TRITON_INTERPRET", None)
     t0 = time.time()
@@ -471,7 +471,7 @@ def run_model(archs: tuple[int, ...] = (90, 80), workers: int | None = None,
         row["_reads"], row["_writes"] = reads, writes
         rows.append(row)
     variants_out = []
-    from . import sass_parse as sp
+    from . import parse as sp
 
     for (v, arch), result in zip(jobs, compiled):
         if isinstance(result, str):
@@ -519,22 +519,23 @@ def _row_dtype(v) -> str:
 
 
 def bench_min_bytes(op: str, shape: list[int], dtype: str) -> int | None:
-    """The minimum bytes fastrl.bench counts for the ops it measures (so that a
-    predicted and a measured share of the copy bandwidth have one basis)."""
+    """The minimum bytes the benchmark harness (``bench``) counts for the ops it
+    measures (so that a predicted and a measured share of the copy bandwidth
+    have one basis)."""
     import torch
 
-    from .logprobs import _min_bytes
+    from bench.logprobs import _min_bytes
 
     e = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     if op.startswith("logprobs") and len(shape) == 2:
         return _min_bytes(op, shape[0], shape[1], getattr(torch, dtype))
-    if op == "full_kl fwd":  # fastrl.bench.kl: 2*N*V*e + 4N
+    if op == "full_kl fwd":  # bench.kl: 2*N*V*e + 4N
         return 2 * shape[0] * shape[1] * e + 4 * shape[0]
     if op == "full_kl fwd+bwd":  # 5*N*V*e + 8N
         return 5 * shape[0] * shape[1] * e + 8 * shape[0]
-    if op.startswith("sample "):  # fastrl.bench.sampling: B*V*e + 16B
+    if op.startswith("sample "):  # bench.sampling: B*V*e + 16B
         return shape[0] * shape[1] * e + 16 * shape[0]
-    if op == "policy_loss fwd+bwd":  # fastrl.bench.policy: T*(4*4+1) + 4T
+    if op == "policy_loss fwd+bwd":  # bench.policy: T*(4*4+1) + 4T
         return 21 * shape[0] * shape[1]
     return None
 
@@ -586,10 +587,10 @@ def gate_items() -> list[tuple[str, str, str]]:
     """(case id, role, gate) of every check the CI gate makes, from the cases
     alone (no compilation), so that a test can be parametrised by them. Ops are
     gated on their predicted share of the copy bandwidth (role "*")."""
-    from . import sass_cases
+    from . import cases
 
     items = []
-    for case in sass_cases.cases():
+    for case in cases.cases():
         for role in dict.fromkeys(case.roles):
             b = BUDGETS.get(role, Budget())
             on = {"issue/memory": b.max_issue_ratio is not None, "128-bit loads": b.vector_loads,
@@ -606,9 +607,8 @@ def triton_kernel_names() -> list[str]:
     import importlib
     import pkgutil
 
-    from triton.runtime.jit import JITFunction
-
     import fastrl.kernels
+    from triton.runtime.jit import JITFunction
 
     kinds: tuple[type, ...] = (JITFunction,)
     try:  # what @triton.jit makes under TRITON_INTERPRET=1
@@ -726,7 +726,7 @@ def _commit() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastrl.bench.sass", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.sass", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="90,80", help="comma-separated SM versions to compile for (default 90,80)")
     parser.add_argument("--jobs", type=int, default=None, help="compile processes (default: up to 4)")
     parser.add_argument(
@@ -743,14 +743,10 @@ def main(argv: list[str] | None = None) -> int:
     args.json.write_text(dumps(payload))
     if not args.quiet:
         print(f"\nAll figures {LABEL}.\n")
-        from .report import launch_table
+        from bench.report import launch_table
 
         print(launch_table(payload))
         print(f"\nwrote {args.json}")
     for failure in payload["compile_failures"]:
         print(f"FAILED to compile: {failure}", file=sys.stderr)
     return 1 if payload["compile_failures"] else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

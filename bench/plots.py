@@ -1,8 +1,8 @@
 """PNG plots of a benchmark results file: per op, the median time and the
 percentage of the copy bandwidth of every implementation across shapes.
 
-    python -m fastrl.bench --plot DIR           (after a run)
-    python -m fastrl.bench.plots RESULTS.json DIR
+    python -m bench --plot DIR           (after a run)
+    python -m bench.plots RESULTS.json DIR
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def write_plots(payload: dict, out_dir: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastrl.bench.plots", description=__doc__.splitlines()[0])
-    parser.add_argument("results", type=Path, help="a results JSON written by python -m fastrl.bench")
+    parser = argparse.ArgumentParser(prog="python -m bench.plots", description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path, help="a results JSON written by python -m bench")
     parser.add_argument("out_dir", type=Path)
     args = parser.parse_args(argv)
     for path in write_plots(json.loads(args.results.read_text()), args.out_dir):

@@ -1,6 +1,6 @@
 """The static sm_90 model's two halves: what a compiled kernel is (``analyse_*``:
 resources, loops, instructions on each loop's hot path) and how long one launch
-of it is *predicted* to take on a device (``predict``). ``fastrl.bench.sass``
+of it is *predicted* to take on a device (``predict``). ``tools.sass``
 states the model and its assumptions; every figure here is a prediction.
 """
 
@@ -12,10 +12,10 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from . import sass_parse as sp
+from . import parse as sp
 
 # ---------------------------------------------------------------------------
-# Devices and the model's constants (see fastrl.bench.sass for why each is what it is)
+# Devices and the model's constants (see tools.sass for why each is what it is)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ class Device:
     # 8238 SASS in 54k cycles (6.6 a SASS, vote / popcount heavy); its rows launch
     # (1478 SASS, one CTA) in 7.4k cycles with three DRAM latencies (~3.4).
     warp_cpi: float = 4.0
-    xu_cycles: float = 8.0  # a quarter-rate (sass_parse.XU_OPCODES) warp instruction on one scheduler
+    xu_cycles: float = 8.0  # a quarter-rate (parse.XU_OPCODES) warp instruction on one scheduler
     launch_s: float = 2.0e-6  # launch and ramp-up of one kernel
 
 
@@ -277,7 +277,7 @@ class LoopRun:
     cached: float  # share of its reads served by L2 (a repeat pass over rows still there)
     executed: bool
     span: int = 0  # elements between its bounds (the row length for a row loop)
-    store_share: float = 1.0  # share of its stores' bytes written (a compaction's, sass_cases.Case.compaction)
+    store_share: float = 1.0  # share of its stores' bytes written (a compaction's, cases.Case.compaction)
 
 
 def occupancy(k: KernelAnalysis, dev: Device) -> dict:
@@ -347,7 +347,7 @@ def _phase_cycles(k: KernelAnalysis, dev: Device, ctas_here: int, resident: int,
 
 def predict(k: KernelAnalysis, runs: list[LoopRun], grid: int, dev: Device, straight_latencies: int) -> dict:
     """Predicted time of one launch of ``k`` with ``grid`` CTAs on ``dev`` (see
-    fastrl.bench.sass for the model)."""
+    tools.sass for the model)."""
     occ = occupancy(k, dev)
     resident = max(occ["ctas_per_sm"], 1)
     active = min(grid, dev.sms)

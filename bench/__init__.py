@@ -4,7 +4,10 @@ Every measured row carries the minimum bytes its op must move (each input read
 once, each output written once), the achieved GB/s, and that as a percentage of
 the device-to-device copy bandwidth measured in the same run; peers run on the
 same inputs in the same run and are reported as a time ratio to fastrl.
-Op families describe their cases in sibling modules (``fastrl.bench.logprobs``).
+Op families describe their cases in sibling modules (``bench.logprobs``).
+
+Run from the repository root (``python -m bench``): the harness is part of the
+source tree, not of the installed package, and times the installed ``fastrl``.
 """
 
 from __future__ import annotations
@@ -171,7 +174,7 @@ CPU_LEVELS = {"x86-64-v4": ("avx512", 512), "x86-64-v3": ("avx2", 256), "x86-64"
 
 def native_cpu_isa() -> dict:
     """The native kernels' active level and the CPU's best ({} without fastrl._C)."""
-    from .._backend import native_module
+    from fastrl._backend import native_module
 
     native = native_module()
     if native is None:
@@ -313,7 +316,7 @@ def _git_commit() -> str | None:
     """HEAD of the checkout, or FASTRL_BENCH_COMMIT where the tree was copied
     without its .git (a GPU machine's copy of the working tree)."""
     try:
-        root = Path(__file__).resolve().parents[2]
+        root = Path(__file__).resolve().parents[1]
         return subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
         ).stdout.strip()
@@ -514,7 +517,7 @@ def _pytest_device() -> torch.device:
 
 def pytest_params(family) -> list:
     """One pytest-benchmark parameter per (case, implementation) of an op family
-    module (``fastrl.bench.logprobs``, ...), for bench/bench_*.py: quick shapes
+    module (``bench.logprobs``, ...), for bench/bench_*.py: quick shapes
     unless FASTRL_BENCH_FULL=1."""
     import pytest
 

@@ -1,4 +1,4 @@
-"""``python -m fastrl.bench``: run the benchmark suite on the local device.
+"""``python -m bench``: run the benchmark suite on the local device.
 
 Prints a table and writes ``bench/results/<device>.json`` (or ``--results-dir DIR``'s, or ``--json PATH``;
 with ``--merge``, keeping that file's rows of the cases not run now), and with
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from .. import bench
+import bench
+
 from . import (
     COMPILED,
     CPU_LEVELS,
@@ -58,7 +59,7 @@ def _parse_shape(text: str) -> tuple[int, int, torch.dtype]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastrl.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--op", choices=sorted(OPS), action="append", help="op family (default: all)")
     parser.add_argument("--shape", type=_parse_shape, action="append", help="N,V,dtype (repeatable; N = rows or batch)")
     parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions (CI)")
@@ -169,7 +170,7 @@ def _run_at_cpu_level(level: str, argv: list[str]) -> None:
     if all(os.environ.get(k) == v for k, v in want.items()):
         return
     env = {**os.environ, **want}
-    os.execve(sys.executable, [sys.executable, "-m", "fastrl.bench", *argv], env)
+    os.execve(sys.executable, [sys.executable, "-m", "bench", *argv], env)
 
 
 def _inductor_at_native_level() -> None:
@@ -189,7 +190,7 @@ def _speed_margin(args, device: torch.device) -> float:
     native kernels run their AVX2 (x86-64-v3) clone, whose lead over torch is
     still slim there (issue 18; the Makefile says how slim), --check-speed
     everywhere else."""
-    from .._backend import native_module
+    from fastrl._backend import native_module
 
     native = native_module()
     isa = native.build_info()["cpu_isa"] if native is not None else ""

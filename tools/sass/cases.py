@@ -3,9 +3,9 @@ canonical shapes of DESIGN.md, called with meta tensors (no storage, so
 [16384, 151936] bf16 costs nothing), in two lists:
 
 - ``CASES``: the canonical cases, one per benchmark op (names as in
-  ``fastrl.bench``: "logprobs fwd", "policy_loss fwd+bwd", ...) and shape,
+  ``bench``, the benchmark harness: "logprobs fwd", "policy_loss fwd+bwd", ...) and shape,
   each declaring the kernel launches it makes, in order, by role. These are
-  modelled, tabled and gated (``fastrl.bench.sass``).
+  modelled, tabled and gated (``tools.sass``).
 - ``COVERAGE``: the flag combinations the API uses that no canonical case
   reaches (per-row temperatures and parameters, device-side seeds, every KL
   estimator and aggregation mode, ...), at the same shapes. These are compiled
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from .sass_capture import meta, role
+from .capture import meta, role
 
 BF16, F32, F64, I64, U8 = torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.uint8
 
@@ -29,7 +29,7 @@ LOGPROBS_SHAPES = [(16384, 151936, BF16), (8192, 128256, BF16), (4096, 32000, F3
 # A vocabulary that is not a multiple of 8 (GPT-2's): rows do not start 16-byte
 # aligned, and the main loop must still load 128 bits (issue 13).
 ODD_SHAPE = (16384, 50257, BF16)
-FULL_KL_SHAPE = (8192, 151936, BF16)  # fastrl.bench.kl's GPU shape
+FULL_KL_SHAPE = (8192, 151936, BF16)  # bench.kl's GPU shape
 SAMPLING_BATCHES = (1, 64, 256, 1024)
 SAMPLING_VOCAB = 151936
 SAMPLING_TEMPERATURE = 0.7
@@ -235,7 +235,7 @@ def _sampling_cases() -> list[Case]:
 
 
 def _policy(b: int, length: int, sequence: bool) -> Callable[[], None]:
-    """fastrl.bench.policy's case: PPO dual-clip with the k3 KL penalty, token-mean
+    """bench.policy's case: PPO dual-clip with the k3 KL penalty, token-mean
     (GSPO's sequence-level ratio with ``sequence``)."""
     from fastrl.kernels import policy
 

@@ -1,4 +1,4 @@
-"""Reading compiled kernels for the static sm_90 model (``fastrl.bench.sass``):
+"""Reading compiled kernels for the static sm_90 model (``tools.sass``):
 SASS (``nvdisasm -g`` with line info) into a control-flow graph and its loops,
 ``cuobjdump -res-usage`` into registers / shared / local memory, and Triton's
 TTGIR into its ``scf.for`` loops (bound, step, source line, enclosing runtime

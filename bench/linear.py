@@ -25,7 +25,7 @@ from . import Case, Impl, compiled_reference, import_peer
 
 # (N, V, dtype) with the hidden size of the device. The CPU target is
 # [4096, 2048, 151936]: about a minute a fwd+bwd on a 2-core machine, so `make bench`
-# on a CPU times N = 256 (python -m fastrl.bench --op linear --shape
+# on a CPU times N = 256 (python -m bench --op linear --shape
 # 4096,151936,bfloat16 for the full one).
 GPU_SHAPES = [(16384, 151936, torch.bfloat16)]
 CPU_SHAPES = [(256, 151936, torch.bfloat16), (256, 151936, torch.float32)]
