@@ -96,6 +96,9 @@ PYBIND11_MODULE(_C, m) {
         fastrl::gemm_bf16({cptr(a), a_dtype, a_row, a_k}, {cptr(b), b_dtype, b_row, b_k},
                           static_cast<float*>(mptr(c)), c_row, c_col, m, n, k, accumulate);
       },
+      py::arg("a"), py::arg("a_dtype"), py::arg("a_row"), py::arg("a_k"), py::arg("b"), py::arg("b_dtype"),
+      py::arg("b_row"), py::arg("b_k"), py::arg("c"), py::arg("c_row"), py::arg("c_col"), py::arg("m"),
+      py::arg("n"), py::arg("k"), py::arg("accumulate"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
@@ -108,6 +111,9 @@ PYBIND11_MODULE(_C, m) {
                                                label_dtype, ignore_index, temps, temp_scalar),
                                  mptr(out_logprob), mptr(out_entropy), mptr(out_stats));
       },
+      py::arg("logits"), py::arg("dtype"), py::arg("n_rows"), py::arg("vocab"), py::arg("rows"),
+      py::arg("labels"), py::arg("label_dtype"), py::arg("ignore_index"), py::arg("temps"),
+      py::arg("temp_scalar"), py::arg("out_logprob"), py::arg("out_entropy"), py::arg("out_stats"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
@@ -123,61 +129,78 @@ PYBIND11_MODULE(_C, m) {
                                   cptr(grad_entropy), mptr(grad_out), row_layout(grad_rows),
                                   label_base, label_vocab);
       },
+      py::arg("logits"), py::arg("dtype"), py::arg("n_rows"), py::arg("vocab"), py::arg("rows"),
+      py::arg("labels"), py::arg("label_dtype"), py::arg("ignore_index"), py::arg("temps"),
+      py::arg("temp_scalar"), py::arg("stats"), py::arg("entropy"), py::arg("grad_logprob"),
+      py::arg("grad_entropy"), py::arg("grad_out"), py::arg("grad_rows"), py::arg("label_base"),
+      py::arg("label_vocab"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "sample_forward",
-      [](const TruncationTuple& t, std::uintptr_t seeds, int64_t seed, bool per_row_seeds,
+      [](const TruncationTuple& truncation, std::uintptr_t seeds, int64_t seed, bool per_row_seeds,
          std::uintptr_t offset_ptr, int64_t offset, std::uintptr_t tokens, std::uintptr_t logprobs,
          std::uintptr_t raw_logprobs) {
         const fastrl::RandomArgs rng{reinterpret_cast<const int64_t*>(seeds), seed, per_row_seeds,
                                      reinterpret_cast<const int64_t*>(offset_ptr), offset};
-        fastrl::sample_forward(truncation_args(t), rng, static_cast<int64_t*>(mptr(tokens)),
+        fastrl::sample_forward(truncation_args(truncation), rng, static_cast<int64_t*>(mptr(tokens)),
                                mptr(logprobs), mptr(raw_logprobs));
       },
+      py::arg("truncation"), py::arg("seeds"), py::arg("seed"), py::arg("per_row_seeds"),
+      py::arg("offset_ptr"), py::arg("offset"), py::arg("tokens"), py::arg("logprobs"),
+      py::arg("raw_logprobs"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "truncated_logprobs_forward",
-      [](const TruncationTuple& t, std::uintptr_t labels, int label_dtype, std::uintptr_t out,
+      [](const TruncationTuple& truncation, std::uintptr_t labels, int label_dtype, std::uintptr_t out,
          std::uintptr_t stats) {
-        fastrl::truncated_logprobs_forward(truncation_args(t), cptr(labels), label_dtype, mptr(out),
+        fastrl::truncated_logprobs_forward(truncation_args(truncation), cptr(labels), label_dtype, mptr(out),
                                            mptr(stats));
       },
+      py::arg("truncation"), py::arg("labels"), py::arg("label_dtype"), py::arg("out"), py::arg("stats"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "truncated_logprobs_backward",
-      [](const TruncationTuple& t, std::uintptr_t labels, int label_dtype, std::uintptr_t stats,
+      [](const TruncationTuple& truncation, std::uintptr_t labels, int label_dtype, std::uintptr_t stats,
          std::uintptr_t grad_logprob, std::uintptr_t grad_out, const RowsTuple& grad_rows,
          int64_t label_base, std::uintptr_t label_kept) {
-        fastrl::truncated_logprobs_backward(truncation_args(t), cptr(labels), label_dtype,
+        fastrl::truncated_logprobs_backward(truncation_args(truncation), cptr(labels), label_dtype,
                                             cptr(stats), cptr(grad_logprob), mptr(grad_out),
                                             row_layout(grad_rows), label_base,
                                             reinterpret_cast<const uint8_t*>(label_kept));
       },
+      py::arg("truncation"), py::arg("labels"), py::arg("label_dtype"), py::arg("stats"),
+      py::arg("grad_logprob"), py::arg("grad_out"), py::arg("grad_rows"), py::arg("label_base"),
+      py::arg("label_kept"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "shard_digit_histogram",
-      [](const TruncationTuple& t, std::uintptr_t prefix, int shift, std::uintptr_t given, double unit_scale,
+      [](const TruncationTuple& truncation, std::uintptr_t prefix, int shift, std::uintptr_t given, double unit_scale,
          std::uintptr_t hist) {
-        fastrl::shard_digit_histogram(truncation_args(t), reinterpret_cast<const int64_t*>(prefix), shift,
+        fastrl::shard_digit_histogram(truncation_args(truncation), reinterpret_cast<const int64_t*>(prefix), shift,
                                       cptr(given), unit_scale, static_cast<int64_t*>(mptr(hist)));
       },
+      py::arg("truncation"), py::arg("prefix"), py::arg("shift"), py::arg("given"), py::arg("unit_scale"),
+      py::arg("hist"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "sample_shard_pass",
-      [](const TruncationTuple& t, bool racing, std::uintptr_t seeds, int64_t seed, bool per_row_seeds,
+      [](const TruncationTuple& truncation, bool racing, std::uintptr_t seeds, int64_t seed, bool per_row_seeds,
          std::uintptr_t offset_ptr, int64_t offset, int64_t column_base, std::uintptr_t given,
          std::uintptr_t labels, int label_dtype, std::uintptr_t sums, std::uintptr_t picks) {
         const fastrl::RandomArgs rng{reinterpret_cast<const int64_t*>(seeds), seed, per_row_seeds,
                                      reinterpret_cast<const int64_t*>(offset_ptr), offset};
-        fastrl::sample_shard_pass(truncation_args(t), racing ? &rng : nullptr, column_base, cptr(given),
+        fastrl::sample_shard_pass(truncation_args(truncation), racing ? &rng : nullptr, column_base, cptr(given),
                                   cptr(labels), label_dtype, static_cast<double*>(mptr(sums)),
                                   static_cast<int64_t*>(mptr(picks)));
       },
+      py::arg("truncation"), py::arg("racing"), py::arg("seeds"), py::arg("seed"), py::arg("per_row_seeds"),
+      py::arg("offset_ptr"), py::arg("offset"), py::arg("column_base"), py::arg("given"), py::arg("labels"),
+      py::arg("label_dtype"), py::arg("sums"), py::arg("picks"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
@@ -186,6 +209,8 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t out) {
         fastrl::kl_penalty_forward(cptr(log_probs), cptr(ref_log_probs), dtype, n, estimator, mptr(out));
       },
+      py::arg("log_probs"), py::arg("ref_log_probs"), py::arg("dtype"), py::arg("n"), py::arg("estimator"),
+      py::arg("out"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
@@ -195,6 +220,8 @@ PYBIND11_MODULE(_C, m) {
         fastrl::kl_penalty_backward(cptr(log_probs), cptr(ref_log_probs), cptr(grad), dtype, n, estimator,
                                     straight_through, mptr(grad_logp));
       },
+      py::arg("log_probs"), py::arg("ref_log_probs"), py::arg("grad"), py::arg("dtype"), py::arg("n"),
+      py::arg("estimator"), py::arg("straight_through"), py::arg("grad_logp"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
@@ -206,6 +233,9 @@ PYBIND11_MODULE(_C, m) {
                                              ref_rows, temps, temp_scalar),
                                 mptr(out_kl), mptr(out_stats));
       },
+      py::arg("logits"), py::arg("ref_logits"), py::arg("dtype"), py::arg("n_rows"), py::arg("vocab"),
+      py::arg("rows"), py::arg("ref_rows"), py::arg("temps"), py::arg("temp_scalar"), py::arg("out_kl"),
+      py::arg("out_stats"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
@@ -218,24 +248,31 @@ PYBIND11_MODULE(_C, m) {
                                               ref_rows, temps, temp_scalar),
                                  cptr(stats), cptr(kl), cptr(grad_kl), mptr(grad_out), row_layout(grad_rows));
       },
+      py::arg("logits"), py::arg("ref_logits"), py::arg("dtype"), py::arg("n_rows"), py::arg("vocab"),
+      py::arg("rows"), py::arg("ref_rows"), py::arg("temps"), py::arg("temp_scalar"), py::arg("stats"),
+      py::arg("kl"), py::arg("grad_kl"), py::arg("grad_out"), py::arg("grad_rows"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "policy_forward",
-      [](const PolicyTuple& t, std::uintptr_t values, std::uintptr_t stats) {
-        fastrl::policy_forward(policy_args(t), cptr(values), static_cast<double*>(mptr(stats)));
+      [](const PolicyTuple& policy, std::uintptr_t values, std::uintptr_t stats) {
+        fastrl::policy_forward(policy_args(policy), cptr(values), static_cast<double*>(mptr(stats)));
       },
+      py::arg("policy"), py::arg("values"), py::arg("stats"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "policy_backward",
-      [](const PolicyTuple& t, std::uintptr_t stats, std::uintptr_t row_weights, std::uintptr_t grad_loss,
+      [](const PolicyTuple& policy, std::uintptr_t stats, std::uintptr_t row_weights, std::uintptr_t grad_loss,
          bool straight_through, double kl_coef, double value_coef, std::uintptr_t grad_logp,
          std::uintptr_t grad_values) {
-        fastrl::policy_backward(policy_args(t), static_cast<const double*>(cptr(stats)),
+        fastrl::policy_backward(policy_args(policy), static_cast<const double*>(cptr(stats)),
                                 static_cast<const double*>(cptr(row_weights)), cptr(grad_loss),
                                 straight_through, kl_coef, value_coef, mptr(grad_logp), mptr(grad_values));
       },
+      py::arg("policy"), py::arg("stats"), py::arg("row_weights"), py::arg("grad_loss"),
+      py::arg("straight_through"), py::arg("kl_coef"), py::arg("value_coef"), py::arg("grad_logp"),
+      py::arg("grad_values"),
       py::call_guard<py::gil_scoped_release>());
 
   // batch_num_tokens and global_batch_size each arrive as (pointer to a float64
@@ -258,6 +295,11 @@ PYBIND11_MODULE(_C, m) {
         fastrl::policy_finalize(static_cast<const double*>(cptr(stats)), n_rows, args, loss_dtype, mptr(loss),
                                 static_cast<float*>(mptr(metrics)), static_cast<double*>(mptr(row_weights)));
       },
+      py::arg("stats"), py::arg("n_rows"), py::arg("mode"), py::arg("dp_size"),
+      py::arg("batch_num_tokens_ptr"), py::arg("batch_num_tokens"), py::arg("batch_num_tokens_given"),
+      py::arg("global_batch_size_ptr"), py::arg("global_batch_size"), py::arg("global_batch_size_given"),
+      py::arg("norm"), py::arg("kl_coef"), py::arg("value_coef"), py::arg("loss_dtype"), py::arg("loss"),
+      py::arg("metrics"), py::arg("row_weights"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
@@ -272,6 +314,9 @@ PYBIND11_MODULE(_C, m) {
         fastrl::rollout_correction_forward(args, static_cast<float*>(mptr(weights)),
                                            static_cast<double*>(mptr(stats)));
       },
+      py::arg("old_log_probs"), py::arg("rollout_log_probs"), py::arg("mask"), py::arg("dtype"),
+      py::arg("n_rows"), py::arg("length"), py::arg("sequence"), py::arg("truncate"), py::arg("clip_min"),
+      py::arg("clip_max"), py::arg("low_threshold"), py::arg("weights"), py::arg("stats"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
@@ -280,13 +325,15 @@ PYBIND11_MODULE(_C, m) {
         fastrl::rollout_finalize(static_cast<const double*>(cptr(stats)), n_rows, sequence,
                                  static_cast<float*>(mptr(metrics)));
       },
+      py::arg("stats"), py::arg("n_rows"), py::arg("sequence"), py::arg("metrics"),
       py::call_guard<py::gil_scoped_release>());
 
   // Philox4x32-10 of one counter under one key, for the known-answer tests.
   m.def("philox4x32_10", [](uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
     const fastrl::Words4 r = fastrl::philox4x32_10(c0, c1, c2, c3, k0, k1);
     return py::make_tuple(r.w[0], r.w[1], r.w[2], r.w[3]);
-  });
+  },
+      py::arg("c0"), py::arg("c1"), py::arg("c2"), py::arg("c3"), py::arg("k0"), py::arg("k1"));
 
   m.def(
       "set_cpu_isa",
@@ -296,6 +343,7 @@ PYBIND11_MODULE(_C, m) {
         }
         throw std::invalid_argument("unknown x86-64 level '" + level + "' (x86-64-v4, x86-64-v3 or x86-64)");
       },
+      py::arg("level"),
       "Runs the CPU kernels at this x86-64 level (x86-64-v4, x86-64-v3, x86-64) from the next call on; "
       "ValueError for a level this CPU lacks.");
   m.def("cpu_isa_levels", []() {

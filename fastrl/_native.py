@@ -76,9 +76,9 @@ def gemm_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: b
         a, b, out = b.T, a.T, out.T
     (m, k), n = a.shape, b.shape[1]
     native_module().gemm_bf16(
-        a.data_ptr(), DTYPE_CODES[a.dtype], a.stride(0), a.stride(1),
-        b.data_ptr(), DTYPE_CODES[b.dtype], b.stride(1), b.stride(0),
-        out.data_ptr(), out.stride(0), out.stride(1), m, n, k, accumulate,
+        a=a.data_ptr(), a_dtype=DTYPE_CODES[a.dtype], a_row=a.stride(0), a_k=a.stride(1),
+        b=b.data_ptr(), b_dtype=DTYPE_CODES[b.dtype], b_row=b.stride(1), b_k=b.stride(0),
+        c=out.data_ptr(), c_row=out.stride(0), c_col=out.stride(1), m=m, n=n, k=k, accumulate=accumulate,
     )  # fmt: skip
 
 
@@ -94,17 +94,15 @@ def logprobs_forward(
     """The contract of ``fastrl.kernels.logprobs.logprobs_forward``, on the C++
     kernels; per-row temperatures come as a contiguous ``[N]`` tensor of the
     accumulation dtype."""
-    n_rows, vocab = row_count(logits), logits.shape[-1]
+    n_rows = row_count(logits)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     new = lambda: torch.empty(n_rows, dtype=acc, device=logits.device)  # noqa: E731
     logprob = new() if labels is not None else None
     entropy = new() if with_entropy else None
     stats = torch.empty(n_rows, 2, dtype=acc, device=logits.device) if with_stats else None
-    temps_ptr, temp_scalar = _row_param(temperature)
     native_module().logprobs_forward(
-        logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, row_layout(logits),
-        _ptr(labels), DTYPE_CODES[labels.dtype] if labels is not None else -1, ignore_index,
-        temps_ptr, temp_scalar, _ptr(logprob), _ptr(entropy), _ptr(stats),
+        **_logits(logits, labels, ignore_index, temperature),
+        out_logprob=_ptr(logprob), out_entropy=_ptr(entropy), out_stats=_ptr(stats),
     )  # fmt: skip
     return logprob, entropy, stats
 
@@ -123,15 +121,31 @@ def logprobs_backward(
     label_vocab: int | None = None,
 ) -> None:
     """The contract of ``fastrl.kernels.logprobs.logprobs_backward``, on the C++ kernels."""
-    n_rows, vocab = row_count(logits), logits.shape[-1]
-    temps_ptr, temp_scalar = _row_param(temperature)
     native_module().logprobs_backward(
-        logits.data_ptr(), DTYPE_CODES[logits.dtype], n_rows, vocab, row_layout(logits),
-        _ptr(labels), DTYPE_CODES[labels.dtype] if labels is not None else -1, ignore_index,
-        temps_ptr, temp_scalar, stats.data_ptr(), _ptr(entropy), _ptr(grad_logprob),
-        _ptr(grad_entropy), grad_out.data_ptr(), row_layout(grad_out), label_base,
-        vocab if label_vocab is None else label_vocab,
+        **_logits(logits, labels, ignore_index, temperature),
+        stats=stats.data_ptr(), entropy=_ptr(entropy), grad_logprob=_ptr(grad_logprob),
+        grad_entropy=_ptr(grad_entropy), grad_out=grad_out.data_ptr(), grad_rows=row_layout(grad_out),
+        label_base=label_base, label_vocab=logits.shape[-1] if label_vocab is None else label_vocab,
     )  # fmt: skip
+
+
+def _logits(logits, labels, ignore_index, temperature) -> dict:
+    """The log-prob kernels' arguments of csrc/logprobs.h, by the bindings' names."""
+    temps, temp_scalar = _row_param(temperature)
+    return dict(
+        logits=logits.data_ptr(), dtype=DTYPE_CODES[logits.dtype], n_rows=row_count(logits), vocab=logits.shape[-1],
+        rows=row_layout(logits), labels=_ptr(labels), label_dtype=DTYPE_CODES[labels.dtype] if labels is not None else -1,
+        ignore_index=ignore_index, temps=temps, temp_scalar=temp_scalar,
+    )  # fmt: skip
+
+
+def _random(seed, offset) -> dict:
+    """The sampler's random stream (csrc/sampling.h, RandomArgs), by the bindings' names: an int
+    seed or per-row int64 seeds, an int offset or a one-element int64 tensor."""
+    per_row_seeds = isinstance(seed, torch.Tensor)
+    offset_ptr, offset = _row_param(offset)
+    return dict(seeds=seed.data_ptr() if per_row_seeds else 0, seed=0 if per_row_seeds else seed,
+                per_row_seeds=per_row_seeds, offset_ptr=offset_ptr, offset=offset)  # fmt: skip
 
 
 def _truncation(logits, temperature, top_k, top_p, min_p) -> tuple:
@@ -149,11 +163,9 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
     tokens = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(n_rows, dtype=acc, device=logits.device)
     raw = torch.empty(n_rows, dtype=acc, device=logits.device)
-    per_row_seeds = isinstance(seed, torch.Tensor)
     native_module().sample_forward(
-        _truncation(logits, temperature, top_k, top_p, min_p),
-        seed.data_ptr() if per_row_seeds else 0, 0 if per_row_seeds else seed, per_row_seeds,
-        *_row_param(offset), tokens.data_ptr(), logprobs.data_ptr(), raw.data_ptr(),
+        truncation=_truncation(logits, temperature, top_k, top_p, min_p), **_random(seed, offset),
+        tokens=tokens.data_ptr(), logprobs=logprobs.data_ptr(), raw_logprobs=raw.data_ptr(),
     )  # fmt: skip
     return tokens, logprobs, raw
 
@@ -165,8 +177,8 @@ def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_
     out = torch.empty(n_rows, dtype=acc, device=logits.device)
     stats = torch.empty(n_rows, 3, dtype=acc, device=logits.device) if with_stats else None
     native_module().truncated_logprobs_forward(
-        _truncation(logits, temperature, top_k, top_p, min_p),
-        labels.data_ptr(), DTYPE_CODES[labels.dtype], out.data_ptr(), _ptr(stats),
+        truncation=_truncation(logits, temperature, top_k, top_p, min_p),
+        labels=labels.data_ptr(), label_dtype=DTYPE_CODES[labels.dtype], out=out.data_ptr(), stats=_ptr(stats),
     )  # fmt: skip
     return out, stats
 
@@ -175,9 +187,10 @@ def truncated_backward(logits, labels, stats, grad_logprob, grad_out, *, tempera
                        label_base=0, label_kept=None):  # fmt: skip
     """The contract of ``fastrl.kernels.sampling.truncated_backward``, on the C++ kernels."""
     native_module().truncated_logprobs_backward(
-        _truncation(logits, temperature, top_k, top_p, min_p),
-        labels.data_ptr(), DTYPE_CODES[labels.dtype], stats.data_ptr(), grad_logprob.data_ptr(),
-        grad_out.data_ptr(), row_layout(grad_out), label_base, _ptr(label_kept),
+        truncation=_truncation(logits, temperature, top_k, top_p, min_p),
+        labels=labels.data_ptr(), label_dtype=DTYPE_CODES[labels.dtype], stats=stats.data_ptr(),
+        grad_logprob=grad_logprob.data_ptr(), grad_out=grad_out.data_ptr(), grad_rows=row_layout(grad_out),
+        label_base=label_base, label_kept=_ptr(label_kept),
     )  # fmt: skip
 
 
@@ -185,8 +198,8 @@ def shard_digit_histogram(logits, prefix, shift, given=None, *, temperature=1.0,
     """The contract of ``fastrl.kernels.sampling.shard_digit_histogram``, on the C++ kernels."""
     hist = torch.empty(row_count(logits), 1 if given is None else 2, 256, dtype=torch.int64, device=logits.device)
     native_module().shard_digit_histogram(
-        _truncation(logits, temperature, 0, 1.0, 0.0), prefix.data_ptr(), shift, _ptr(given), unit_scale,
-        hist.data_ptr(),
+        truncation=_truncation(logits, temperature, 0, 1.0, 0.0), prefix=prefix.data_ptr(), shift=shift,
+        given=_ptr(given), unit_scale=unit_scale, hist=hist.data_ptr(),
     )  # fmt: skip
     return hist
 
@@ -196,12 +209,11 @@ def sample_shard_pass(logits, given, *, temperature, min_p, column_base, seed=No
     n_rows = row_count(logits)
     sums = torch.empty(n_rows, 4, dtype=torch.float64, device=logits.device)
     picks = torch.empty(n_rows, 2, dtype=torch.int64, device=logits.device)
-    per_row_seeds = isinstance(seed, torch.Tensor)
     native_module().sample_shard_pass(
-        _truncation(logits, temperature, 0, 1.0, min_p), labels is None,
-        seed.data_ptr() if per_row_seeds else 0, 0 if per_row_seeds or seed is None else seed, per_row_seeds,
-        *_row_param(offset), column_base, given.data_ptr(), _ptr(labels),
-        DTYPE_CODES[labels.dtype] if labels is not None else -1, sums.data_ptr(), picks.data_ptr(),
+        truncation=_truncation(logits, temperature, 0, 1.0, min_p), racing=labels is None,
+        **_random(0 if seed is None else seed, offset), column_base=column_base, given=given.data_ptr(),
+        labels=_ptr(labels), label_dtype=DTYPE_CODES[labels.dtype] if labels is not None else -1,
+        sums=sums.data_ptr(), picks=picks.data_ptr(),
     )  # fmt: skip
     return sums, picks
 
@@ -210,8 +222,8 @@ def kl_penalty_forward(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, *, 
     """The contract of ``fastrl.kernels.kl.kl_penalty_forward``, on the C++ kernels."""
     kl = torch.empty(log_probs.shape, dtype=log_probs.dtype, device=log_probs.device)
     native_module().kl_penalty_forward(
-        log_probs.data_ptr(), ref_log_probs.data_ptr(), DTYPE_CODES[log_probs.dtype], log_probs.numel(),
-        estimator, kl.data_ptr(),
+        log_probs=log_probs.data_ptr(), ref_log_probs=ref_log_probs.data_ptr(), dtype=DTYPE_CODES[log_probs.dtype],
+        n=log_probs.numel(), estimator=estimator, out=kl.data_ptr(),
     )  # fmt: skip
     return kl
 
@@ -222,18 +234,20 @@ def kl_penalty_backward(
     """The contract of ``fastrl.kernels.kl.kl_penalty_backward``, on the C++ kernels."""
     grad_logp = torch.empty(log_probs.shape, dtype=log_probs.dtype, device=log_probs.device)
     native_module().kl_penalty_backward(
-        log_probs.data_ptr(), ref_log_probs.data_ptr(), grad.data_ptr(), DTYPE_CODES[log_probs.dtype],
-        log_probs.numel(), estimator, straight_through, grad_logp.data_ptr(),
+        log_probs=log_probs.data_ptr(), ref_log_probs=ref_log_probs.data_ptr(), grad=grad.data_ptr(),
+        dtype=DTYPE_CODES[log_probs.dtype], n=log_probs.numel(), estimator=estimator,
+        straight_through=straight_through, grad_logp=grad_logp.data_ptr(),
     )  # fmt: skip
     return grad_logp
 
 
-def _full_kl(logits, ref_logits, temperature) -> tuple:
-    """The full-KL arguments of csrc/kl.h, in binding order."""
-    return (
-        logits.data_ptr(), ref_logits.data_ptr(), DTYPE_CODES[logits.dtype], row_count(logits),
-        logits.shape[-1],
-        row_layout(logits), row_layout(ref_logits), *_row_param(temperature),
+def _full_kl(logits, ref_logits, temperature) -> dict:
+    """The full-KL arguments of csrc/kl.h, by the bindings' names."""
+    temps, temp_scalar = _row_param(temperature)
+    return dict(
+        logits=logits.data_ptr(), ref_logits=ref_logits.data_ptr(), dtype=DTYPE_CODES[logits.dtype],
+        n_rows=row_count(logits), vocab=logits.shape[-1], rows=row_layout(logits), ref_rows=row_layout(ref_logits),
+        temps=temps, temp_scalar=temp_scalar,
     )  # fmt: skip
 
 
@@ -245,7 +259,8 @@ def full_kl_forward(
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     kl = torch.empty(n_rows, dtype=acc, device=logits.device)
     stats = torch.empty(n_rows, 4, dtype=acc, device=logits.device) if with_stats else None
-    native_module().full_kl_forward(*_full_kl(logits, ref_logits, temperature), kl.data_ptr(), _ptr(stats))
+    native_module().full_kl_forward(**_full_kl(logits, ref_logits, temperature), out_kl=kl.data_ptr(),
+                                    out_stats=_ptr(stats))  # fmt: skip
     return kl, stats
 
 
@@ -260,8 +275,8 @@ def full_kl_backward(
 ) -> None:
     """The contract of ``fastrl.kernels.kl.full_kl_backward``, on the C++ kernels."""
     native_module().full_kl_backward(
-        *_full_kl(logits, ref_logits, temperature), stats.data_ptr(), kl.data_ptr(), grad_kl.data_ptr(),
-        grad_out.data_ptr(), row_layout(grad_out),
+        **_full_kl(logits, ref_logits, temperature), stats=stats.data_ptr(), kl=kl.data_ptr(),
+        grad_kl=grad_kl.data_ptr(), grad_out=grad_out.data_ptr(), grad_rows=row_layout(grad_out),
     )  # fmt: skip
 
 
@@ -278,6 +293,12 @@ def _policy(
     )  # fmt: skip
 
 
+def stats_shape(n_rows, length) -> tuple:
+    """The contract of ``fastrl.kernels.policy.stats_shape``: the C++ kernels' statistics are per
+    row, [B, N_STATS]."""
+    return (n_rows, N_STATS)
+
+
 def policy_forward(
     log_probs, old_log_probs, advantages, mask, weights, ref_log_probs, values,
     *, estimator: int, clip_low: float, clip_high: float, clip_c: float | None, sequence: bool, with_pg: bool,
@@ -285,9 +306,9 @@ def policy_forward(
     """The contract of ``fastrl.kernels.policy.policy_forward``, on the C++ kernels."""
     stats = torch.empty(log_probs.shape[0], N_STATS, dtype=torch.float64, device=log_probs.device)
     native_module().policy_forward(
-        _policy(log_probs, old_log_probs, advantages, mask, weights, ref_log_probs,
-                estimator, clip_low, clip_high, clip_c, sequence, with_pg),
-        _ptr(values), stats.data_ptr(),
+        policy=_policy(log_probs, old_log_probs, advantages, mask, weights, ref_log_probs,
+                       estimator, clip_low, clip_high, clip_c, sequence, with_pg),
+        values=_ptr(values), stats=stats.data_ptr(),
     )  # fmt: skip
     return stats
 
@@ -300,10 +321,11 @@ def policy_backward(
 ) -> None:  # fmt: skip
     """The contract of ``fastrl.kernels.policy.policy_backward``, on the C++ kernels."""
     native_module().policy_backward(
-        _policy(log_probs, old_log_probs, advantages, mask, weights, ref_log_probs,
-                estimator, clip_low, clip_high, clip_c, sequence, with_pg),
-        stats.data_ptr(), row_weights.data_ptr(), grad_loss.data_ptr(), straight_through, kl_coef, value_coef,
-        _ptr(grad_logp), _ptr(grad_values),
+        policy=_policy(log_probs, old_log_probs, advantages, mask, weights, ref_log_probs,
+                       estimator, clip_low, clip_high, clip_c, sequence, with_pg),
+        stats=stats.data_ptr(), row_weights=row_weights.data_ptr(), grad_loss=grad_loss.data_ptr(),
+        straight_through=straight_through, kl_coef=kl_coef, value_coef=value_coef, grad_logp=_ptr(grad_logp),
+        grad_values=_ptr(grad_values),
     )  # fmt: skip
 
 
@@ -318,10 +340,14 @@ def policy_finalize(
     loss = torch.empty((), dtype=loss_dtype, device=stats.device)
     metrics = torch.empty(6, dtype=torch.float32, device=stats.device)
     row_weights = torch.empty(n_rows, dtype=torch.float64, device=stats.device)
+    tokens_ptr, tokens, tokens_given = _optional_count(batch_num_tokens)
+    size_ptr, size, size_given = _optional_count(global_batch_size)
     native_module().policy_finalize(
-        stats.data_ptr(), n_rows, mode, dp_size, *_optional_count(batch_num_tokens),
-        *_optional_count(global_batch_size), norm, kl_coef, value_coef, DTYPE_CODES[loss_dtype], loss.data_ptr(),
-        metrics.data_ptr(), row_weights.data_ptr(),
+        stats=stats.data_ptr(), n_rows=n_rows, mode=mode, dp_size=dp_size,
+        batch_num_tokens_ptr=tokens_ptr, batch_num_tokens=tokens, batch_num_tokens_given=tokens_given,
+        global_batch_size_ptr=size_ptr, global_batch_size=size, global_batch_size_given=size_given,
+        norm=norm, kl_coef=kl_coef, value_coef=value_coef, loss_dtype=DTYPE_CODES[loss_dtype], loss=loss.data_ptr(),
+        metrics=metrics.data_ptr(), row_weights=row_weights.data_ptr(),
     )  # fmt: skip
     return loss, metrics, row_weights
 
@@ -335,9 +361,10 @@ def rollout_correction_forward(
     weights = torch.empty(n_rows, length, dtype=torch.float32, device=old_log_probs.device)
     stats = torch.empty(n_rows, N_STATS, dtype=torch.float64, device=old_log_probs.device)
     native_module().rollout_correction_forward(
-        old_log_probs.data_ptr(), rollout_log_probs.data_ptr(), mask.data_ptr(), DTYPE_CODES[old_log_probs.dtype],
-        n_rows, length, sequence, truncate, clip_min, clip_max, low_threshold, weights.data_ptr(),
-        stats.data_ptr(),
+        old_log_probs=old_log_probs.data_ptr(), rollout_log_probs=rollout_log_probs.data_ptr(), mask=mask.data_ptr(),
+        dtype=DTYPE_CODES[old_log_probs.dtype], n_rows=n_rows, length=length, sequence=sequence, truncate=truncate,
+        clip_min=clip_min, clip_max=clip_max, low_threshold=low_threshold, weights=weights.data_ptr(),
+        stats=stats.data_ptr(),
     )  # fmt: skip
     return weights, stats
 
@@ -345,5 +372,6 @@ def rollout_correction_forward(
 def rollout_finalize(stats: torch.Tensor, *, sequence: bool) -> torch.Tensor:
     """The contract of ``fastrl.kernels.policy.rollout_finalize``, on the C++ kernels."""
     metrics = torch.empty(8, dtype=torch.float32, device=stats.device)
-    native_module().rollout_finalize(stats.data_ptr(), stats.shape[0], sequence, metrics.data_ptr())
+    native_module().rollout_finalize(stats=stats.data_ptr(), n_rows=stats.shape[0], sequence=sequence,
+                                     metrics=metrics.data_ptr())  # fmt: skip
     return metrics

@@ -32,7 +32,6 @@ from types import ModuleType
 
 import torch
 
-from ._native import N_STATS
 from ._rows import row_view
 
 __all__ = ["launchers", "refuse_double_backward", "row_param", "split_row_param"]
@@ -44,9 +43,22 @@ _TEMPERATURE = "Tensor? temperature_rows, float temperature"
 _TRUNCATION = f"{_TEMPERATURE}, Tensor? top_k_rows, int top_k, Tensor? top_p_rows, float top_p, Tensor? min_p_rows, float min_p"  # fmt: skip
 
 
+# The launchers each kernel backend offers an op family, the operators below their one caller:
+# fastrl._native (C++) and fastrl.kernels.<family> (Triton) define every one with the same
+# parameters (names, kinds, defaults; tests/test_layers.py holds them to it).
+LAUNCHERS = {
+    "logprobs": ("logprobs_forward", "logprobs_backward"),
+    "sampling": ("sample_forward", "truncated_forward", "truncated_backward", "sample_shard_pass",
+                 "shard_digit_histogram"),
+    "kl": ("kl_penalty_forward", "kl_penalty_backward", "full_kl_forward", "full_kl_backward"),
+    "policy": ("stats_shape", "policy_forward", "policy_finalize", "policy_backward", "rollout_correction_forward",
+               "rollout_finalize"),
+}  # fmt: skip
+
+
 def launchers(backend: str, family: str) -> ModuleType:
     """The launcher module of a kernel backend for an op family: ``fastrl.kernels.<family>``
-    (Triton) or ``fastrl._native`` (C++); both expose the same functions."""
+    (Triton) or ``fastrl._native`` (C++); both define ``LAUNCHERS[family]`` alike."""
     if backend == "triton":
         return importlib.import_module(f"fastrl.kernels.{family}")
     if backend == "native":
@@ -361,10 +373,8 @@ _POLICY_OPTIONS = "float clip_low, float clip_high, float? clip_c, bool sequence
 
 def _stats(rows: torch.Tensor, backend: str) -> torch.Tensor:
     """The forward's statistics of [B, L] rows: per row [B, N_STATS] (native), per
-    chunk of the row [B, C * N_STATS] (Triton: fastrl.kernels.policy.stats_shape)."""
-    if backend == "triton":
-        return _new(rows, *launchers(backend, "policy").stats_shape(*rows.shape), dtype=torch.float64)
-    return _new(rows, rows.shape[0], N_STATS, dtype=torch.float64)
+    chunk of the row [B, C * N_STATS] (Triton)."""
+    return _new(rows, *launchers(backend, "policy").stats_shape(*rows.shape), dtype=torch.float64)
 
 
 def _policy_forward(log_probs, old, adv, mask, weights, ref, values, estimator, clip_low, clip_high, clip_c,

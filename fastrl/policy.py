@@ -27,6 +27,7 @@ import torch
 
 from . import _ops, _validation, reference
 from ._backend import select_backend
+from ._native import N_STATS
 from .kl import check_estimator
 from .logprobs import _run as _logprobs_run
 
@@ -124,7 +125,7 @@ class _PolicyLoss(torch.autograd.Function):
                 options["clip_high"], options["clip_c"], options["sequence"], options["with_pg"], backend,
             )  # fmt: skip
         else:
-            stats = torch.zeros(n_rows, _ops.N_STATS, dtype=torch.float64, device=log_probs.device)
+            stats = torch.zeros(n_rows, N_STATS, dtype=torch.float64, device=log_probs.device)
         factor = agg["loss_scale_factor"]
         # (tensor, number) pairs of the global counts; None stays (None, None): not given.
         counts = (*_ops.split_row_param(agg["batch_num_tokens"]), *_ops.split_row_param(agg["global_batch_size"]))

@@ -1,10 +1,16 @@
 """The layers of DESIGN.md hold in the source: no import circle in fastrl/ (imports inside
-functions included)."""
+functions included), and the two kernel backends offer every launcher the API layer calls
+with one signature (fastrl._ops.LAUNCHERS)."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import pathlib
+
+import fastrl._native
+import fastrl._ops
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -62,3 +68,20 @@ def test_no_import_circle_in_fastrl():
         if name not in state:
             visit(name, [name])
     assert not circles, f"import circles: {circles}"
+
+
+def test_both_backends_offer_every_launcher_with_one_signature():
+    """fastrl._ops.LAUNCHERS is the declared contract: the C++ launchers (fastrl._native) and the
+    Triton ones (fastrl.kernels.<family>) take the same parameters, by name, kind and default."""
+    source = (ROOT / "fastrl" / "_ops.py").read_text()
+    for family, names in fastrl._ops.LAUNCHERS.items():
+        triton = importlib.import_module(f"fastrl.kernels.{family}")
+        for name in names:
+            assert f'launchers(backend, "{family}").{name}' in source, f"{family}.{name} declared but not called"
+            native_params = inspect.signature(getattr(fastrl._native, name)).parameters.values()
+            triton_params = inspect.signature(getattr(triton, name)).parameters.values()
+            shape = lambda params: [(p.name, p.kind, p.default) for p in params]  # noqa: E731
+            assert shape(native_params) == shape(triton_params), f"{family}.{name}: the backends' parameters differ"
+    called = set(__import__("re").findall(r'launchers\(backend, "(\w+)"\)\.(\w+)', source))
+    declared = {(family, name) for family, names in fastrl._ops.LAUNCHERS.items() for name in names}
+    assert called == declared, f"called but not declared: {sorted(called - declared)}"
