@@ -80,7 +80,7 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
     and merges them once after it, so that an iteration has no reduction across
     threads (no barrier, no shuffle): a thread's REPS x VEC elements of a tile
     are VEC contiguous ones (one 128-bit load when ALIGNED; VEC = 1 otherwise,
-    logprobs.tile_config) at REPS places LANES * VEC apart.
+    _launch.tile_config) at REPS places LANES * VEC apart.
     The exponent is taken in base 2, d2 = (x - ref) * k with k = inv_t log2(e)
     (the scale folded into one multiply; w is summed in base-2 units and
     scaled by ln 2 at the end). A lane's sums are float32 sums of at most

@@ -67,7 +67,7 @@ import triton.language as tl
 from fastrl import _backend
 from fastrl._rows import row_count, row_layout
 
-from .logprobs import CONTRACTED, float_scalar, float_scalar_arg, tile_config
+from ._launch import CONTRACTED, acc_dtypes, float_scalar, float_scalar_arg, tile_config
 from .random import exponential_variate, philox4x32_10
 from .reduce import (exp2_scale, fold_lanes, lane_tile, log_sum, merge_lanes, row_start, slice_offsets,
                      softmax_stats, tile_lane_stats)
@@ -127,7 +127,7 @@ def _row_block(vocab: int) -> int:
 def _launch_config(logits: torch.Tensor) -> dict:
     """The forward kernels' meta-parameters for rows of ``logits`` (V, dtype and
     alignment only, never the batch): the statistics and compaction passes'
-    tile (logprobs.tile_config, whose num_warps the launch takes), the block of
+    tile (_launch.tile_config, whose num_warps the launch takes), the block of
     the passes over the candidate list, and of the digit search."""
     vocab = logits.shape[-1]
     block = _row_block(vocab)
@@ -171,15 +171,11 @@ def _workspace(logits: torch.Tensor, n_rows: int, config: dict, split: bool, win
         groups = triton.cdiv(_tiles(vocab, config), _FOLD_GROUP.value)
         workspace |= {
             "hist": zeroed[: n_rows * bins],
-            "lane_stats": torch.empty(n_rows, groups, 3, _FOLD_GROUP.value, config["LANES"], dtype=_acc(logits)[0],
-                                      device=device),  # fmt: skip
+            "lane_stats": torch.empty(n_rows, groups, 3, _FOLD_GROUP.value, config["LANES"],
+                                      dtype=acc_dtypes(logits)[0], device=device),  # fmt: skip
             "records": torch.empty(n_rows, _SPLIT_RECORD.value, dtype=torch.int64, device=device),
         }
     return workspace
-
-
-def _acc(logits: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
-    return (torch.float64, tl.float64) if logits.dtype == torch.float64 else (torch.float32, tl.float32)
 
 
 @triton.jit
@@ -322,7 +318,7 @@ def _kth_largest_key32(row_ptr, cand_ptr, compacted, n, floor_key, k, BLOCK: tl.
 @triton.jit
 def _row_param(ptr, scalar, row, PER_ROW: tl.constexpr, DTYPE: tl.constexpr):
     """This row's value of a parameter: ptr[row], or the scalar (a float one as
-    logprobs.float_scalar_arg passes it)."""
+    _launch.float_scalar_arg passes it)."""
     if PER_ROW:
         return tl.load(ptr + row).to(DTYPE)
     elif DTYPE == tl.int64:
@@ -1233,7 +1229,7 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
     for top_k); ``seed`` an int64 or int64 [N] per-row seeds; ``offset`` an int
     or a one-element int64 tensor read on the device."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
-    acc, acc_tl = _acc(logits)
+    acc, acc_tl = acc_dtypes(logits)
     tokens = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(n_rows, dtype=acc, device=logits.device)
     raw = torch.empty(n_rows, dtype=acc, device=logits.device)
@@ -1255,7 +1251,7 @@ def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_
     """(log-prob of ``labels`` under the processed distribution [N], stats [N, 3]
     = per row (max logit, log kept mass, threshold logit) for the backward, or None)."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
-    acc, acc_tl = _acc(logits)
+    acc, acc_tl = acc_dtypes(logits)
     out = torch.empty(n_rows, dtype=acc, device=logits.device)
     stats = torch.empty(n_rows, 3, dtype=acc, device=logits.device) if with_stats else None
     args, flags = _params(temperature, top_k, top_p, min_p)
@@ -1275,7 +1271,7 @@ def truncated_backward(logits, labels, stats, grad_logprob, grad_out, *, tempera
     start (``label_base``; labels are global ids) and ``label_kept`` (bool [N]:
     whether each row's label is kept, which another shard may hold)."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
-    _, acc_tl = _acc(logits)
+    _, acc_tl = acc_dtypes(logits)
     args, flags = _params(temperature, top_k, top_p, min_p)
     block = _row_block(vocab)
     _truncated_bwd_kernel[(n_rows,)](
@@ -1439,7 +1435,7 @@ def shard_digit_histogram(logits, prefix, shift, given=None, *, temperature=1.0,
     threshold search (csrc/sampling.h, shard_digit_histogram): each row's digit counts, and with
     ``given`` (max, floor) [N, 2] the counted tokens' mass units."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
-    _, acc_tl = _acc(logits)
+    _, acc_tl = acc_dtypes(logits)
     hist = torch.zeros(n_rows, 1 if given is None else 2, 256, dtype=torch.int64, device=logits.device)
     per_row_t = isinstance(temperature, torch.Tensor)
     block = min(triton.next_power_of_2(vocab), _SHARD_PASS_BLOCK)
@@ -1460,7 +1456,7 @@ def sample_shard_pass(logits, given, *, temperature, min_p, column_base, seed=No
     sample_forward's, or with ``labels`` (global ids) the truncated log-prob's
     terms."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
-    _, acc_tl = _acc(logits)
+    _, acc_tl = acc_dtypes(logits)
     sums = torch.empty(n_rows, 4, dtype=torch.float64, device=logits.device)
     picks = torch.empty(n_rows, 2, dtype=torch.int64, device=logits.device)
     args, flags = _params(temperature, 0, 1.0, min_p)

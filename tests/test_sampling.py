@@ -464,7 +464,7 @@ def test_window_and_top_digit_histograms_give_the_same_bits(device, backend, spl
                                    b.view(torch.int32) if b.is_floating_point() else b), (filters, a, b)  # fmt: skip
 
 
-# (dtype, V): rows of two tiles of the Triton forward (kernels/logprobs.py,
+# (dtype, V): rows of two tiles of the Triton forward (kernels/_launch.py,
 # tile_config): 16-byte aligned (128-bit lanes) and not (one element a lane).
 SPLIT_SHAPES = [(torch.float32, 8704), (torch.bfloat16, 8693), (torch.float64, 8200)]
 
