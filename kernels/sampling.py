@@ -64,10 +64,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fastrl import _backend
 from fastrl._rows import row_count, row_layout
 
-from ._launch import CONTRACTED, acc_dtypes, float_scalar, float_scalar_arg, tile_config
+from ._launch import CONTRACTED, acc_dtypes, float_scalar, float_scalar_arg, tile_config, triton_histogram_is_slow
 from .random import exponential_variate, philox4x32_10
 from .reduce import (exp2_scale, fold_lanes, lane_tile, log_sum, merge_lanes, row_start, slice_offsets,
                      softmax_stats, tile_lane_stats)
@@ -271,7 +270,7 @@ def _digit_histogram(row_ptr, cand_ptr, compacted, n, floor_key, prefix, PREFIX_
     histogram adds with shared-memory atomics, and most of a later pass's keys
     are left out, so one bin would serialise every warp's adds). 256 bins: a
     triton < 3.8 histogram costs a vote per bit and a popcount per bin and
-    element (_backend.FAST_HISTOGRAM_TRITON), 2.5 instructions an element here."""
+    element (_launch.FAST_HISTOGRAM_TRITON), 2.5 instructions an element here."""
     counts = tl.zeros([256], tl.int32)
     for start in range(0, n, BLOCK):
         x, _, live = _list_entries(row_ptr, cand_ptr, compacted, n, start + tl.arange(0, BLOCK), tl.float32)
@@ -1187,13 +1186,13 @@ def _uses_window(device: torch.device) -> bool:
     (_window_bin: 128 bins from the row's max, a read of the row of its own)
     rather than the top-digit histogram (4096 bins, in the statistics pass):
     where tl.histogram is slow, triton < 3.8 on a GPU (and the static model's
-    meta tensors: _backend.FAST_HISTOGRAM_TRITON), whose cost grows with the
+    meta tensors: _launch.FAST_HISTOGRAM_TRITON), whose cost grows with the
     bins (the 4096-bin one made the sampler 20-270x slower on an H100; with the
     window the sm_90 model puts it within 1.2x of the top digits on triton
     3.9). Both give the same results."""
     if _forced_window is not None:
         return _forced_window
-    return device.type != "cpu" and _backend.triton_histogram_is_slow()
+    return device.type != "cpu" and triton_histogram_is_slow()
 
 
 @contextlib.contextmanager
