@@ -57,7 +57,6 @@ in tiles holding a kept token), folded a row at a time in a fixed tree
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -143,7 +142,8 @@ def list_capacity(vocab: int) -> int:
 
 
 def workspace_bytes(logits: torch.Tensor) -> int:
-    """Bytes of the temporaries the forward launches allocate for ``logits``' rows (_workspace)."""
+    """Bytes of the temporaries the forward launches allocate for ``logits``' rows
+    (_workspace), with the device's histogram (_uses_window)."""
     n_rows = row_count(logits)
     config = _launch_config(logits)
     split = bool(_split_parts(logits, n_rows, config)[0])
@@ -1177,41 +1177,25 @@ def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice
     )  # fmt: skip
 
 
-# histogram_forced's choice while it runs; None: _uses_window's own.
-_forced_window: bool | None = None
-
-
 def _uses_window(device: torch.device) -> bool:
     """Whether the sampler's launches on ``device`` take the window histogram
     (_window_bin: 128 bins from the row's max, a read of the row of its own)
-    rather than the top-digit histogram (4096 bins, in the statistics pass):
-    where tl.histogram is slow, triton < 3.8 on a GPU (and the static model's
-    meta tensors: _launch.FAST_HISTOGRAM_TRITON), whose cost grows with the
-    bins (the 4096-bin one made the sampler 20-270x slower on an H100; with the
-    window the sm_90 model puts it within 1.2x of the top digits on triton
-    3.9). Both give the same results."""
-    if _forced_window is not None:
-        return _forced_window
+    rather than the top-digit histogram (4096 bins, in the statistics pass)
+    when the caller does not choose (``window=None``): where tl.histogram is
+    slow, triton < 3.8 on a GPU (and the static model's meta tensors:
+    _launch.FAST_HISTOGRAM_TRITON), whose cost grows with the bins (the
+    4096-bin one made the sampler 20-270x slower on an H100; with the window
+    the sm_90 model puts it within 1.2x of the top digits on triton 3.9). Both
+    give the same results: the tests run both on one machine, the static
+    model compiles both."""
     return device.type != "cpu" and triton_histogram_is_slow()
 
 
-@contextlib.contextmanager
-def histogram_forced(window: bool):
-    """The sampler's launches take the window histogram (``window``) or the
-    top-digit one inside this block, whatever the Triton (_uses_window): the
-    tests run both on one machine, the static model compiles both."""
-    global _forced_window
-    before, _forced_window = _forced_window, window
-    try:
-        yield
-    finally:
-        _forced_window = before
-
-
-def _selection_args(logits, n_rows, params, flags, config, acc_tl) -> tuple[list, dict]:
+def _selection_args(logits, n_rows, params, flags, config, acc_tl, window) -> tuple[list, dict]:
     """The final launch's (_select) candidate lists, counters and split records
-    (None for one program a row), and its SPLIT and WINDOW flags."""
-    window = _uses_window(logits.device)
+    (None for one program a row), and its SPLIT and WINDOW flags; ``window``:
+    the row histogram (None: the device's, _uses_window)."""
+    window = _uses_window(logits.device) if window is None else window
     parts, slice_lanes = _split_parts(logits, n_rows, config)
     workspace = _workspace(logits, n_rows, config, bool(parts), window, logits.device)
     if parts:
@@ -1220,13 +1204,15 @@ def _selection_args(logits, n_rows, params, flags, config, acc_tl) -> tuple[list
     return [workspace["lists"], workspace["counters"], records], {"SPLIT": bool(parts), "WINDOW": window}
 
 
-def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
+def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset, window=None):
     """One draw per row of ``logits`` [N, V] or [outer, inner, V] (unit stride in V,
     any leading strides: ``fastrl._rows.row_layout``): (tokens int64
     [N], log-probs under the processed distribution [N], raw log-probs [N]).
     Parameters are scalars or flat per-row tensors (accumulation dtype, int64
     for top_k); ``seed`` an int64 or int64 [N] per-row seeds; ``offset`` an int
-    or a one-element int64 tensor read on the device."""
+    or a one-element int64 tensor read on the device. ``window``: whether the
+    rows' histogram is the window's or the top digits' (the same results; None:
+    the device's, _uses_window)."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
     acc, acc_tl = acc_dtypes(logits)
     tokens = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
@@ -1235,7 +1221,7 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
     args, flags = _params(temperature, top_k, top_p, min_p)
     per_row_seed, offset_from_ptr = isinstance(seed, torch.Tensor), isinstance(offset, torch.Tensor)
     config = _launch_config(logits)
-    selection, split = _selection_args(logits, n_rows, args, flags, config, acc_tl)
+    selection, split = _selection_args(logits, n_rows, args, flags, config, acc_tl, window)
     _sample_kernel[(n_rows,)](
         logits, *row_layout(logits), vocab, *args,
         seed if per_row_seed else None, 0 if per_row_seed else seed,
@@ -1246,16 +1232,17 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
     return tokens, logprobs, raw
 
 
-def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_stats):
+def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_stats, window=None):
     """(log-prob of ``labels`` under the processed distribution [N], stats [N, 3]
-    = per row (max logit, log kept mass, threshold logit) for the backward, or None)."""
+    = per row (max logit, log kept mass, threshold logit) for the backward, or None);
+    ``window`` as sample_forward's."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
     acc, acc_tl = acc_dtypes(logits)
     out = torch.empty(n_rows, dtype=acc, device=logits.device)
     stats = torch.empty(n_rows, 3, dtype=acc, device=logits.device) if with_stats else None
     args, flags = _params(temperature, top_k, top_p, min_p)
     config = _launch_config(logits)
-    selection, split = _selection_args(logits, n_rows, args, flags, config, acc_tl)
+    selection, split = _selection_args(logits, n_rows, args, flags, config, acc_tl, window)
     _truncated_fwd_kernel[(n_rows,)](
         logits, *row_layout(logits), vocab, labels, *args, out, stats, *selection, **flags, **split,
         WITH_STATS=with_stats, ACC=acc_tl, **config, **_EXACT, maxnreg=_MAXNREG,
