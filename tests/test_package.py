@@ -76,7 +76,7 @@ def test_wheel_contents(tmp_path):
         subpackages = [f"fastrl/{p.parent.name}/__init__.py" for p in (ROOT / "fastrl").glob("*/__init__.py")]
         assert subpackages, "no subpackage of fastrl/ found"
         for required in ("fastrl/__init__.py", "fastrl/py.typed", "fastrl/reference.py", "fastrl/kernels/logprobs.py",
-                         "fastrl/kernels/reduce.py", *subpackages):  # fmt: skip
+                         "fastrl/kernels/reduce.py", "fastrl/kernels/sampling/__init__.py", *subpackages):  # fmt: skip
             assert required in names, (required, names)
         assert any(n.startswith("fastrl/_C") and n.endswith(".so") for n in names) == (no_native == "0"), names
         assert not any(n.startswith(("tests/", "bench/", "csrc/")) for n in names), names

@@ -65,9 +65,9 @@ import triton.language as tl
 
 from fastrl._rows import row_count, row_layout
 
-from ._launch import CONTRACTED, acc_dtypes, float_scalar, float_scalar_arg, tile_config, triton_histogram_is_slow
-from .random import exponential_variate, philox4x32_10
-from .reduce import (exp2_scale, fold_lanes, lane_tile, log_sum, merge_lanes, row_start, slice_offsets,
+from .._launch import CONTRACTED, acc_dtypes, float_scalar, float_scalar_arg, tile_config, triton_histogram_is_slow
+from ..random import exponential_variate, philox4x32_10
+from ..reduce import (exp2_scale, fold_lanes, lane_tile, log_sum, merge_lanes, row_start, slice_offsets,
                      softmax_stats, tile_lane_stats)
 
 _MAX_BLOCK_V = 4096
