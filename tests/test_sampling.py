@@ -363,7 +363,7 @@ def test_kept_mass_of_a_long_tail(device, backend, filters):
 TRITON_BACKENDS = [p for p in KERNEL_BACKENDS if p.values[1] == "triton"]
 
 
-# The sampler's two row histograms (kernels/sampling.py, _uses_window): the
+# The sampler's two row histograms (kernels/sampling/, _uses_window): the
 # top digits in the statistics pass, and the window below the row's max where
 # triton's tl.histogram is slow (< 3.8); each test runs the one it names
 # whatever the installed triton, calling the Triton launchers with window=.
@@ -371,7 +371,7 @@ HISTOGRAMS = pytest.mark.parametrize("window", [False, True], ids=["top-digits",
 
 
 def _triton_sample(x, window, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed, offset=0):
-    """fastrl.sample's Triton launches (kernels/sampling.py, sample_forward) on
+    """fastrl.sample's Triton launches (kernels/sampling/, sample_forward) on
     rows ``x`` [N, V] with scalar parameters (as the API passes them, None
     filters off), taking the row histogram ``window`` names: (tokens,
     log-probs, raw log-probs)."""
@@ -391,7 +391,7 @@ def _triton_truncated(x, labels, window, *, temperature=1.0, top_k=0, top_p=1.0,
 
 
 def _last_workspace(monkeypatch) -> dict:
-    """The Triton sampler's last launch's workspace (kernels/sampling.py,
+    """The Triton sampler's last launch's workspace (kernels/sampling/,
     _workspace), its tensors filled in after the launch: ``counters`` holds
     each row's list length (0: the row is its list)."""
     from fastrl.kernels import sampling as kernels
@@ -412,7 +412,7 @@ def _last_workspace(monkeypatch) -> dict:
 def test_top_p_lists_the_digits_above_its_mass_floor(device, backend, window, monkeypatch):
     """Top-p alone on rows like an LLM's (randn * 3 at T = 0.7, as the benchmark
     draws them) compacts its candidates: the floor from below (the thin tail's
-    upper bound, kernels/sampling.py _top_p_floor, _window_floor) leaves a few
+    upper bound, kernels/sampling/select.py _top_p_floor, _window_floor) leaves a few
     hundred tokens where the lower bound alone found no floor and the whole row
     became the list (seen as 3.7 ms at B = 1 on an H100); the draws and
     log-probs are the native kernel's, which selects exactly."""
@@ -432,7 +432,7 @@ def test_top_p_lists_the_digits_above_its_mass_floor(device, backend, window, mo
 @pytest.mark.parametrize("split", [False, True], ids=["one-program", "split"])
 @pytest.mark.parametrize("device,backend", TRITON_BACKENDS)
 def test_window_and_top_digit_histograms_give_the_same_bits(device, backend, split, monkeypatch):
-    """The two row histograms (kernels/sampling.py, _uses_window) only choose
+    """The two row histograms (kernels/sampling/, _uses_window) only choose
     which tokens go on the candidate list; the selection on it is exact and its
     sums are in fixed point (_mass_units), so tokens, log-probs and truncated
     log-probs are bitwise the same: on an LLM-like row, a peaked one, one below
@@ -484,7 +484,7 @@ SPLIT_SHAPES = [(torch.float32, 8704), (torch.bfloat16, 8693), (torch.float64, 8
 @pytest.mark.parametrize("device,backend", TRITON_BACKENDS)
 def test_split_rows_give_the_bits_of_one_program_a_row(device, backend, dtype, vocab, window, monkeypatch,
                                                        request):  # fmt: skip
-    """A small batch splits each row over several programs (kernels/sampling.py,
+    """A small batch splits each row over several programs (kernels/sampling/,
     _split_selection); the result is bitwise that of one program a row, the
     path of a large batch, so a row's draw and log-probs do not depend on the
     batch it comes in: tokens, both log-probs, truncated log-probs and the
