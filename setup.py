@@ -200,7 +200,7 @@ def _stable_pybind11_cmake_dir(deps: Path) -> Path:
 ext_modules = [] if os.environ.get("FASTRL_NO_NATIVE") == "1" else [CMakeExtension("fastrl._C")]
 
 setup(
-    packages=["fastrl", "fastrl._sharded", "fastrl.integrations", "fastrl.kernels"],
+    packages=["fastrl", "fastrl._sharded", "fastrl.integrations", "fastrl.kernels", "fastrl.kernels.sampling"],
     package_dir={"fastrl": "fastrl", "fastrl.kernels": "kernels"},
     package_data={"fastrl": ["py.typed"]},
     ext_modules=ext_modules,

@@ -27,6 +27,16 @@ def _native_level(build: dict) -> str:
     return level if best == level else f"{level}, forced by FASTRL_CPU_ISA; the CPU has {best}"
 
 
+def _sampler_histogram() -> str:
+    """The note on the Triton sampler's histogram where the installed Triton's
+    tl.histogram is slow (the kernels' Triton-version policy: fastrl.kernels._launch)."""
+    from .kernels import _launch
+
+    if not _launch.triton_histogram_is_slow():
+        return ""
+    return f" (sampler: window histogram, triton < {'.'.join(map(str, _launch.FAST_HISTOGRAM_TRITON))})"
+
+
 def info_lines() -> list[str]:
     native = _backend.native_module()
     build = native.build_info() if native is not None else None
@@ -43,8 +53,7 @@ def info_lines() -> list[str]:
         + ("native AVX512-BF16 (float32 sums)" if build and build["bf16_gemm"]
            else f"torch float32 on widened bf16 ({'no AVX512-BF16' if build else 'fastrl._C not built'})"),
         "  Triton compiled:    " + yes_no(triton_ok and cuda, "no CUDA device" if triton_ok else "triton not installed")
-        + (f" (sampler: window histogram, triton < {'.'.join(map(str, _backend.FAST_HISTOGRAM_TRITON))})"
-           if triton_ok and cuda and _backend.triton_histogram_is_slow() else ""),
+        + (_sampler_histogram() if triton_ok and cuda else ""),
         "  Triton interpreter: " + yes_no(triton_ok and _backend.triton_interpreter(), "set TRITON_INTERPRET=1" if triton_ok else "triton not installed"),
         "  reference:          yes",
         f"forced backend: {_backend.forced_backend() or 'none'}",

@@ -93,27 +93,6 @@ def triton_importable() -> bool:
     return True
 
 
-# Triton before 3.8 lowers tl.histogram to a vote per key bit and a popcount per
-# bin for every element, each thread holding its bins' counts in registers; from
-# 3.8 on it counts with shared-memory atomics. At the sampler's 4096 bins that is
-# 4056 SASS for 1024 elements (with spills) against 200. Measured on an H100 with
-# Triton 3.6: fastrl.sample took 0.5 ms (B = 1, top-k 50) to 88 ms (B = 1024,
-# top-p 0.9), 20-270x the static model's prediction for Triton 3.9. With such a
-# Triton the sampler takes a 128-bin histogram of its own (kernels/sampling.py,
-# _uses_window).
-FAST_HISTOGRAM_TRITON = (3, 8)
-
-
-@functools.cache
-def triton_histogram_is_slow() -> bool:
-    """Whether the installed Triton's tl.histogram is the slow lowering above."""
-    if not triton_importable():
-        return False
-    version = importlib.import_module("triton").__version__
-    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in version.split(".")[:2])
-    return (major, minor) < FAST_HISTOGRAM_TRITON
-
-
 def _unavailable(name: str, device: torch.device) -> str | None:
     """Why backend ``name`` cannot run on ``device``, or None if it can."""
     if name == "reference":

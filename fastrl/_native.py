@@ -13,7 +13,7 @@ import functools
 import torch
 
 from ._backend import native_module
-from ._rows import row_count, row_layout
+from ._rows import compute_dtype, row_count, row_layout
 
 DTYPE_CODES = {
     torch.float32: 0,
@@ -95,7 +95,7 @@ def logprobs_forward(
     kernels; per-row temperatures come as a contiguous ``[N]`` tensor of the
     accumulation dtype."""
     n_rows = row_count(logits)
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(logits)
     new = lambda: torch.empty(n_rows, dtype=acc, device=logits.device)  # noqa: E731
     logprob = new() if labels is not None else None
     entropy = new() if with_entropy else None
@@ -159,7 +159,7 @@ def _truncation(logits, temperature, top_k, top_p, min_p) -> tuple:
 def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
     """The contract of ``fastrl.kernels.sampling.sample_forward``, on the C++ kernels."""
     n_rows = row_count(logits)
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(logits)
     tokens = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(n_rows, dtype=acc, device=logits.device)
     raw = torch.empty(n_rows, dtype=acc, device=logits.device)
@@ -173,7 +173,7 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
 def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_stats):
     """The contract of ``fastrl.kernels.sampling.truncated_forward``, on the C++ kernels."""
     n_rows = row_count(logits)
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(logits)
     out = torch.empty(n_rows, dtype=acc, device=logits.device)
     stats = torch.empty(n_rows, 3, dtype=acc, device=logits.device) if with_stats else None
     native_module().truncated_logprobs_forward(
@@ -256,7 +256,7 @@ def full_kl_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The contract of ``fastrl.kernels.kl.full_kl_forward``, on the C++ kernels."""
     n_rows = row_count(logits)
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(logits)
     kl = torch.empty(n_rows, dtype=acc, device=logits.device)
     stats = torch.empty(n_rows, 4, dtype=acc, device=logits.device) if with_stats else None
     native_module().full_kl_forward(**_full_kl(logits, ref_logits, temperature), out_kl=kl.data_ptr(),

@@ -32,7 +32,7 @@ from types import ModuleType
 
 import torch
 
-from ._rows import row_view
+from ._rows import compute_dtype, row_view
 
 __all__ = ["launchers", "refuse_double_backward", "row_param", "split_row_param"]
 
@@ -119,10 +119,6 @@ def _define(schema: str, impl, fake) -> torch._ops.OpOverload:
     return getattr(torch.ops.fastrl, name).default
 
 
-def _acc(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def _new(like: torch.Tensor, *shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=like.device)
 
@@ -138,7 +134,7 @@ def _per_row_fake(logits: torch.Tensor, columns: int = 0, wanted: bool = True) -
     statistics), in the accumulation dtype; empty when not ``wanted``."""
     n_rows = math.prod(logits.shape[:-1])
     shape = ((n_rows, columns) if columns else (n_rows,)) if wanted else (0,)
-    return _new(logits, *shape, dtype=_acc(logits))
+    return _new(logits, *shape, dtype=compute_dtype(logits))
 
 
 def _no_output(*args, **kwargs) -> None:
@@ -154,7 +150,7 @@ def _logprobs_forward(logits, labels, temperature_rows, temperature, ignore_inde
         logits, labels, row_param(temperature_rows, temperature), ignore_index,
         with_entropy=with_entropy, with_stats=with_stats,
     )  # fmt: skip
-    acc = _acc(logits)
+    acc = compute_dtype(logits)
     return _or_empty(logprob, logits, acc), _or_empty(entropy, logits, acc), _or_empty(stats, logits, acc)
 
 
@@ -224,7 +220,7 @@ def _truncated_forward(logits, labels, *args):
     out, stats = launchers(backend, "sampling").truncated_forward(
         logits, labels, **_truncation(*truncation), with_stats=with_stats
     )
-    return out, _or_empty(stats, logits, _acc(logits))
+    return out, _or_empty(stats, logits, compute_dtype(logits))
 
 
 def _truncated_forward_fake(logits, labels, *args):
@@ -327,7 +323,7 @@ def _full_kl_forward(logits, ref_logits, temperature_rows, temperature, with_sta
     kl, stats = launchers(backend, "kl").full_kl_forward(
         logits, ref_logits, row_param(temperature_rows, temperature), with_stats=with_stats
     )
-    return kl, _or_empty(stats, logits, _acc(logits))
+    return kl, _or_empty(stats, logits, compute_dtype(logits))
 
 
 def _full_kl_forward_fake(logits, ref_logits, temperature_rows, temperature, with_stats, backend):

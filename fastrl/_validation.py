@@ -19,7 +19,7 @@ import numbers
 import torch
 
 from ._backend import checks_enabled, constant_when_traced, select_backend
-from .reference import compute_dtype
+from ._rows import compute_dtype
 
 LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 LABEL_DTYPES = (torch.int32, torch.int64)

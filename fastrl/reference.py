@@ -13,10 +13,7 @@ import math
 
 import torch
 
-
-def compute_dtype(logits: torch.Tensor) -> torch.dtype:
-    """float64 stays float64; bf16 / fp16 / fp32 are computed in float32."""
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+from ._rows import compute_dtype
 
 
 def _per_row(value, rows_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

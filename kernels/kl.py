@@ -47,7 +47,7 @@ import triton.language as tl
 
 from fastrl._rows import row_count, row_layout
 
-from .logprobs import CONTRACTED, _acc_dtypes, _launch_config, _row_inv_temperature, _temperature_args, tile_config
+from ._launch import CONTRACTED, acc_dtypes, launch_config, row_inv_temperature, temperature_args, tile_config
 from .reduce import lane_max, lane_tile, row_start, tile_offsets
 
 # veRL's clamps of the k3 estimator: its log-ratio and its value.
@@ -165,10 +165,10 @@ def _full_kl_fwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     x_row = row_start(x_ptr, row, x_inner, x_outer_stride, x_inner_stride)
     y_row = row_start(y_ptr, row, y_inner, y_outer_stride, y_inner_stride)
-    if ALIGNED:  # both rows' tiles load 128 bits (logprobs.tile_config)
+    if ALIGNED:  # both rows' tiles load 128 bits (_launch.tile_config)
         x_row = tl.multiple_of(x_row, 16)
         y_row = tl.multiple_of(y_row, 16)
-    inv_t = _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
+    inv_t = row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
     k = inv_t * 1.4426950408889634
     neg_inf = float("-inf")
     # Per-lane sums (reduce.softmax_stats' tiles: no reduction across threads in the
@@ -265,7 +265,7 @@ def _full_kl_bwd_kernel(
     x_row = row_start(x_ptr, row, x_inner, x_outer_stride, x_inner_stride)
     y_row = row_start(y_ptr, row, y_inner, y_outer_stride, y_inner_stride)
     grad_row = row_start(grad_ptr, row, grad_inner, grad_outer_stride, grad_inner_stride)
-    inv_t = _row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
+    inv_t = row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
     m = tl.load(stats_ptr + 4 * row).to(ACC)
     log_s = tl.load(stats_ptr + 4 * row + 1).to(ACC)
     m_ref = tl.load(stats_ptr + 4 * row + 2).to(ACC)
@@ -292,10 +292,10 @@ def full_kl_forward(
     (same dtype, unit stride in V; each [N, V] or its own [outer, inner, V] view of
     the rows); stats = (m, log s, m', log s') per row."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
-    acc, acc_tl = _acc_dtypes(logits)
+    acc, acc_tl = acc_dtypes(logits)
     kl = torch.empty(n_rows, dtype=acc, device=logits.device)
     stats = torch.empty(n_rows, 4, dtype=acc, device=logits.device) if with_stats else None
-    temps, temp_scalar, per_row = _temperature_args(temperature)
+    temps, temp_scalar, per_row = temperature_args(temperature)
     _full_kl_fwd_kernel[(n_rows,)](
         logits, *row_layout(logits), ref_logits, *row_layout(ref_logits), temps, temp_scalar, kl, stats, vocab,
         PER_ROW_TEMP=per_row, WITH_STATS=with_stats, ACC=acc_tl, **tile_config(logits, ref_logits), **CONTRACTED,
@@ -314,9 +314,9 @@ def full_kl_backward(
 ) -> None:
     """Writes dL/dlogits into ``grad_out`` [N, V] (logits' dtype; may be the logits)."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
-    _, acc_tl = _acc_dtypes(logits)
-    temps, temp_scalar, per_row = _temperature_args(temperature)
-    block, num_warps = _launch_config(vocab)
+    _, acc_tl = acc_dtypes(logits)
+    temps, temp_scalar, per_row = temperature_args(temperature)
+    block, num_warps = launch_config(vocab)
     _full_kl_bwd_kernel[(n_rows,)](
         logits, *row_layout(logits), ref_logits, *row_layout(ref_logits), grad_out, *row_layout(grad_out),
         temps, temp_scalar, stats, kl, grad_kl, vocab,

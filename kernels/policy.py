@@ -60,8 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import CONTRACTED, acc_dtypes, float_scalar, float_scalar_arg
 from .kl import clamp_nan, kl_estimate
-from .logprobs import CONTRACTED, _acc_dtypes, float_scalar, float_scalar_arg
 
 # The statistics of chunk c of row b (stats[b, 8c : 8c + 8]), 8 float64 columns:
 #   policy_forward              n, sum l, sum kl, sum values, n clipped, n clipped lower, sum ppo_kl, mean u
@@ -262,7 +262,7 @@ def _policy_fwd_kernel(
 ):  # fmt: skip
     """Program (row, chunk) writes its chunk; at sequence level, from the row's
     mean of u (diff_sums: _diff_sum_kernel's launch before this one). The clip
-    ratios arrive as float64 bits (logprobs.float_scalar_arg)."""
+    ratios arrive as float64 bits (_launch.float_scalar_arg)."""
     row = tl.program_id(0).to(tl.int64)
     clip_low, clip_high, clip_c = float_scalar(clip_low, ACC), float_scalar(clip_high, ACC), float_scalar(clip_c, ACC)
     mean_u = tl.zeros([], ACC)
@@ -285,7 +285,7 @@ def _policy_bwd_kernel(
     GRAD_VALUES: tl.constexpr, CHUNK_L: tl.constexpr, BLOCK_L: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Program (row, chunk): the gradients of the chunk's tokens. The float
-    parameters arrive as float64 bits (logprobs.float_scalar_arg)."""
+    parameters arrive as float64 bits (_launch.float_scalar_arg)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     clip_low, clip_high, clip_c = float_scalar(clip_low, ACC), float_scalar(clip_high, ACC), float_scalar(clip_c, ACC)
@@ -400,7 +400,7 @@ def _rollout_correction_kernel(
 ):  # fmt: skip
     """Program (row, chunk) does its chunk; at sequence level, from the row's
     log-weight S (diff_sums: _diff_sum_kernel's launch before this one). The
-    bounds arrive as float64 bits (logprobs.float_scalar_arg)."""
+    bounds arrive as float64 bits (_launch.float_scalar_arg)."""
     row = tl.program_id(0).to(tl.int64)
     clip_min, clip_max = float_scalar(clip_min, ACC), float_scalar(clip_max, ACC)
     low_threshold = float_scalar(low_threshold, ACC)
@@ -479,7 +479,7 @@ def _policy_finalize_kernel(
     """One program: the per-row weights w_b of the aggregation mode, the loss and
     the metrics from the per-chunk sums (see policy_finalize). Two passes over the
     rows: the counts, then the weighted sums. The float parameters arrive as
-    float64 bits (logprobs.float_scalar_arg): a count above 2^24 stays exact."""
+    float64 bits (_launch.float_scalar_arg): a count above 2^24 stays exact."""
     f64 = tl.float64
     norm, kl_coef, value_coef = float_scalar(norm, f64), float_scalar(kl_coef, f64), float_scalar(value_coef, f64)
     tokens = tl.zeros([], f64)
@@ -575,7 +575,7 @@ _FINALIZE_CHUNKS = 64
 
 
 def _float_args(*values: float) -> list[int]:
-    """Float parameters as the kernels take them (logprobs.float_scalar_arg): float64 bits."""
+    """Float parameters as the kernels take them (_launch.float_scalar_arg): float64 bits."""
     return [float_scalar_arg(float(v)) for v in values]
 
 
@@ -652,7 +652,7 @@ def policy_forward(
     """Per-chunk float64 statistics [B, C * 8] (columns above) of [B, L] per-token
     inputs. ``estimator`` -1 skips the KL; None tensors skip their terms."""
     n_rows, length = log_probs.shape
-    _, acc_tl = _acc_dtypes(log_probs)
+    _, acc_tl = acc_dtypes(log_probs)
     stats = torch.empty(stats_shape(n_rows, length), dtype=torch.float64, device=log_probs.device)
     sizes, grid = _launch(n_rows, length)
     if stats.numel():
@@ -677,7 +677,7 @@ def policy_backward(
     ([B, L], either None to skip), from the per-row weights of policy_finalize and
     the loss's incoming gradient ``grad_loss`` (0-d)."""
     n_rows, length = log_probs.shape
-    _, acc_tl = _acc_dtypes(log_probs)
+    _, acc_tl = acc_dtypes(log_probs)
     sizes, grid = _launch(n_rows, length)
     if log_probs.numel():
         _policy_bwd_kernel[grid](
@@ -696,7 +696,7 @@ def rollout_correction_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(weights float32 [B, L], per-chunk float64 statistics [B, C * 8] (columns above))."""
     n_rows, length = old_log_probs.shape
-    _, acc_tl = _acc_dtypes(old_log_probs)
+    _, acc_tl = acc_dtypes(old_log_probs)
     weights = torch.empty(n_rows, length, dtype=torch.float32, device=old_log_probs.device)
     stats = torch.empty(stats_shape(n_rows, length), dtype=torch.float64, device=old_log_probs.device)
     sizes, grid = _launch(n_rows, length)

@@ -69,18 +69,18 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
     [REPS, LANES, VEC] in the storage type (mask None for a whole tile, else
     which elements are in the row); softmax_stats then returns (m, n, t, w,
     counts summed over the row's tiles), both from the same read of the row
-    (the sampler's top-digit histogram, kernels/sampling.py).
+    (the sampler's top-digit histogram, kernels/sampling/).
 
     FOLD_TILES (not with WITH_W): each lane sums each tile from scratch
     (tile_lane_stats) and folds it into its running statistics (fold_lanes), so
     that a row split over several programs, a tile (or part of one) each, gets
-    the same bits by folding their results in tile order (kernels/sampling.py).
+    the same bits by folding their results in tile order (kernels/sampling/split.py).
 
     The loop keeps LANES partial statistics, one per thread (``tile_offsets``),
     and merges them once after it, so that an iteration has no reduction across
     threads (no barrier, no shuffle): a thread's REPS x VEC elements of a tile
     are VEC contiguous ones (one 128-bit load when ALIGNED; VEC = 1 otherwise,
-    logprobs.tile_config) at REPS places LANES * VEC apart.
+    _launch.tile_config) at REPS places LANES * VEC apart.
     The exponent is taken in base 2, d2 = (x - ref) * k with k = inv_t log2(e)
     (the scale folded into one multiply; w is summed in base-2 units and
     scaled by ln 2 at the end). A lane's sums are float32 sums of at most

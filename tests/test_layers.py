@@ -1,6 +1,6 @@
 """The layers of DESIGN.md hold in the source: no import circle in fastrl/ (imports inside
-functions included), and the two kernel backends offer every launcher the API layer calls
-with one signature (fastrl._ops.LAUNCHERS)."""
+functions included), nothing in kernels/ imports the API layer, and the two kernel backends
+offer every launcher the API layer calls with one signature (fastrl._ops.LAUNCHERS)."""
 
 from __future__ import annotations
 
@@ -70,18 +70,36 @@ def test_no_import_circle_in_fastrl():
     assert not circles, f"import circles: {circles}"
 
 
+def test_kernels_import_no_api_layer():
+    """kernels/ (installed as fastrl.kernels) may use the bottom-layer row layout alone."""
+
+    def allowed(module: str) -> bool:
+        return any(module == m or module.startswith(m + ".") for m in ("fastrl.kernels", "fastrl._rows"))
+
+    for path in sorted((ROOT / "kernels").rglob("*.py")):
+        package = "fastrl." + ".".join(path.relative_to(ROOT).parent.parts)
+        outside = sorted(m for m in _imports(path, package) if not allowed(m))
+        assert not outside, f"{path.relative_to(ROOT)} imports {outside}"
+
+
 def test_both_backends_offer_every_launcher_with_one_signature():
     """fastrl._ops.LAUNCHERS is the declared contract: the C++ launchers (fastrl._native) and the
-    Triton ones (fastrl.kernels.<family>) take the same parameters, by name, kind and default."""
+    Triton ones (fastrl.kernels.<family>) take the same parameters, by name, kind and default. A
+    backend's own launch choice may follow them as a keyword with a default, which the operators
+    never pass (the Triton sampler's window=, its row histogram, for tests and the static model)."""
     source = (ROOT / "fastrl" / "_ops.py").read_text()
     for family, names in fastrl._ops.LAUNCHERS.items():
         triton = importlib.import_module(f"fastrl.kernels.{family}")
         for name in names:
             assert f'launchers(backend, "{family}").{name}' in source, f"{family}.{name} declared but not called"
-            native_params = inspect.signature(getattr(fastrl._native, name)).parameters.values()
-            triton_params = inspect.signature(getattr(triton, name)).parameters.values()
+            native_params = list(inspect.signature(getattr(fastrl._native, name)).parameters.values())
+            triton_params = list(inspect.signature(getattr(triton, name)).parameters.values())
             shape = lambda params: [(p.name, p.kind, p.default) for p in params]  # noqa: E731
-            assert shape(native_params) == shape(triton_params), f"{family}.{name}: the backends' parameters differ"
+            common = min(len(native_params), len(triton_params))
+            assert shape(native_params[:common]) == shape(triton_params[:common]), f"{family}.{name} differ"
+            for extra in native_params[common:] + triton_params[common:]:
+                assert extra.kind == extra.KEYWORD_ONLY and extra.default is not extra.empty, (family, name, extra)
+                assert f"{extra.name}=" not in source, f"{family}.{name}: the operators pass {extra.name}"
     called = set(__import__("re").findall(r'launchers\(backend, "(\w+)"\)\.(\w+)', source))
     declared = {(family, name) for family, names in fastrl._ops.LAUNCHERS.items() for name in names}
     assert called == declared, f"called but not declared: {sorted(called - declared)}"

@@ -404,7 +404,7 @@ def test_sliced_logits_are_read_in_place(device, backend, layout):
     forward allocates nothing near the size of the logits (per-row outputs
     only), and with inplace_backward the gradient that reaches the slice lives
     in the logits' own storage. Values as the float64 reference."""
-    from fastrl.kernels.logprobs import rows_aligned
+    from fastrl.kernels._launch import rows_aligned
     from fastrl.kernels.sampling import workspace_bytes
 
     full = make_logits((2, 7), 512, torch.bfloat16, std=2.0, device=device, masked=False)
@@ -432,7 +432,7 @@ def test_sliced_logits_are_read_in_place(device, backend, layout):
                 # The same rows in the same order: bitwise the results of a contiguous
                 # copy, unless the two launches tile the rows differently: a forward
                 # reduction reads rows that all start on a 16-byte boundary 128 bits a
-                # lane, others one element a lane (kernels.logprobs.tile_config), and
+                # lane, others one element a lane (kernels._launch.tile_config), and
                 # the vocab slice's rows are aligned where its copy's (V = 507) are not
                 # (the sampler's statistics pass is that forward's, so its raw log-probs too).
                 # Then the two float32 sums differ in order only: each is within

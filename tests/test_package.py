@@ -77,7 +77,7 @@ def test_wheel_contents(tmp_path):
         subpackages = [f"fastrl/{p.parent.name}/__init__.py" for p in (ROOT / "fastrl").glob("*/__init__.py")]
         assert subpackages, "no subpackage of fastrl/ found"
         for required in ("fastrl/__init__.py", "fastrl/py.typed", "fastrl/reference.py", "fastrl/kernels/logprobs.py",
-                         "fastrl/kernels/reduce.py", *subpackages):  # fmt: skip
+                         "fastrl/kernels/reduce.py", "fastrl/kernels/sampling/__init__.py", *subpackages):  # fmt: skip
             assert required in names, (required, names)
         assert any(n.startswith("fastrl/_C") and n.endswith(".so") for n in names) == (no_native == "0"), names
         tooling = ("tests/", "bench/", "tools/", "csrc/", "fastrl/bench/")  # fastrl/bench/: where the harness was
@@ -123,15 +123,18 @@ def test_import_costs_little_more_than_torch():
 
 @pytest.mark.parametrize("version,slow", [("3.6.0", True), ("3.7.1", True), ("3.8.0", False), ("3.10.0+git1a2b", False)])
 def test_triton_versions_with_the_slow_histogram(monkeypatch, version, slow):
-    """Triton < 3.8 lowers tl.histogram to votes and popcounts (_backend.FAST_HISTOGRAM_TRITON):
-    the sampler takes its window histogram on a GPU and `fastrl info` says so."""
+    """Triton < 3.8 lowers tl.histogram to votes and popcounts (kernels/_launch.py,
+    FAST_HISTOGRAM_TRITON): the sampler takes its window histogram on a GPU and
+    `fastrl info` says so."""
     triton = pytest.importorskip("triton")
+    from fastrl.kernels import _launch
+
     monkeypatch.setattr(triton, "__version__", version)
-    _backend.triton_histogram_is_slow.cache_clear()
+    _launch.triton_histogram_is_slow.cache_clear()
     try:
-        assert _backend.triton_histogram_is_slow() == slow
+        assert _launch.triton_histogram_is_slow() == slow
     finally:
-        _backend.triton_histogram_is_slow.cache_clear()
+        _launch.triton_histogram_is_slow.cache_clear()
 
 
 def test_default_backend_by_device():

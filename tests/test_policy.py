@@ -563,7 +563,7 @@ def test_policy_loss_from_logits_refuses_a_loss_without_gradient():
 @pytest.mark.parametrize("device,backend", BACKENDS)
 def test_float_parameters_reach_the_kernels_in_float64(device, backend):
     """A global token count above 2^24, the clip ratios and the coefficients reach
-    the kernels as float64 (kernels/logprobs.py float_scalar_arg): Triton passes a
+    the kernels as float64 (kernels/_launch.py float_scalar_arg): Triton passes a
     Python float as float32, which rounds 2^24 + 1 to 2^24, a float64 loss off by
     6e-8. Bound: float64 sums of 32 tokens, a few ulps (1e-13 relative)."""
     inputs = per_token_inputs((4, 8), device, dtype=torch.float64)

@@ -363,23 +363,35 @@ def test_kept_mass_of_a_long_tail(device, backend, filters):
 TRITON_BACKENDS = [p for p in KERNEL_BACKENDS if p.values[1] == "triton"]
 
 
-# The sampler's two row histograms (kernels/sampling.py, _uses_window): the
+# The sampler's two row histograms (kernels/sampling/, _uses_window): the
 # top digits in the statistics pass, and the window below the row's max where
 # triton's tl.histogram is slow (< 3.8); each test runs the one it names
-# whatever the installed triton.
+# whatever the installed triton, calling the Triton launchers with window=.
 HISTOGRAMS = pytest.mark.parametrize("window", [False, True], ids=["top-digits", "window"])
 
 
-@pytest.fixture
-def histogram(window):
+def _triton_sample(x, window, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed, offset=0):
+    """fastrl.sample's Triton launches (kernels/sampling/, sample_forward) on
+    rows ``x`` [N, V] with scalar parameters (as the API passes them, None
+    filters off), taking the row histogram ``window`` names: (tokens,
+    log-probs, raw log-probs)."""
     from fastrl.kernels import sampling as kernels
 
-    with kernels.histogram_forced(window):
-        yield window
+    return kernels.sample_forward(x, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                  offset=offset, window=window)  # fmt: skip
+
+
+def _triton_truncated(x, labels, window, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """fastrl.truncated_logprobs' Triton forward, as _triton_sample."""
+    from fastrl.kernels import sampling as kernels
+
+    out, _ = kernels.truncated_forward(x, labels, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                       with_stats=False, window=window)  # fmt: skip
+    return out
 
 
 def _last_workspace(monkeypatch) -> dict:
-    """The Triton sampler's last launch's workspace (kernels/sampling.py,
+    """The Triton sampler's last launch's workspace (kernels/sampling/,
     _workspace), its tensors filled in after the launch: ``counters`` holds
     each row's list length (0: the row is its list)."""
     from fastrl.kernels import sampling as kernels
@@ -397,10 +409,10 @@ def _last_workspace(monkeypatch) -> dict:
 
 @HISTOGRAMS
 @pytest.mark.parametrize("device,backend", TRITON_BACKENDS)
-def test_top_p_lists_the_digits_above_its_mass_floor(device, backend, histogram, monkeypatch):
+def test_top_p_lists_the_digits_above_its_mass_floor(device, backend, window, monkeypatch):
     """Top-p alone on rows like an LLM's (randn * 3 at T = 0.7, as the benchmark
     draws them) compacts its candidates: the floor from below (the thin tail's
-    upper bound, kernels/sampling.py _top_p_floor, _window_floor) leaves a few
+    upper bound, kernels/sampling/select.py _top_p_floor, _window_floor) leaves a few
     hundred tokens where the lower bound alone found no floor and the whole row
     became the list (seen as 3.7 ms at B = 1 on an H100); the draws and
     log-probs are the native kernel's, which selects exactly."""
@@ -408,20 +420,19 @@ def test_top_p_lists_the_digits_above_its_mass_floor(device, backend, histogram,
 
     lists = _last_workspace(monkeypatch)
     x = (torch.randn(4, 32768, dtype=torch.float64) * 3).to(torch.bfloat16)
-    with fastrl.use_backend(backend):
-        out = fastrl.sample(x.to(device), temperature=0.7, seed=5, top_p=0.9)
+    tokens, logprobs, _ = _triton_sample(x.to(device), window, temperature=0.7, seed=5, top_p=0.9)
     listed = lists["counters"].cpu()
     # every row compacts (a counter of 0 is a row whose list is the row)
     assert (listed > 0).all() and (listed <= kernels.list_capacity(x.shape[-1])).all(), listed
     native = fastrl.sample(x, temperature=0.7, seed=5, top_p=0.9)
-    assert torch.equal(out.tokens.cpu(), native.tokens)
-    assert_close_to_reference(out.logprobs, native.logprobs.double(), 1e-5)  # float32 rounding of both
+    assert torch.equal(tokens.cpu(), native.tokens)
+    assert_close_to_reference(logprobs, native.logprobs.double(), 1e-5)  # float32 rounding of both
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-program", "split"])
 @pytest.mark.parametrize("device,backend", TRITON_BACKENDS)
 def test_window_and_top_digit_histograms_give_the_same_bits(device, backend, split, monkeypatch):
-    """The two row histograms (kernels/sampling.py, _uses_window) only choose
+    """The two row histograms (kernels/sampling/, _uses_window) only choose
     which tokens go on the candidate list; the selection on it is exact and its
     sums are in fixed point (_mass_units), so tokens, log-probs and truncated
     log-probs are bitwise the same: on an LLM-like row, a peaked one, one below
@@ -447,12 +458,11 @@ def test_window_and_top_digit_histograms_give_the_same_bits(device, backend, spl
         kw = dict(temperature=1.0) | filters
         results = {}
         for window in (False, True):
-            with kernels.histogram_forced(window), fastrl.use_backend(backend):
-                out = fastrl.sample(x, **kw, seed=99, offset=3)
-                # (the truncated forward shares the selection: two filters suffice)
-                both = "min_p" in kw or kw.get("top_k") == 50
-                truncated = fastrl.truncated_logprobs(x, labels, **kw) if both else None
-            results[window] = (out.tokens, out.logprobs, out.raw_logprobs, truncated)
+            tokens, logprobs, raw = _triton_sample(x, window, **kw, seed=99, offset=3)
+            # (the truncated forward shares the selection: two filters suffice)
+            both = "min_p" in kw or kw.get("top_k") == 50
+            truncated = _triton_truncated(x, labels, window, **kw) if both else None
+            results[window] = (tokens, logprobs, raw, truncated)
             if window and filters == dict(top_k=50):
                 # the window lists the candidates of the first three rows; the
                 # crossing row's 0.04 logits fit in its first bin (1/16 of a
@@ -464,7 +474,7 @@ def test_window_and_top_digit_histograms_give_the_same_bits(device, backend, spl
                                    b.view(torch.int32) if b.is_floating_point() else b), (filters, a, b)  # fmt: skip
 
 
-# (dtype, V): rows of two tiles of the Triton forward (kernels/logprobs.py,
+# (dtype, V): rows of two tiles of the Triton forward (kernels/_launch.py,
 # tile_config): 16-byte aligned (128-bit lanes) and not (one element a lane).
 SPLIT_SHAPES = [(torch.float32, 8704), (torch.bfloat16, 8693), (torch.float64, 8200)]
 
@@ -472,9 +482,9 @@ SPLIT_SHAPES = [(torch.float32, 8704), (torch.bfloat16, 8693), (torch.float64, 8
 @HISTOGRAMS
 @pytest.mark.parametrize("dtype,vocab", SPLIT_SHAPES, ids=lambda v: str(v).replace("torch.", ""))
 @pytest.mark.parametrize("device,backend", TRITON_BACKENDS)
-def test_split_rows_give_the_bits_of_one_program_a_row(device, backend, dtype, vocab, histogram, monkeypatch,
+def test_split_rows_give_the_bits_of_one_program_a_row(device, backend, dtype, vocab, window, monkeypatch,
                                                        request):  # fmt: skip
-    """A small batch splits each row over several programs (kernels/sampling.py,
+    """A small batch splits each row over several programs (kernels/sampling/,
     _split_selection); the result is bitwise that of one program a row, the
     path of a large batch, so a row's draw and log-probs do not depend on the
     batch it comes in: tokens, both log-probs, truncated log-probs and the
@@ -506,8 +516,8 @@ def test_split_rows_give_the_bits_of_one_program_a_row(device, backend, dtype, v
     def outputs(split):
         monkeypatch.setattr(kernels, "_sm_count", lambda device: 10**6 if split else 0)
         assert bool(kernels._split_parts(x, 7, kernels._launch_config(x))[0]) == split
-        tokens, logprobs, raw = kernels.sample_forward(x, **params, seed=11, offset=5)
-        truncated, stats = kernels.truncated_forward(x, tokens.clamp(min=0), **params, with_stats=True)
+        tokens, logprobs, raw = kernels.sample_forward(x, **params, seed=11, offset=5, window=window)
+        truncated, stats = kernels.truncated_forward(x, tokens.clamp(min=0), **params, with_stats=True, window=window)
         return tokens, logprobs, raw, truncated, stats
 
     one, split = outputs(False), outputs(True)
@@ -566,7 +576,7 @@ def _hard_row_paths() -> list:
 
 
 @pytest.mark.parametrize("device,backend,dtype,split,window", _hard_row_paths())
-def test_rows_spanning_tiles_with_hard_keys_match_the_reference(device, backend, dtype, split, histogram,
+def test_rows_spanning_tiles_with_hard_keys_match_the_reference(device, backend, dtype, split, window,
                                                                 monkeypatch):  # fmt: skip
     """The forward's statistics pass carries the top-digit histogram (one program
     a row) or the split programs sum it, or the window histogram takes a pass
@@ -587,15 +597,13 @@ def test_rows_spanning_tiles_with_hard_keys_match_the_reference(device, backend,
                     dict(temperature=1.3, top_k=3000)):  # fmt: skip
         kw = dict(temperature=1.0) | filters
         expected = reference.sample(x, **kw, seed=1234, offset=7)
-        with fastrl.use_backend(backend):
-            out = fastrl.sample(x, **kw, seed=1234, offset=7)
-        assert torch.equal(out.tokens, expected[0]), (filters, out.tokens, expected[0])
-        torch.testing.assert_close(out.logprobs, expected[1], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(out.raw_logprobs, expected[2], rtol=1e-5, atol=1e-5)
+        tokens, logprobs, raw = _triton_sample(x, window, **kw, seed=1234, offset=7)
+        assert torch.equal(tokens, expected[0]), (filters, tokens, expected[0])
+        torch.testing.assert_close(logprobs, expected[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(raw, expected[2], rtol=1e-5, atol=1e-5)
         if kw["temperature"] > 0:
             labels = expected[0]
-            with fastrl.use_backend(backend):
-                truncated = fastrl.truncated_logprobs(x, labels, **kw)
+            truncated = _triton_truncated(x, labels, window, **kw)
             torch.testing.assert_close(truncated, reference.truncated_logprobs(x, labels, **kw), rtol=1e-5, atol=1e-5)
 
 
@@ -830,19 +838,16 @@ def test_full_vocabulary_rows_on_the_gpu_are_exact_and_repeatable(filters, windo
     call here must give the same bits, and the spec to 1e-5 relative (float32 sums
     over V terms, each rounded once, in a tree of depth log2(V) < 18: 18 * 2^-24 * V
     terms' share is under 2e-6 of the sum; 1e-5 leaves room for the exp and log)."""
-    from fastrl.kernels import sampling as sampling_kernels
-
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(4, 151936, generator=gen) * 3).bfloat16().cuda()
-    with sampling_kernels.histogram_forced(window):
-        first = fastrl.sample(x, temperature=0.7, seed=0, **filters)
-        again = [fastrl.sample(x, temperature=0.7, seed=0, **filters) for _ in range(5)]
-        scored = fastrl.truncated_logprobs(x, first.tokens, temperature=0.7, **filters)
-    for out in again:
-        assert torch.equal(out.tokens, first.tokens) and torch.equal(out.logprobs, first.logprobs)
-    assert torch.equal(scored, first.logprobs)
-    expected = reference.truncated_logprobs(x.double().cpu(), first.tokens.cpu(), temperature=0.7, **filters)
-    err = ((first.logprobs.double().cpu() - expected).abs() / (1 + expected.abs())).max().item()
+    tokens, logprobs, _ = _triton_sample(x, window, temperature=0.7, seed=0, **filters)
+    again = [_triton_sample(x, window, temperature=0.7, seed=0, **filters) for _ in range(5)]
+    scored = _triton_truncated(x, tokens, window, temperature=0.7, **filters)
+    for other_tokens, other_logprobs, _ in again:
+        assert torch.equal(other_tokens, tokens) and torch.equal(other_logprobs, logprobs)
+    assert torch.equal(scored, logprobs)
+    expected = reference.truncated_logprobs(x.double().cpu(), tokens.cpu(), temperature=0.7, **filters)
+    err = ((logprobs.double().cpu() - expected).abs() / (1 + expected.abs())).max().item()
     assert err <= 1e-5, err
 
 

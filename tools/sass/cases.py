@@ -361,10 +361,10 @@ def coverage() -> None:
         sampling.truncated_forward(one, meta(1, dtype=I64), **split_params, with_stats=True)
         # the other histogram (sampling._uses_window: the window where triton's
         # tl.histogram is slow, else the top digits), one program a row and split
-        with sampling.histogram_forced(window=not sampling._uses_window(x.device)):
-            sampling.sample_forward(x, **params, seed=meta(n, dtype=I64), offset=meta(1, dtype=I64))
-            sampling.truncated_forward(x, labels, **params, with_stats=True)
-            sampling.sample_forward(one, **split_params, seed=meta(1, dtype=I64), offset=meta(1, dtype=I64))
+        other = not sampling._uses_window(x.device)
+        sampling.sample_forward(x, **params, seed=meta(n, dtype=I64), offset=meta(1, dtype=I64), window=other)
+        sampling.truncated_forward(x, labels, **params, with_stats=True, window=other)
+        sampling.sample_forward(one, **split_params, seed=meta(1, dtype=I64), offset=meta(1, dtype=I64), window=other)
         for temperature in (1.0, temps):
             full, full_stats = kl.full_kl_forward(x, x, temperature, with_stats=True)
             kl.full_kl_backward(x, x, temperature, full_stats, full, meta(n), meta(n, v, dtype=dtype))

@@ -1,0 +1,168 @@
+"""A vocabulary shard of the tensor-parallel sampler (fastrl.vocab_parallel):
+three kernels, a program a tile of a row each but the fold: the threshold
+search's digit histogram (_digit_histogram_kernel, integer atomics: exact in
+any order), then the shard pass: each tile's masses, maxima and race winner
+(_shard_tile_kernel, the race's score rounding as sample._sample_kernel's,
+Philox only in tiles holding a kept token), folded a row at a time in a fixed
+tree (_shard_fold_kernel). Their launchers are sampling.shard_digit_histogram
+and sampling.sample_shard_pass (csrc/sampling.h has the C++ twins)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .._launch import float_scalar
+from ..random import exponential_variate, philox4x32_10
+from ..reduce import row_start
+from .keys import _order_key, _race_key
+from .params import _inverse_temperature, _row_param, _row_params
+
+
+@triton.jit
+def _shard_tile_kernel(
+    logits_ptr, inner, outer_stride, inner_stride, V, given_bits_ptr,
+    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p, column_base,
+    seeds_ptr, seed, offset_ptr, offset, masses_ptr, marks_ptr, TILES,
+    PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
+    RACE: tl.constexpr, PER_ROW_SEED: tl.constexpr,
+    OFFSET_FROM_PTR: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """The first launch of csrc/sampling.h's sample_shard_pass: a program a tile of a row (grid
+    axis 1) writes the tile's (s, s_kept, best race score) in float64 to ``masses`` and (number of
+    maxima, first maximum, race winner) as int32 shard indices to ``marks`` ([N, TILES, 3] each).
+    The race's score d - log E rounds as _sample_kernel's (the same functions, compiled without
+    fused multiply-adds), so its winner is the unsharded sampler's; Philox runs only in a tile
+    that holds a kept token."""
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+    t, _k, _p, mp, valid = _row_params(row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+                                       PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC)  # fmt: skip
+    # (given's two scalars read as their bits: the static model holds every float load
+    # of a loop-free kernel to the row stream's 128 bits)
+    m = tl.load(given_bits_ptr + 2 * row).to(ACC, bitcast=True)
+    threshold = _order_key(tl.load(given_bits_ptr + 2 * row + 1).to(ACC, bitcast=True))
+    inv_t = _inverse_temperature(t, valid, ACC)
+    log_min_p = tl.where(mp > 0, tl.log(mp), float("-inf")).to(ACC)
+    offs = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+    live = offs < V
+    x = tl.load(row_ptr + offs, mask=live, other=float("-inf")).to(ACC)
+    d = (x - m) * inv_t
+    e = tl.where(live, tl.exp(d), 0.0)
+    kept = live & (_order_key(x) >= threshold) & (d >= log_min_p)
+    at_max = live & (x == m)
+    best = tl.full([], float("-inf"), ACC)
+    winner = V + tl.zeros([], tl.int32)
+    if RACE:
+        if tl.max(kept.to(tl.int32), axis=0) > 0:
+            k0, k1, salt, c2, c3 = _race_key(row, seeds_ptr, seed, offset_ptr, offset, PER_ROW_SEED,
+                                             OFFSET_FROM_PTR)  # fmt: skip
+            zeros = tl.zeros([BLOCK_V], tl.uint32)
+            w0, w1, _w2, _w3 = philox4x32_10((offs + column_base).to(tl.uint32), zeros + salt, zeros + c2,
+                                             zeros + c3, zeros + k0, zeros + k1)  # fmt: skip
+            race = tl.where(kept, d - tl.log(exponential_variate(w0, w1).to(ACC)), float("-inf"))
+            best = tl.max(race, axis=0)
+            winner = tl.min(tl.where((race == best) & kept, offs, V), axis=0)  # ties: the lowest index
+    at = (row * TILES + tile) * 3
+    tl.store(masses_ptr + at, tl.sum(e.to(tl.float64), axis=0))
+    tl.store(masses_ptr + at + 1, tl.sum(tl.where(kept, e, 0.0).to(tl.float64), axis=0))
+    tl.store(masses_ptr + at + 2, best.to(tl.float64))
+    tl.store(marks_ptr + at, tl.sum(at_max.to(tl.int32), axis=0))
+    tl.store(marks_ptr + at + 1, tl.min(tl.where(at_max, offs, V), axis=0))
+    tl.store(marks_ptr + at + 2, winner)
+
+
+@triton.jit
+def _shard_fold_kernel(
+    logits_ptr, inner, outer_stride, inner_stride, V, given_ptr,
+    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p, column_base,
+    labels_ptr, masses_ptr, marks_ptr, sums_ptr, picks_ptr, TILES,
+    PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
+    RACE: tl.constexpr, TILE_BLOCK: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """The second launch: one program a row folds its tiles' records in a fixed tree (the same
+    for every batch: a row's bits do not depend on the rows beside it) into the row's sums
+    [N, 4] and picks [N, 2] (csrc/sampling.h)."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+    t, _k, _p, mp, valid = _row_params(row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+                                       PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC)  # fmt: skip
+    m = tl.load(given_ptr + 2 * row).to(ACC)
+    ok = (m > float("-inf")) & (m < float("inf")) & valid
+    greedy = t == 0
+    tiles = tl.arange(0, TILE_BLOCK)
+    on = tiles < TILES
+    at = (row * TILES + tiles) * 3
+    s = tl.sum(tl.load(masses_ptr + at, mask=on, other=0.0), axis=0)
+    s_kept = tl.sum(tl.load(masses_ptr + at + 1, mask=on, other=0.0), axis=0)
+    n_max = tl.sum(tl.load(marks_ptr + at, mask=on, other=0), axis=0)
+    first = tl.min(tl.load(marks_ptr + at + 1, mask=on, other=V), axis=0).to(tl.int64)
+    nan = float("nan")
+    if RACE:
+        scores = tl.load(masses_ptr + at + 2, mask=on, other=float("-inf"))
+        winners = tl.load(marks_ptr + at + 2, mask=on, other=V)
+        top = tl.max(scores, axis=0)
+        win_at = tl.min(tl.where((scores == top) & (winners < V), winners, V), axis=0).to(tl.int64)  # the lowest
+        inv_t = _inverse_temperature(t, valid, ACC)
+        d_win = (tl.load(row_ptr + win_at, mask=win_at < V, other=0.0).to(ACC) - m) * inv_t
+        third = tl.where(greedy, 0.0, top)
+        fourth = tl.where(greedy | (win_at >= V), 0.0, d_win.to(tl.float64))
+        win = tl.where(greedy | (win_at >= V), -1, win_at + column_base)
+    else:
+        threshold = _order_key(tl.load(given_ptr + 2 * row + 1).to(ACC))
+        inv_t = _inverse_temperature(t, valid, ACC)
+        log_min_p = tl.where(mp > 0, tl.log(mp), float("-inf")).to(ACC)
+        label = tl.load(labels_ptr + row).to(tl.int64) - column_base
+        here = (label >= 0) & (label < V)
+        x_label = tl.load(row_ptr + label, mask=here, other=0.0).to(ACC)
+        d_label = (x_label - m) * inv_t
+        kept_label = (_order_key(x_label) >= threshold) & (d_label >= log_min_p)
+        third = tl.where(greedy, 0.0, tl.where(here, tl.where(kept_label, d_label, float("-inf")), nan).to(tl.float64))
+        fourth = tl.zeros([], tl.float64)
+        win = tl.full([], -1, tl.int64)
+    tl.store(sums_ptr + 4 * row, tl.where(ok, tl.where(greedy, n_max.to(tl.float64), s), nan))
+    tl.store(sums_ptr + 4 * row + 1, tl.where(ok, tl.where(greedy, 0.0, s_kept), nan))
+    tl.store(sums_ptr + 4 * row + 2, tl.where(ok, third, nan))
+    tl.store(sums_ptr + 4 * row + 3, tl.where(ok, fourth, nan))
+    tl.store(picks_ptr + 2 * row, tl.where(ok, win, -1))
+    tl.store(picks_ptr + 2 * row + 1, tl.where(ok & (first < V), first + column_base, -1))
+
+
+@triton.jit
+def _digit_histogram_kernel(
+    logits_ptr, inner, outer_stride, inner_stride, V, prefix_ptr, given_ptr, temps_ptr, temp, unit_scale,
+    hist_ptr, SHIFT: tl.constexpr, PER_ROW_T: tl.constexpr, WEIGHTED: tl.constexpr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """csrc/sampling.h's shard_digit_histogram: a program a tile of a row (grid axis 1: the tiles)
+    adds each counted token to its digit's bin with an integer atomic (exact: the same sums in any
+    order, so a row's bins do not depend on how its tiles are spread); ``hist`` [N, 1 or 2, 256]
+    (counts, then with WEIGHTED mass units) arrives zeroed."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+    KEY_BITS: tl.constexpr = 64 if ACC == tl.float64 else 32
+    want = tl.load(prefix_ptr + row)
+    want = want.to(tl.uint64, bitcast=True) if ACC == tl.float64 else want.to(tl.uint32)
+    if WEIGHTED:
+        m = tl.load(given_ptr + 2 * row).to(ACC)
+        floor = tl.load(given_ptr + 2 * row + 1).to(ACC)
+        t = _row_param(temps_ptr, temp, row, PER_ROW_T, ACC)
+        inv_t = tl.where(t > 0, 1.0 / t, 1.0).to(ACC)
+        scale = float_scalar(unit_scale, tl.float64)
+    counts_ptr = hist_ptr + row * (512 if WEIGHTED else 256)
+    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    x = tl.load(row_ptr + offs, mask=offs < V, other=0.0).to(ACC)
+    key = _order_key(x)
+    counted = offs < V
+    if SHIFT + 8 < KEY_BITS:
+        counted &= ((key ^ want) >> (SHIFT + 8)) == 0
+    if WEIGHTED:
+        counted &= x >= floor
+    digit = ((key >> SHIFT) & 0xFF).to(tl.int32)
+    tl.atomic_add(counts_ptr + digit, tl.full([BLOCK_V], 1, tl.int64), mask=counted, sem="relaxed")
+    if WEIGHTED:
+        # (e <= 1 below the row's max; the minimum keeps a row the caller ignores (bad) from overflowing)
+        e = tl.minimum(tl.exp((x - m) * inv_t), 1.0).to(tl.float64)
+        units = (e * scale + 0.5).to(tl.int64)
+        tl.atomic_add(counts_ptr + 256 + digit, units, mask=counted & (units > 0), sem="relaxed")

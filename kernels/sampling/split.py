@@ -1,0 +1,223 @@
+"""A row split over many programs, for a batch small against the GPU
+(sampling._split_parts).
+
+The launches (sampling._split_selection) split the reads of one program's
+selection (sample._select): each program reads a slice of one tile of the
+statistics pass and writes its lanes' statistics of that tile alone, and adds
+its top digits to the row's histogram; one program a row folds the tiles in
+order and finds the list's floor; the slices compact their candidates; the
+last launch works on the list as one program's does. The one-program pass
+folds its tiles the same way (reduce.softmax_stats, FOLD_TILES), and every
+launch compiles without fused multiply-adds, so both paths give the same bits
+and a row's result does not depend on the batch it comes in. A split row's
+statistics and list reach the last launch in its record (_SPLIT_RECORD)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..reduce import exp2_scale, fold_lanes, lane_tile, merge_lanes, row_start, slice_offsets, tile_lane_stats
+from .compact import _compact
+from .keys import _BINS
+from .params import _inverse_temperature, _row_params
+from .select import _WINDOW_BINS, _list_floor, _may_list, _row_state, _tile_top_digits, _window_bin, _window_scale
+
+# A split row's statistics fold 8 tiles a trip (_split_rows_kernel): their loads issued together.
+_FOLD_GROUP = tl.constexpr(8)
+# A split row's record (_split_rows_kernel, _record_list): 6 int64, padded to 8.
+_SPLIT_RECORD = tl.constexpr(8)
+
+
+@triton.jit
+def _split_tiles_kernel(
+    logits_ptr, inner, outer_stride, inner_stride, V,
+    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+    lane_stats_ptr, hist_ptr, n_groups,
+    PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
+    REPS: tl.constexpr, LANES: tl.constexpr, SLICE_LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
+    MAX_IN_STORAGE_TYPE: tl.constexpr, WINDOW: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """The first launch of a split row (_split_selection), program (row, part):
+    lanes first_lane .. + SLICE_LANES of the row's tile ``part // SLICES`` of
+    softmax_stats' tiling. Writes each lane's (m, n, t) over that tile alone
+    (reduce.tile_lane_stats) to lane_stats (_split_rows_kernel), and adds the
+    slice's top-digit counts to the row's histogram (zero at launch) for rows
+    that may list candidates (not with WINDOW: _split_window_kernel)."""
+    SLICES: tl.constexpr = LANES // SLICE_LANES
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    tile = part // SLICES
+    first_lane = (part % SLICES) * SLICE_LANES
+    row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+    if ALIGNED:  # every row starts on a 16-byte boundary (the launcher checked)
+        row_ptr = tl.multiple_of(row_ptr, 16)
+    t, k, p, _, valid = _row_params(
+        row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+        PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
+    )  # fmt: skip
+    lane_offs, rep_offs = slice_offsets(REPS, SLICE_LANES, VEC, first_lane, LANES)
+    start = tile * (REPS * LANES * VEC)
+    offs = (start + lane_offs) + rep_offs
+    # one masked load (128 bits a lane where V is a multiple of 16, which Triton
+    # specialises on: the mask is then whole 16-byte runs)
+    x = lane_tile(tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")), SLICE_LANES, VEC)
+    m, n, tail = tile_lane_stats(x, exp2_scale(_inverse_temperature(t, valid, ACC)), MAX_IN_STORAGE_TYPE)
+    out = (lane_stats_ptr + (row * n_groups + tile // _FOLD_GROUP) * (3 * _FOLD_GROUP * LANES)
+           + (tile % _FOLD_GROUP) * LANES + first_lane + tl.arange(0, SLICE_LANES))  # fmt: skip
+    tl.store(out, m)
+    tl.store(out + _FOLD_GROUP * LANES, n)
+    tl.store(out + 2 * _FOLD_GROUP * LANES, tail)
+    if ACC != tl.float64 and not WINDOW:
+        if _may_list(V, t, k, p):
+            if start + REPS * LANES * VEC <= V:  # a whole tile: no mask to count out
+                counts = _tile_top_digits(x, None)
+            else:
+                counts = _tile_top_digits(x, lane_tile(offs < V, SLICE_LANES, VEC))
+            tl.atomic_add(hist_ptr + row * _BINS + tl.arange(0, _BINS), counts, mask=counts > 0, sem="relaxed")
+
+
+@triton.jit
+def _split_rows_kernel(
+    V, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+    lane_stats_ptr, n_tiles, n_groups, hist_ptr, split_ptr,
+    PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
+    LANES: tl.constexpr, LIST_CAP: tl.constexpr, WINDOW: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """The second launch of a split row, one program a row: its statistics, the
+    tiles' lane statistics folded in tile order and merged as softmax_stats
+    folds and merges them (the same bits as one program's read of the row), to
+    the row's record of _SPLIT_RECORD int64 at split_ptr: the float64 bits of
+    m, n and t; then which tokens go on its list (_record_list, from the
+    histogram; with WINDOW, _split_floor_kernel does, after the window's)."""
+    row = tl.program_id(0).to(tl.int64)
+    t, k, p, _, valid = _row_params(
+        row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+        PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
+    )  # fmt: skip
+    inv_t = _inverse_temperature(t, valid, ACC)
+    scale = exp2_scale(inv_t)
+    # A trip folds a group of _FOLD_GROUP tiles' statistics in tile order,
+    # lane_stats [rows, groups, 3, _FOLD_GROUP, LANES]: each tile's m, n and t are
+    # a coalesced load of the lanes, the group's 3 x _FOLD_GROUP loads all issued
+    # before its folds (a trip a tile waited for a memory latency each).
+    lanes = tl.arange(0, LANES)
+    m = tl.full([LANES], float("-inf"), ACC)
+    n = tl.zeros([LANES], ACC)
+    tail = tl.zeros([LANES], ACC)
+    for group in range(0, n_groups):  # n_groups = cdiv(n_tiles, _FOLD_GROUP)
+        at = lane_stats_ptr + (row * n_groups + group) * (3 * _FOLD_GROUP * LANES) + lanes
+        for j in tl.static_range(_FOLD_GROUP):
+            # tile < n_tiles, as one compare of the lanes (a scalar condition
+            # as a mask fails in Triton's interpreter)
+            live = (group * _FOLD_GROUP + j) * LANES + lanes < n_tiles * LANES
+            tile_m = tl.load(at + j * LANES, mask=live, other=float("-inf"))
+            tile_n = tl.load(at + (_FOLD_GROUP + j) * LANES, mask=live, other=0.0)
+            tile_tail = tl.load(at + (2 * _FOLD_GROUP + j) * LANES, mask=live, other=0.0)
+            if group * _FOLD_GROUP + j < n_tiles:
+                m, n, tail = fold_lanes(m, n, tail, tile_m, tile_n, tile_tail, scale)
+    m, n_max, tail, _no_w = merge_lanes(m, n, tail, tl.zeros([LANES], ACC), scale)
+    record = split_ptr + row * _SPLIT_RECORD
+    tl.store(record, m.to(tl.float64).to(tl.int64, bitcast=True))
+    tl.store(record + 1, n_max.to(tl.int64, bitcast=True))
+    tl.store(record + 2, tail.to(tl.int64, bitcast=True))
+    if not WINDOW:
+        _record_list(record, V, t, k, p, valid, inv_t, m, n_max, tail, hist_ptr + row * _BINS, LIST_CAP, WINDOW, ACC)
+
+
+@triton.jit
+def _record_list(record, V, t, k, p, valid, inv_t, m, n_max, tail, hist_ptr, LIST_CAP: tl.constexpr,
+                 WINDOW: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """A split row's list (_list_floor, from the row's histogram at hist_ptr:
+    zero for a row that lists none) to its record after m, n and t: the float64
+    bits of its lowest logit, n_candidates and compacted."""
+    bad, greedy, m_safe, s, _, k_on, p_on = _row_state(V, t, k, p, valid, m, n_max, tail, ACC)
+    HIST_BINS: tl.constexpr = _WINDOW_BINS if WINDOW else _BINS
+    counts = tl.load(hist_ptr + tl.arange(0, HIST_BINS))
+    lowest, n_candidates, compacted = _list_floor(V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s, counts,
+                                                  LIST_CAP, WINDOW, ACC)  # fmt: skip
+    tl.store(record + 3, lowest.to(tl.float64).to(tl.int64, bitcast=True))
+    tl.store(record + 4, n_candidates.to(tl.int64))
+    tl.store(record + 5, compacted.to(tl.int64))
+
+
+@triton.jit
+def _record_stats(record, ACC: tl.constexpr):
+    """A split row's (m, n, t) from its record (_split_rows_kernel)."""
+    m = tl.load(record).to(tl.float64, bitcast=True).to(ACC)
+    return m, tl.load(record + 1).to(tl.float64, bitcast=True), tl.load(record + 2).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _split_window_kernel(
+    logits_ptr, inner, outer_stride, inner_stride, V,
+    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p, split_ptr, hist_ptr,
+    PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
+    REPS: tl.constexpr, LANES: tl.constexpr, SLICE_LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
+    ACC: tl.constexpr,
+):  # fmt: skip
+    """With WINDOW, the third launch of a split row, program (row, part) as in
+    _split_tiles_kernel, for a row that lists: its slice's window bins
+    (_window_bin, from the row's m in its record) added to the row's window
+    histogram (zero at launch)."""
+    SLICES: tl.constexpr = LANES // SLICE_LANES
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    t, k, p, _, valid = _row_params(
+        row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+        PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
+    )  # fmt: skip
+    tl.static_assert(ACC != tl.float64, "float64 rows never list")
+    m, n_max, tail = _record_stats(split_ptr + row * _SPLIT_RECORD, ACC)
+    bad, greedy, m_safe, _, _, k_on, p_on = _row_state(V, t, k, p, valid, m, n_max, tail, ACC)
+    if (~bad) & (k_on | p_on | greedy):
+        row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+        if ALIGNED:  # every row starts on a 16-byte boundary (the launcher checked)
+            row_ptr = tl.multiple_of(row_ptr, 16)
+        lane_offs, rep_offs = slice_offsets(REPS, SLICE_LANES, VEC, (part % SLICES) * SLICE_LANES, LANES)
+        offs = ((part // SLICES) * (REPS * LANES * VEC) + lane_offs) + rep_offs
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        SIZE: tl.constexpr = REPS * SLICE_LANES * VEC
+        bins = tl.reshape(_window_bin(x, m_safe, _window_scale(_inverse_temperature(t, valid, ACC))), [SIZE])
+        counts = tl.histogram(bins, _WINDOW_BINS, mask=tl.reshape(offs < V, [SIZE]))
+        tl.atomic_add(hist_ptr + row * _WINDOW_BINS + tl.arange(0, _WINDOW_BINS), counts, mask=counts > 0,
+                      sem="relaxed")  # fmt: skip
+
+
+@triton.jit
+def _split_floor_kernel(
+    V, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p, hist_ptr, split_ptr,
+    PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
+    LIST_CAP: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """With WINDOW, the fourth launch of a split row, one program a row: which
+    tokens go on its list, from its window histogram (_record_list)."""
+    row = tl.program_id(0).to(tl.int64)
+    t, k, p, _, valid = _row_params(
+        row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+        PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
+    )  # fmt: skip
+    record = split_ptr + row * _SPLIT_RECORD
+    m, n_max, tail = _record_stats(record, ACC)
+    _record_list(record, V, t, k, p, valid, _inverse_temperature(t, valid, ACC), m, n_max, tail,
+                 hist_ptr + row * _WINDOW_BINS, LIST_CAP, True, ACC)  # fmt: skip
+
+
+@triton.jit
+def _split_compact_kernel(
+    logits_ptr, inner, outer_stride, inner_stride, V, split_ptr, cand_ptr, counter_ptr,
+    REPS: tl.constexpr, LANES: tl.constexpr, SLICE_LANES: tl.constexpr, VEC: tl.constexpr, LIST_CAP: tl.constexpr,
+):  # fmt: skip
+    """The last launch before the list's of a split row, program (row, part) as
+    in _split_tiles_kernel: its slice's candidates onto the row's list (_compact)."""
+    SLICES: tl.constexpr = LANES // SLICE_LANES
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    record = split_ptr + row * _SPLIT_RECORD  # (_record_list)
+    compacted = tl.load(record + 5)
+    if compacted != 0:
+        lowest = tl.load(record + 3).to(tl.float64, bitcast=True).to(tl.float32)
+        row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+        start = (part // SLICES) * (REPS * LANES * VEC)
+        _compact(row_ptr, start, start + 1, V, (part % SLICES) * SLICE_LANES, lowest, cand_ptr + row * LIST_CAP,
+                 counter_ptr + row, REPS, SLICE_LANES, VEC, LANES)  # fmt: skip
