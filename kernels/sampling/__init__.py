@@ -41,7 +41,7 @@ The package, by concern:
     split     a row's reads split over many programs, for a small batch;
     sample    a row's selection (_select) and the kernels that use it: the
               draw, the truncated log-prob and its backward;
-    shard     a vocabulary shard's kernels (fastrl.vocab_parallel);
+    shard     a vocabulary shard's kernels (fastrl._sharded.sampling);
 
 and this module the launchers: their meta-parameters and workspace, and
 which path a launch takes (split or not, which histogram).

@@ -1,4 +1,4 @@
-"""A vocabulary shard of the tensor-parallel sampler (fastrl.vocab_parallel):
+"""A vocabulary shard of the tensor-parallel sampler (fastrl._sharded.sampling):
 three kernels, a program a tile of a row each but the fold: the threshold
 search's digit histogram (_digit_histogram_kernel, integer atomics: exact in
 any order), then the shard pass: each tile's masses, maxima and race winner

@@ -174,7 +174,7 @@ BUDGETS: dict[str, Budget] = {
         why="issue 14: <= 3 passes over the row, each <= 1.5x the log-prob forward's SASS per "
         "element, 128-bit loads, every SM busy",
     ),
-    # A batch of at most half the SMs splits its rows (kernels/sampling.py,
+    # A batch of at most half the SMs splits its rows (kernels/sampling/,
     # _split_parts): a program reads a quarter of a tile, so that the two
     # launches over the row fill the SMs at B = 1; the one-program-a-row
     # launches between and after them (statistics fold, list work) are latency.
@@ -188,7 +188,7 @@ BUDGETS: dict[str, Budget] = {
     ),
     "sample rows": Budget(why="one program a row folds its tiles' statistics: latency-bound by design"),
     "sample list": Budget(why="one program a row over its candidate list: latency-bound by design"),
-    # The tensor-parallel sampler's pass over a rank's shard (kernels/sampling.py, _shard_tile_kernel): a
+    # The tensor-parallel sampler's pass over a rank's shard (kernels/sampling/shard.py, _shard_tile_kernel): a
     # program a tile, Philox in the tiles holding kept tokens only (the model counts it in every tile);
     # then one program a row folds the tiles' records (_shard_fold_kernel).
     "sample shard tiles": Budget(
@@ -239,7 +239,7 @@ OP_BUDGETS: dict[str, float] = {
 _FUSED_HISTOGRAM = "issue 14: the statistics pass carries the top-digit histogram (one read fewer, more SASS)"
 KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
     # One program a row (B > half the SMs) reads the row's statistics and its
-    # top-digit histogram in the same pass (kernels/sampling.py, _select): ~19
+    # top-digit histogram in the same pass (kernels/sampling/sample.py, _select): ~19
     # SASS an element against the budget's 14.9, where the two passes apart were
     # 11 and 13.5 each. Both counted, the fused pass does less (~19 against ~24.5
     # an element over the row) and reads the row once less: predicted ~10% faster
@@ -505,7 +505,7 @@ def run_model(archs: tuple[int, ...] = (90, 80), workers: int | None = None,
         "triton_kernels": triton_kernel_names(),
         "launched": sorted({v.name for v, _ in jobs}),
         # Triton 3.9 warns at a launch that leaves the contraction to its default,
-        # which 3.10 turns off: every launcher names it (logprobs.CONTRACTED).
+        # which 3.10 turns off: every launcher names it (_launch.CONTRACTED).
         "fusion_unnamed": sorted({launch.fn.__name__ for launch in [*(c[2] for c in canonical), *coverage]
                                   if "enable_fp_fusion" not in launch.kwargs}),  # fmt: skip
     }
@@ -658,7 +658,7 @@ def check(payload: dict, case_id: str, role: str, gate: str) -> tuple[bool, str]
         if "ALIGNED=False" in r["variant"].split(", "):
             # A forward reduction over rows that do not all start on a 16-byte
             # boundary counts its tiles from each row's first element, one element
-            # a lane (logprobs.tile_config), so that a row's result does not depend
+            # a lane (_launch.tile_config), so that a row's result does not depend
             # on its address (DESIGN.md, batch invariance): its loads are the
             # element's width, coalesced across the warp, never narrower or mixed.
             width = ELEMENT_BITS[r["dtype"]]

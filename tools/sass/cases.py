@@ -162,7 +162,7 @@ def _truncated(n: int, v: int, dtype: torch.dtype) -> Callable[[], None]:
 
 
 def _shard_pass(batch: int, v: int) -> Callable[[], None]:
-    """A tp = 2 rank's sample at top-k 50 (fastrl.vocab_parallel): the top-k radix select's two
+    """A tp = 2 rank's sample at top-k 50 (fastrl._sharded.sampling): the top-k radix select's two
     rounds over the shard (bf16 keys), then the shard pass (its tiles, then their fold)."""
     from fastrl.kernels import sampling
 
@@ -178,7 +178,7 @@ def _shard_pass(batch: int, v: int) -> Callable[[], None]:
     return run
 
 
-# The sampler's runtime branches (kernels/sampling.py, _select). Its steps after
+# The sampler's runtime branches (kernels/sampling/sample.py, _select). Its steps after
 # the compaction loop over the row's candidate list, whose length the kernel
 # computes: the model counts one trip of each (1024 entries), as for an LLM's
 # row at top-k 50 (dozens of candidates) or top-p 0.9 (the benchmark's rows:
@@ -195,7 +195,7 @@ COMPACTION = ("if compacted", "LIST_CAP")
 
 
 # A batch of at most half the SMs splits each row over several programs
-# (kernels/sampling.py, _split_parts, _split_selection): the tiles' statistics and
+# (kernels/sampling/__init__.py, _split_parts, _split_selection): the tiles' statistics and
 # histogram, the rows' statistics, the compaction, then the final launch's work
 # on the candidate list; where the installed triton's histogram is slow
 # (_uses_window), the window histogram and the rows' floors between the
@@ -341,7 +341,7 @@ def coverage() -> None:
             sampling.sample_forward(x, **params, seed=meta(n, dtype=I64), offset=meta(1, dtype=I64))
             _, trunc_stats = sampling.truncated_forward(x, labels, **params, with_stats=True)
             sampling.truncated_backward(x, labels, trunc_stats, meta(n), meta(n, v, dtype=dtype), **params)
-            # a vocabulary shard's (fastrl.vocab_parallel): the truncated log-probs' pass and backward
+            # a vocabulary shard's (fastrl._sharded.sampling): the truncated log-probs' pass and backward
             given = meta(n, 2, dtype=F32)
             sampling.sample_shard_pass(x, given, temperature=params["temperature"], min_p=params["min_p"],
                                        column_base=v, labels=labels)  # fmt: skip
@@ -354,7 +354,7 @@ def coverage() -> None:
                                            unit_scale=2.0**44)  # fmt: skip
             sampling.shard_digit_histogram(x, meta(n, dtype=I64), 16, given, temperature=params["temperature"],
                                            unit_scale=2.0**44)  # fmt: skip
-        # one row: split over many programs (kernels/sampling.py, _split_selection)
+        # one row: split over many programs (kernels/sampling/__init__.py, _split_selection)
         one, one_temp = meta(1, v, dtype=dtype), meta(1, dtype=F32)
         split_params = {"temperature": one_temp, "top_k": meta(1, dtype=I64), "top_p": one_temp, "min_p": one_temp}
         sampling.sample_forward(one, **split_params, seed=meta(1, dtype=I64), offset=meta(1, dtype=I64))
