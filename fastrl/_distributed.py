@@ -26,7 +26,9 @@ checks), and ranks that pass different per-token values get different results.
 A rank that alone changes an agreed argument while the others repeat it cannot
 be told apart from them without a collective: it raises, or leaves the others
 waiting, as in any collective code. ``FASTRL_CHECKS=1`` agrees every call in full,
-with everything the first call checks.
+with everything the first call checks. Under torch.compile the first call of a
+configuration breaks the graph at that host read (``fullgraph=True`` refuses it):
+agree it with one eager call first, as a CUDA graph's warm-up does.
 """
 
 from __future__ import annotations
