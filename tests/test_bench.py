@@ -31,6 +31,22 @@ def test_readme_performance_section_is_generated_from_the_recorded_results():
     )
 
 
+def test_the_committed_predictions_are_of_the_code_in_the_tree():
+    """Each committed predictions file records the source_hash of the code it predicts (tools.sass:
+    the kernels' and the model's code, comments and docstrings aside): a kernel or model change
+    committed without new predictions fails here, under CI's own Python and without a Triton run."""
+    from tools import sass
+
+    predicted = sorted((ROOT / "bench" / "results").glob("sm90-predicted*.json"))
+    assert predicted
+    for path in predicted:
+        payload = json.loads(path.read_text())
+        assert payload.get("source_hash") == sass.source_hash(), (
+            f"{path.name} predicts other code than the tree's: run python -m tools.sass under triton "
+            f"{payload.get('triton')} and commit the file it writes"
+        )
+
+
 @pytest.mark.parametrize("family", sorted(bench_main.OPS))
 def test_every_case_states_its_bytes_checks_its_result_and_times_fastrl(family):
     for case in bench_main.OPS[family].cases(torch.device("cpu"), quick=True):

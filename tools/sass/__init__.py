@@ -87,8 +87,10 @@ fixes it (issue 14: the sampler).
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -103,6 +105,41 @@ from . import model as sm
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "sm90-predicted.json"
 LABEL = "predicted by the static sm_90 model (tools.sass), not measured"
+# What the predictions are a function of (besides the Triton that compiles): the kernels' code and
+# what they import from fastrl, and the model's own. ``source_hash`` digests them.
+PREDICTION_SOURCES = ("kernels", "fastrl/_rows.py", "tools/sass")
+
+
+def _code_shape(node) -> str:
+    """A syntax tree as text, the same under every Python from 3.11 on: fields holding None or
+    nothing are left out (3.13's ast.dump leaves them out, 3.11's shows them), and so are
+    3.12's type_params; no line numbers."""
+    if isinstance(node, ast.AST):
+        fields = ",".join(f"{name}={_code_shape(value)}" for name, value in ast.iter_fields(node)
+                          if value is not None and value != [] and name != "type_params")  # fmt: skip
+        return f"{type(node).__name__}({fields})"
+    if isinstance(node, list):
+        return "[" + ",".join(_code_shape(item) for item in node) + "]"
+    return repr(node)
+
+
+def source_hash() -> str:
+    """sha256 of PREDICTION_SOURCES' code: each module's syntax tree without its docstrings, so
+    that a comment, a docstring or a moved line leaves it unchanged and a code change does not.
+    A committed predictions file records it; tests/test_bench.py fails when it is stale."""
+    digest = hashlib.sha256()
+    paths = sorted(p for name in PREDICTION_SOURCES for p in ((ROOT / name).rglob("*.py") if (ROOT / name).is_dir()
+                                                              else [ROOT / name]))  # fmt: skip
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                    and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)):  # fmt: skip
+                node.body = body[1:]
+        digest.update(f"{path.relative_to(ROOT).as_posix()}\n{_code_shape(tree)}\n".encode())
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------
@@ -496,6 +533,7 @@ def run_model(archs: tuple[int, ...] = (90, 80), workers: int | None = None,
         "copy_bandwidth_gbps": sm.H100.copy_bw / 1e9,
         "model": {name: dataclasses.asdict(dev) for name, dev in sm.DEVICES.items()},
         "triton": _version("triton"),
+        "source_hash": source_hash(),
         "commit": _commit(),
         "date": datetime.date.today().isoformat(),
         "ops": op_rows(rows),
