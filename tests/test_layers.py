@@ -8,6 +8,7 @@ import ast
 import importlib
 import inspect
 import pathlib
+import re
 
 import fastrl._native
 import fastrl._ops
@@ -100,6 +101,6 @@ def test_both_backends_offer_every_launcher_with_one_signature():
             for extra in native_params[common:] + triton_params[common:]:
                 assert extra.kind == extra.KEYWORD_ONLY and extra.default is not extra.empty, (family, name, extra)
                 assert f"{extra.name}=" not in source, f"{family}.{name}: the operators pass {extra.name}"
-    called = set(__import__("re").findall(r'launchers\(backend, "(\w+)"\)\.(\w+)', source))
+    called = set(re.findall(r'launchers\(backend, "(\w+)"\)\.(\w+)', source))
     declared = {(family, name) for family, names in fastrl._ops.LAUNCHERS.items() for name in names}
     assert called == declared, f"called but not declared: {sorted(called - declared)}"

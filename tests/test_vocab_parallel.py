@@ -6,6 +6,7 @@ and bad input raising on every rank instead of hanging."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -37,17 +38,27 @@ def _uneven_bounds(vocab: int, world: int) -> list[int]:
     return [0, *sorted((torch.randperm(vocab - 1)[: world - 1] + 1).tolist()), vocab]
 
 
+@contextlib.contextmanager
+def _every_call_agreed():
+    """FASTRL_CHECKS=1 while it runs (fastrl._distributed agrees every call), then as before."""
+    before = os.environ.get("FASTRL_CHECKS")
+    os.environ["FASTRL_CHECKS"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["FASTRL_CHECKS"]
+        else:
+            os.environ["FASTRL_CHECKS"] = before
+
+
 def _expect_error_everywhere(match: str, call, error=ValueError) -> None:
     """``call`` raises on every rank. Under FASTRL_CHECKS=1, which agrees every call: a rank that
     alone changes an argument of a configuration the group agreed before (as these cases do, one
     after the other) is seen by that agreement alone (fastrl._distributed; _check_agreed_once
     tests a first call's error without it)."""
-    os.environ["FASTRL_CHECKS"] = "1"
-    try:
-        with pytest.raises(error, match=match):
-            call()
-    finally:
-        del os.environ["FASTRL_CHECKS"]
+    with _every_call_agreed(), pytest.raises(error, match=match):
+        call()
 
 
 def _rank_main(rank: int, check, world: int, init_file: str, seed: int, backend: str = "gloo") -> None:
@@ -329,11 +340,8 @@ def _check_agreed_once(rank, world, group, logits, labels, lo, hi) -> None:
         fastrl.logprobs_and_entropy(shard, labels, temperature=0.3 + rank, group=group, vocab_start=lo)
     too_big = labels.clone()
     too_big[1] = logits.shape[-1] + 5 if rank == world - 1 else too_big[1]
-    os.environ["FASTRL_CHECKS"] = "1"
-    try:
+    with _every_call_agreed():
         assert _counted(calls["logprobs"][0]).gathers == first_gathers["logprobs"]
-    finally:
-        del os.environ["FASTRL_CHECKS"]
     _expect_error_everywhere(r"labels must lie in \[0, 1031\)",
                              lambda: fastrl.logprobs_and_entropy(shard, too_big, temperature=t, group=group,
                                                                  vocab_start=lo))  # fmt: skip
