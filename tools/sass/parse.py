@@ -599,5 +599,24 @@ def _trace_arg(ssa: str, defs: dict, args: list[str]) -> str | None:
     return None
 
 
+# The checkout whose kernels the model reads.
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def source_path(path: str) -> str:
+    """The file of this checkout that a compiled kernel's source location names. Triton's cache
+    keys a kernel by its code and line numbers, not its file's path, so a cached TTGIR may name
+    the file where it was first compiled: another checkout, maybe since removed or changed. The
+    longest tail of at least two parts (``kernels/reduce.py``) that is a file here is that file;
+    a path with no such tail is kept."""
+    parts = Path(path).parts
+    for start in range(len(parts) - 1):
+        candidate = _ROOT.joinpath(*parts[start:])
+        if candidate.is_file():
+            return str(candidate)
+    return path
+
+
 def source_text(source: tuple[str, int] | None) -> str:
-    return linecache.getline(source[0], source[1]).strip() if source else ""
+    """The line a source location names, stripped ("" for none)."""
+    return linecache.getline(source_path(source[0]), source[1]).strip() if source else ""
