@@ -13,7 +13,7 @@ import torch
 import fastrl
 from fastrl import reference
 
-from . import Case, Impl, compiled_reference, grad_step, no_grad_step
+from . import Case, Impl, compiled_reference, generator, grad_step, no_grad_step
 
 GPU_SHAPES = [(8192, 151936, torch.bfloat16)]
 CPU_SHAPES = [(512, 32000, torch.bfloat16)]
@@ -22,10 +22,10 @@ QUICK_SHAPES = [(64, 32000, torch.bfloat16)]
 
 def _make_inputs(n: int, v: int, dtype: torch.dtype):
     def make(device: torch.device) -> dict:
-        gen = torch.Generator(device="cpu").manual_seed(2)
-        logits = torch.randn(n, v, generator=gen) * 2
-        ref = logits + 0.3 * torch.randn(n, v, generator=gen)
-        return {"logits": logits.to(dtype).to(device), "ref_logits": ref.to(dtype).to(device)}
+        gen = generator(device, 2)
+        logits = torch.randn(n, v, generator=gen, device=device) * 2
+        ref = logits + 0.3 * torch.randn(n, v, generator=gen, device=device)
+        return {"logits": logits.to(dtype), "ref_logits": ref.to(dtype)}
 
     return make
 

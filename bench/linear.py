@@ -21,7 +21,7 @@ import torch
 import fastrl
 from fastrl import reference
 
-from . import Case, Impl, compiled_reference, import_peer
+from . import Case, Impl, compiled_reference, generator, import_peer
 
 # (N, V, dtype) with the hidden size of the device. The CPU target is
 # [4096, 2048, 151936]: about a minute a fwd+bwd on a 2-core machine, so `make bench`
@@ -37,16 +37,12 @@ MODES = ("linear logprobs+entropy fwd", "linear logprobs+entropy fwd+bwd")
 
 def _make_inputs(n: int, hidden_size: int, vocab: int, dtype: torch.dtype):
     def make(device: torch.device) -> dict:
-        gen = torch.Generator(device="cpu").manual_seed(3)
-        hidden = torch.randn(n, hidden_size, generator=gen)
+        gen = generator(device, 3)
+        hidden = torch.randn(n, hidden_size, generator=gen, device=device)
         # logits of std ~3, as a trained LM head gives
-        weight = torch.randn(vocab, hidden_size, generator=gen) * (3.0 / hidden_size**0.5)
-        labels = torch.randint(vocab, (n,), generator=gen)
-        return {
-            "hidden": hidden.to(dtype).to(device),
-            "weight": weight.to(dtype).to(device),
-            "labels": labels.to(device),
-        }
+        weight = torch.randn(vocab, hidden_size, generator=gen, device=device) * (3.0 / hidden_size**0.5)
+        labels = torch.randint(vocab, (n,), generator=gen, device=device)
+        return {"hidden": hidden.to(dtype), "weight": weight.to(dtype), "labels": labels}
 
     return make
 

@@ -2,6 +2,7 @@
 
 Minimum traffic per case (N rows, V vocabulary, e bytes per logit, l per label):
     logprobs fwd               N V e + N l + 4 N            (logits and labels in, fp32 log-probs out)
+    logprobs fwd+bwd           3 N V e + N l + 8 N          (logits read by both passes, gradient written)
     logprobs+entropy fwd       N V e + N l + 8 N
     logprobs+entropy fwd+bwd   3 N V e + N l + 16 N         (logits read by both passes, gradient written)
 """
@@ -13,7 +14,7 @@ import torch
 import fastrl
 from fastrl import reference
 
-from . import Case, Impl, compiled_reference, grad_step, import_peer, no_grad_step
+from . import Case, Impl, compiled_reference, generator, grad_step, import_peer, no_grad_step
 
 # (N, V, dtype). DESIGN.md's canonical GPU shapes; CPU shapes fit a 24 GB host
 # with room for the eager peers' fp32 temporaries.
@@ -21,7 +22,7 @@ GPU_SHAPES = [(16384, 151936, torch.bfloat16), (8192, 128256, torch.bfloat16), (
 CPU_SHAPES = [(2048, 32000, torch.float32), (512, 151936, torch.bfloat16)]
 QUICK_SHAPES = [(256, 32000, torch.float32), (32, 151936, torch.bfloat16)]
 
-MODES = ("logprobs fwd", "logprobs+entropy fwd", "logprobs+entropy fwd+bwd")
+MODES = ("logprobs fwd", "logprobs fwd+bwd", "logprobs+entropy fwd", "logprobs+entropy fwd+bwd")
 
 # Sweeps (bf16): the vocabulary at n rows, and the rows at vocabulary v.
 GPU_SWEEP = {"n": 4096, "vocab": (32000, 65536, 128256, 151936, 262144), "v": 151936, "rows": (1, 64, 1024, 4096, 16384)}
@@ -37,14 +38,18 @@ def _wrap(mode: str):
     return lambda run: no_grad_step(lambda inputs: run(inputs["logits"], inputs["labels"]))
 
 
+def _with_entropy(mode: str) -> bool:
+    return mode.startswith("logprobs+entropy")
+
+
 def _fastrl(mode: str):
-    if mode == "logprobs fwd":
+    if not _with_entropy(mode):
         return lambda x, y: fastrl.logprobs_from_logits(x, y)
     return lambda x, y: fastrl.logprobs_and_entropy(x, y)
 
 
 def _reference(mode: str):
-    if mode == "logprobs fwd":
+    if not _with_entropy(mode):
         return lambda x, y: reference.logprobs_from_logits(x, y)
     return lambda x, y: reference.logprobs_and_entropy(x, y)
 
@@ -55,11 +60,11 @@ def _framework_peer(framework: str, module: str, logprobs_name: str, mode: str) 
     mod, why = import_peer(module)
     if mod is None:
         run = None
-    elif mode == "logprobs fwd":
+    elif not _with_entropy(mode):
         run = lambda x, y: getattr(mod, logprobs_name)(x, y)  # noqa: E731
     else:
         run = lambda x, y: (getattr(mod, logprobs_name)(x, y), mod.entropy_from_logits(x))  # noqa: E731
-    suffix = "" if mode == "logprobs fwd" else " + entropy_from_logits"
+    suffix = " + entropy_from_logits" if _with_entropy(mode) else ""
     return f"{framework} {logprobs_name}{suffix}", run, why
 
 
@@ -77,12 +82,12 @@ def _peers(mode: str, device: torch.device, quick: bool, wrap) -> list[Impl]:
         peers.append(Impl(name, wrap(run) if why is None else None, why))
 
     gpu_only = None if device.type == "cuda" else "GPU only (Triton)"
-    if mode == "logprobs fwd":
+    if not _with_entropy(mode):
         add("torch eager log_softmax+gather", _log_softmax_gather, None)
     peers.append(compiled_reference(wrap, _reference(mode), quick))
     add(*_framework_peer("veRL", "verl.utils.torch_functional", "logprobs_from_logits", mode))
     add(*_framework_peer("TRL", "trl.trainer.utils", "selective_log_softmax", mode))
-    if mode != "logprobs fwd":
+    if _with_entropy(mode):
         trl_kernels, why = import_peer("trl.kernels")
         fused = getattr(trl_kernels, "selective_log_softmax_and_entropy", None) if trl_kernels else None
         add("TRL kernels.selective_log_softmax_and_entropy", fused,
@@ -105,6 +110,8 @@ def _min_bytes(mode: str, n: int, v: int, dtype: torch.dtype, label_bytes: int =
     e = torch.empty((), dtype=dtype).element_size()
     if mode == "logprobs fwd":
         return n * v * e + n * label_bytes + 4 * n
+    if mode == "logprobs fwd+bwd":
+        return 3 * n * v * e + n * label_bytes + 8 * n
     if mode == "logprobs+entropy fwd":
         return n * v * e + n * label_bytes + 8 * n
     return 3 * n * v * e + n * label_bytes + 16 * n
@@ -112,6 +119,7 @@ def _min_bytes(mode: str, n: int, v: int, dtype: torch.dtype, label_bytes: int =
 
 BYTES_FORMULA = {
     "logprobs fwd": "N*V*e + N*8 + 4N",
+    "logprobs fwd+bwd": "3*N*V*e + N*8 + 8N",
     "logprobs+entropy fwd": "N*V*e + N*8 + 8N",
     "logprobs+entropy fwd+bwd": "3*N*V*e + N*8 + 16N",
 }
@@ -119,9 +127,9 @@ BYTES_FORMULA = {
 
 def _make_inputs(n: int, v: int, dtype: torch.dtype):
     def make(device: torch.device) -> dict:
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        logits = (torch.randn(n, v, generator=gen, dtype=torch.float32) * 2).to(dtype).to(device)
-        labels = torch.randint(v, (n,), generator=gen).to(device)
+        gen = generator(device, 0)
+        logits = (torch.randn(n, v, generator=gen, device=device) * 2).to(dtype)
+        labels = torch.randint(v, (n,), generator=gen, device=device)
         return {"logits": logits, "labels": labels}
 
     return make

@@ -15,7 +15,7 @@ import torch
 import fastrl
 from fastrl import reference
 
-from . import Case, Impl, compiled_reference, grad_step, import_peer
+from . import Case, Impl, compiled_reference, generator, grad_step, import_peer
 
 # DESIGN.md's canonical policy-loss shape, and the from-logits shape (16384 tokens).
 GPU_SHAPES = {"policy": (64, 8192), "from_logits": (16, 1024, 151936)}
@@ -107,9 +107,9 @@ def _from_logits_inputs(shape, dtype):
     def make(device):
         n_rows, length, vocab = shape
         inputs = _per_token((n_rows, length), device)
-        gen = torch.Generator(device="cpu").manual_seed(1)
-        logits = (torch.randn(n_rows, length, vocab, generator=gen) * 2).to(dtype).to(device)
-        inputs.update(logits=logits, labels=torch.randint(vocab, (n_rows, length), generator=gen).to(device))
+        gen = generator(device, 1)
+        logits = (torch.randn(n_rows, length, vocab, generator=gen, device=device) * 2).to(dtype)
+        inputs.update(logits=logits, labels=torch.randint(vocab, (n_rows, length), generator=gen, device=device))
         if device.type == "cuda":  # Liger's GRPO loss reads the model's [B, L + 1, V] logits
             inputs["logits_with_next"] = torch.cat([logits, logits[:, -1:]], dim=1)
         return inputs
