@@ -3,6 +3,13 @@
 Prints a table and writes ``bench/results/<device>.json`` (or ``--results-dir DIR``'s, or ``--json PATH``;
 with ``--merge``, keeping that file's rows of the cases not run now), and with
 ``--plot DIR`` one PNG per op.
+``--plan quick`` times the quick GPU plan's cases instead (bench/quick.py; with
+``--dry-run``, its plumbing on the CPU at tiny shapes). On an H100 or H200 (and
+in the dry run) each measured fastrl row carries the static sm_90 model's
+prediction of its case for the installed Triton, labelled as a prediction. The
+results file is rewritten after every case, so that a run cut short leaves the
+rows it measured (marked incomplete).
+
 Exits non-zero if fastrl's result on a benchmark input is off the reference, or,
 with ``--check-speed`` / ``--check-speed-compiled``, if fastrl is slower than
 the torch reference / ``torch.compile`` of it in the same run (a ratio, with a
@@ -36,6 +43,7 @@ from . import (
     merge_refusal,
     merge_rows,
     print_table,
+    quick,
     remeasure_ratio,
     row_key,
     run_cases,
@@ -63,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--op", choices=sorted(OPS), action="append", help="op family (default: all)")
     parser.add_argument("--shape", type=_parse_shape, action="append", help="N,V,dtype (repeatable; N = rows or batch)")
     parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions (CI)")
+    parser.add_argument("--plan", choices=("quick",), default=None,
+                        help="the quick GPU plan's cases (bench/quick.py) instead of --op / --shape")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="with --plan: its plumbing on the CPU at tiny shapes (tests/test_gpu_plan.py)")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per row")
     parser.add_argument("--json", type=Path, default=None, help="results file (default RESULTS_DIR/<device>.json)")
@@ -85,18 +97,30 @@ def main(argv: list[str] | None = None) -> int:
                         help="the --check-speed margin on a CPU whose native kernels run their AVX2 (x86-64-v3) "
                              "clone, where its lead over torch is still slim (issue 18); default: --check-speed")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.dry_run and args.plan is None:
+        parser.error("--dry-run runs a --plan")
     if args.cpu_isa is not None:
         _run_at_cpu_level(args.cpu_isa, sys.argv[1:] if argv is None else argv)
     _inductor_at_native_level()
 
-    device = torch.device(args.device)
-    reps = args.reps or (5 if args.quick or device.type == "cpu" else 20)
-    bench.COMPILED_IN_QUICK = args.check_speed_compiled is not None  # read as the cases are made
-    try:
-        cases = [c for op in (args.op or OPS) for c in OPS[op].cases(device, quick=args.quick, shapes=args.shape)]
-    finally:
-        bench.COMPILED_IN_QUICK = False
+    device = torch.device("cpu" if args.dry_run else args.device)
+    reps = args.reps or (2 if args.dry_run else quick.REPS if args.plan else 5 if args.quick or device.type == "cpu" else 20)
+    canonical = {}  # a case's key -> the key of the case whose prediction it carries (the dry run's stand-ins)
+    if args.plan is not None:
+        planned = quick.cases(device, dry=args.dry_run)
+        cases = [case for case, _ in planned]
+        canonical = {case.key(): key for case, key in planned}
+    else:
+        bench.COMPILED_IN_QUICK = args.check_speed_compiled is not None  # read as the cases are made
+        try:
+            cases = [c for op in (args.op or OPS) for c in OPS[op].cases(device, quick=args.quick, shapes=args.shape)]
+        finally:
+            bench.COMPILED_IN_QUICK = False
     env = environment(device)
+    if args.plan is not None:
+        env["plan"] = args.plan + (" (dry run: tiny stand-ins on the CPU for the plan's GPU cases)" if args.dry_run else "")
+    gpu = "H100" if args.dry_run else quick.model_of(env["device"]) if device.type == "cuda" else None
+    predicted = quick.predictions(env["triton"]) if gpu else None
     out = args.json or args.results_dir / f"{device_slug(device)}.json"
     previous = json.loads(out.read_text()) if args.merge and out.exists() else None
     if previous is not None and (why := merge_refusal(previous, env)) is not None:
@@ -120,15 +144,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\r{done[0]}/{total} rows", end="", file=sys.stderr, flush=True)
 
         close = lambda: print(file=sys.stderr)  # noqa: E731
-    rows = run_cases(cases, device, reps=reps, progress=progress)
+    copy_gbps = copy_bps / 1e9
+    measured_rows = []
+    for done, case in enumerate(cases, 1):
+        measured_rows += run_cases([case], device, reps=reps, progress=progress)
+        if predicted is not None:
+            quick.attach_predictions(measured_rows, predicted, gpu, canonical)
+        rows = measured_rows if previous is None else merge_rows(previous, measured_rows)
+        progress_note = {} if done == len(cases) else {"incomplete": f"{done} of {len(cases)} cases measured"}
+        payload = write_json(out, {**env, **progress_note}, copy_gbps, rows)
     close()
 
-    copy_gbps = copy_bps / 1e9
-    print_table(rows, copy_gbps)
-    measured_rows = rows
-    if previous is not None:
-        rows = merge_rows(previous, rows)
-    payload = write_json(out, env, copy_gbps, rows)
+    print_table(measured_rows, copy_gbps)
     print(f"wrote {out}")
     if args.plot is not None:
         from .plots import write_plots
@@ -157,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"re-measured {what}: {r['fastrl_speedup']:.2f}x, then {ratio:.2f}x", file=sys.stderr)
             if ratio < margin:
                 failures.append(f"{what}: fastrl is {ratio:.2f}x {r['impl']}, below the required {margin:.2f}x")
+    if args.plan is not None:
+        print(quick.summary(measured_rows, copy_gbps))
     for f in failures:
         print(f"FAIL: {f}", file=sys.stderr)
     return 1 if failures else 0
