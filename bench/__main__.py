@@ -105,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cpu" if args.dry_run else args.device)
     reps = args.reps or (2 if args.dry_run else quick.REPS if args.plan else 5 if args.quick or device.type == "cpu" else 20)
+    # Whether --merge can merge, before any case is made: making them imports the peers (25 s on a GPU machine)
+    env = environment(device)
+    out = args.json or args.results_dir / f"{device_slug(device)}.json"
+    previous = json.loads(out.read_text()) if args.merge and out.exists() else None
+    if previous is not None and (why := merge_refusal(previous, env)) is not None:
+        print(f"--merge: cannot merge into {out}: {why}", file=sys.stderr)
+        return 2
     canonical = {}  # a case's key -> the key of the case whose prediction it carries (the dry run's stand-ins)
     if args.plan is not None:
         planned = quick.cases(device, dry=args.dry_run)
@@ -116,16 +123,10 @@ def main(argv: list[str] | None = None) -> int:
             cases = [c for op in (args.op or OPS) for c in OPS[op].cases(device, quick=args.quick, shapes=args.shape)]
         finally:
             bench.COMPILED_IN_QUICK = False
-    env = environment(device)
     if args.plan is not None:
         env["plan"] = args.plan + (" (dry run: tiny stand-ins on the CPU for the plan's GPU cases)" if args.dry_run else "")
     gpu = "H100" if args.dry_run else quick.model_of(env["device"]) if device.type == "cuda" else None
     predicted = quick.predictions(env["triton"]) if gpu else None
-    out = args.json or args.results_dir / f"{device_slug(device)}.json"
-    previous = json.loads(out.read_text()) if args.merge and out.exists() else None
-    if previous is not None and (why := merge_refusal(previous, env)) is not None:
-        print(f"--merge: cannot merge into {out}: {why}", file=sys.stderr)
-        return 2
     copy_bps = copy_bandwidth(device)
     print(f"fastrl bench on {env['device']} (torch {env['torch']}, triton {env['triton']}); "
           f"copy bandwidth {copy_bps / 1e9:.1f} GB/s", flush=True)  # fmt: skip

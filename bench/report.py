@@ -3,7 +3,7 @@ suite wrote (bench/results/*.json), so that no number there is typed by hand:
 the measured tables first, then the static sm_90 model's predictions
 (bench/results/sm90-predicted.json, written by ``python -m tools.sass``),
 headed as predictions, with the measured time beside each prediction once a
-GPU run of the same case exists.
+GPU run of the same case under the same Triton exists.
 
     python -m bench.report            rewrite the section in README.md
     python -m bench.report --check    exit 1 if it is out of date
@@ -28,9 +28,14 @@ def render_device(payload: dict) -> str:
     of the copy bandwidth, and its speed-up over each peer measured."""
     copy_gbps = payload["copy_bandwidth_gbps"]
     commit = (payload.get("commit") or "unknown")[:10]
+    run = [f"copy bandwidth {copy_bandwidth_label(payload)}"]
+    if payload.get("plan"):
+        run.append(f"the {payload['plan']} plan")
+    if payload.get("incomplete"):  # a run cut short by its time limit
+        run.append(f"incomplete: {payload['incomplete']}")
     lines = [
         f"**{results_label(payload)}** (torch {payload['torch']}, triton {payload['triton']}, "
-        f"commit `{commit}`, {payload['date'][:10]}; copy bandwidth {copy_bandwidth_label(payload)})",
+        f"commit `{commit}`, {payload['date'][:10]}; {'; '.join(run)})",
         "",
         "| op | shape | dtype | fastrl | % of copy BW | fastrl speed-up over |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -68,10 +73,11 @@ def _time(seconds: float) -> str:
 
 def render_predicted(payload: dict, measured: list[dict]) -> str:
     """The static model's tables: per op on H100 and H200 (with the measured
-    time of the same case beside it when a GPU run recorded one), then per
+    time of the same case beside it when a GPU run under the same Triton
+    recorded one: the model predicts the code that Triton compiles), then per
     kernel launch on H100. Every figure is a prediction."""
     commit = (payload.get("commit") or "unknown")[:10]
-    gpu = _measured_gpu_times(measured)
+    gpu = _measured_gpu_times([run for run in measured if run.get("triton") == payload["triton"]])
     models = payload["model"]
     lines = [
         f"**Predicted, not measured: {payload['device']}** by the static sm_90 model (`python -m tools.sass`, "
@@ -81,7 +87,8 @@ def render_predicted(payload: dict, measured: list[dict]) -> str:
         f"{models['H100']['clock_hz'] / 1e9:.3f} GHz; the model and its assumptions are stated in "
         "`tools/sass/__init__.py`. Predicted % of copy bandwidth = the op's minimum bytes / predicted time.",
         "",
-        "| op | shape | dtype | predicted H100 | % of copy BW | predicted H200 | % of copy BW | bound | measured |",
+        f"| op | shape | dtype | predicted H100 | % of copy BW | predicted H200 | % of copy BW | bound | "
+        f"measured (triton {payload['triton']}) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for op in payload["ops"]:
