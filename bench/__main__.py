@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             bench.COMPILED_IN_QUICK = False
     if args.plan is not None:
         env["plan"] = args.plan + (" (dry run: tiny stand-ins on the CPU for the plan's GPU cases)" if args.dry_run else "")
+        env["plan_cases"] = [[op, list(shape), dtype] for _, (op, shape, dtype) in planned]
+        # beside the stages' times in the session's log, to correct the estimate by
+        print(quick.format_estimate(quick.estimate("H100"), "H100"), flush=True)
     gpu = "H100" if args.dry_run else quick.model_of(env["device"]) if device.type == "cuda" else None
     predicted = quick.predictions(env["triton"]) if gpu else None
     copy_bps = copy_bandwidth(device)
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             if ratio < margin:
                 failures.append(f"{what}: fastrl is {ratio:.2f}x {r['impl']}, below the required {margin:.2f}x")
     if args.plan is not None:
-        print(quick.summary(measured_rows, copy_gbps))
+        print(quick.summary(measured_rows, copy_gbps, on_the_gpu=not args.dry_run))
     for f in failures:
         print(f"FAIL: {f}", file=sys.stderr)
     return 1 if failures else 0

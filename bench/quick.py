@@ -178,9 +178,10 @@ def attach_predictions(rows: list[dict], predicted: dict, gpu: str, canonical: d
         }  # fmt: skip
 
 
-def summary(rows: list[dict], copy_gbps: float) -> str:
+def summary(rows: list[dict], copy_gbps: float, *, on_the_gpu: bool) -> str:
     """One line per case: fastrl's measured time and share of the copy bandwidth,
-    the model's prediction beside it (marked as such), and fastrl's speed-up over each peer."""
+    the model's prediction beside it (marked as such; their ratio where the run was
+    on the predicted GPU, at the predicted shape), and fastrl's speed-up over each peer."""
     lines = ["fastrl measured, beside the sm_90 model's prediction (predicted, not measured):"]
     for row in rows:
         if row["impl"] != "fastrl" or "median_ms" not in row:
@@ -190,10 +191,10 @@ def summary(rows: list[dict], copy_gbps: float) -> str:
         predicted = "no prediction"
         if guess:
             predicted = f"predicted {guess['time_ms']:.3f} ms ({guess['gpu']}, triton {guess['triton']})"
-            if guess["shape"] == row["shape"]:
+            if on_the_gpu and guess["shape"] == row["shape"]:
                 predicted += f", measured / predicted {row['median_ms'] / guess['time_ms']:.2f}"
             else:  # a dry run's stand-in: the prediction is of the GPU case
-                predicted += f" for {'x'.join(map(str, guess['shape']))}"
+                predicted += f" for {'x'.join(map(str, guess['shape']))} on the GPU"
         peers = ", ".join(
             f"{r['impl']} {r['fastrl_speedup']:.2f}x" for r in rows if row_key(r) == row_key(row) and "fastrl_speedup" in r
         )
@@ -222,6 +223,7 @@ BUILD_S = 40.0  # fastrl._C (the CPU kernels): in the background, beside the smo
 # of its own tests first (about 4 s a kernel) and one test spawns an NCCL rank.
 SMOKE_S = 100.0
 PACK_S = 10.0  # the README's tables regenerated, results.tgz
+BUDGET_S = 345  # session.sh's QUICK_BUDGET: a device call of 360 s, less a margin for the summary
 
 
 def _measured_call_times(directory: Path, gpu: str) -> dict[tuple, float]:
@@ -277,6 +279,12 @@ def estimated_total(stages: list[tuple[str, float, str]]) -> float:
     return sum(seconds for stage, seconds, _ in stages if stage != "build")
 
 
+def format_estimate(stages: list[tuple[str, float, str]], gpu: str) -> str:
+    lines = [f"the quick plan's estimated time on an {gpu} (bench/quick.py; a budget of {BUDGET_S} s):"]
+    lines += [f"  {stage:<6} {seconds:5.0f} s  {how}" for stage, seconds, how in stages]
+    return "\n".join([*lines, f"  total  {estimated_total(stages):5.0f} s"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.quick", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke-ids", metavar="DEVICE", help="print the smoke's pytest node ids on DEVICE (cuda, cpu)")
@@ -285,10 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke_ids:
         print("\n".join(smoke_node_ids(args.smoke_ids)))
     if args.estimate:
-        stages = estimate(args.estimate)
-        for stage, seconds, how in stages:
-            print(f"{stage:<6} {seconds:5.0f} s  {how}")
-        print(f"total  {estimated_total(stages):5.0f} s")
+        print(format_estimate(estimate(args.estimate), args.estimate))
     return 0
 
 
