@@ -32,7 +32,7 @@ VERL_VERSION ?= 0.9.0
 # its loss modules need only torch and deepspeed, from the `openrlhf` extra).
 OPENRLHF_VERSION ?= 0.11.2
 
-.PHONY: setup setup-demo setup-bench setup-test bench bench-record bench-quick test demo clean
+.PHONY: setup setup-demo setup-bench setup-test bench bench-record bench-quick gpu-quick-dry test demo clean
 
 # Build requirements of pyproject.toml, installed here so that the editable
 # build can run without pip's isolated build environment (faster rebuilds).
@@ -120,6 +120,13 @@ bench-record: setup-bench
 bench-quick: setup-bench
 	$(PYTHON) -m bench --quick --check-speed 1.0 --check-speed-avx2 0.6 --check-speed-compiled 1.0 \
 		--json build/bench-quick.json --plot build/bench-quick-plots
+
+# The quick GPU plan (bash bench/gpu/session.sh quick on a lent GPU) run dry here:
+# the same stages on the CPU at tiny shapes, into build/gpu-quick-dry/ (what
+# tests/test_gpu_plan.py checks).
+gpu-quick-dry: setup-bench
+	rm -rf build/gpu-quick-dry && mkdir -p build/gpu-quick-dry
+	FASTRL_QUICK_DRY=1 OUT=build/gpu-quick-dry PY=$(PYTHON) bash bench/gpu/session.sh quick
 
 # The tests run in one pytest-xdist worker per core (TEST_WORKERS=0: in this
 # process): most of their time is the Triton interpreter, one Python thread each.
