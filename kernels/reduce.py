@@ -61,9 +61,15 @@ def row_start(base_ptr, row, inner, outer_stride, inner_stride):
 def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr,
                   VEC: tl.constexpr, ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr,
                   ACC: tl.constexpr, FOLD_TILES: tl.constexpr = False, HISTOGRAM: tl.constexpr = None,
-                  BINS: tl.constexpr = 1):  # fmt: skip
+                  BINS: tl.constexpr = 1, SUB_MAX: tl.constexpr = False):  # fmt: skip
     """(m, n, t, w) of the row as defined above (n, t, w in float64; s = n + t);
     w is 0 unless WITH_W.
+
+    SUB_MAX (not with HISTOGRAM): softmax_stats also returns the max of each
+    of the row's LANES x VEC sub-lanes (the elements at one place of a lane's
+    VEC in every tile), [LANES, VEC] in ACC, -inf for a sub-lane with no
+    element: a max for each two elements of a tile of REPS = 2 (the
+    sampler's list floor, kernels/sampling/select.py, _lane_floor).
 
     HISTOGRAM: a jit function (x, mask) -> int32 counts [BINS] of a tile x
     [REPS, LANES, VEC] in the storage type (mask None for a whole tile, else
@@ -103,6 +109,7 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
     if ALIGNED:  # every row starts on a 16-byte boundary (the launcher checked)
         row_ptr = tl.multiple_of(row_ptr, 16)
     counts = tl.zeros([BINS], tl.int32)
+    sub = tl.full([LANES, VEC], neg_inf, ACC)
     whole = V - V % tile
     for start in range(0, whole, tile):  # the whole tiles, unmasked
         x = lane_tile(tl.load((row_ptr + start + lane_offs) + rep_offs), LANES, VEC)
@@ -112,6 +119,8 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
             m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
         if HISTOGRAM is not None:
             counts += HISTOGRAM(x, None)
+        if SUB_MAX:
+            sub = tl.maximum(sub, tl.max(x.to(ACC), axis=0))
     if whole < V:  # the partial tile, masked
         offs = whole + lane_offs + rep_offs
         x = lane_tile(tl.load(row_ptr + offs, mask=offs < V, other=neg_inf), LANES, VEC)
@@ -121,9 +130,13 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
             m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
         if HISTOGRAM is not None:
             counts += HISTOGRAM(x, lane_tile(offs < V, LANES, VEC))
+        if SUB_MAX:
+            sub = tl.maximum(sub, tl.max(x.to(ACC), axis=0))
     m, n, t, w = merge_lanes(m, n, t, w, k)
     if HISTOGRAM is not None:
         return m, n, t, w, counts
+    elif SUB_MAX:
+        return m, n, t, w, sub
     else:
         return m, n, t, w
 

@@ -429,11 +429,11 @@ def test_top_p_lists_the_digits_above_its_mass_floor(device, backend, window, mo
     assert_close_to_reference(logprobs, native.logprobs.double(), 1e-5)  # float32 rounding of both
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one-program", "split"])
 @pytest.mark.parametrize("device,backend", TRITON_BACKENDS)
-def test_window_and_top_digit_histograms_give_the_same_bits(device, backend, split, monkeypatch):
-    """The two row histograms (kernels/sampling/, _uses_window) only choose
-    which tokens go on the candidate list; the selection on it is exact and its
+def test_window_and_top_digit_histograms_give_the_same_bits(device, backend, monkeypatch):
+    """A split row's two histograms (kernels/sampling/, _uses_window; one
+    program a row takes neither, test_each_route_to_the_list_gives_the_bits_of_the_split_rows)
+    only choose which tokens go on the candidate list; the selection on it is exact and its
     sums are in fixed point (_mass_units), so tokens, log-probs and truncated
     log-probs are bitwise the same: on an LLM-like row, a peaked one, one below
     zero, one crossing it, one whose top-k ends beyond the window's reach (its
@@ -442,7 +442,7 @@ def test_window_and_top_digit_histograms_give_the_same_bits(device, backend, spl
     near 1 at T = 1e-6, and all three filters."""
     from fastrl.kernels import sampling as kernels
 
-    monkeypatch.setattr(kernels, "_sm_count", lambda device: 10**6 if split else 0)
+    monkeypatch.setattr(kernels, "_sm_count", lambda device: 10**6)  # every row split
     g = torch.Generator().manual_seed(torch.randint(2**31, ()).item())
     vocab = 8200
     far = torch.full((vocab,), -150.0)
@@ -472,6 +472,63 @@ def test_window_and_top_digit_histograms_give_the_same_bits(device, backend, spl
             if a is not None:
                 assert torch.equal(a.view(torch.int32) if a.is_floating_point() else a,
                                    b.view(torch.int32) if b.is_floating_point() else b), (filters, a, b)  # fmt: skip
+
+
+def _sub_lane_maxima(x: torch.Tensor, lanes: int, vec: int) -> torch.Tensor:
+    """[rows, lanes * vec]: the max of each sub-lane of the Triton sampler's
+    statistics pass (reduce.softmax_stats, SUB_MAX): element j is in sub-lane
+    (j % (lanes * vec)), -inf for a sub-lane with none."""
+    width = lanes * vec
+    padded = torch.full((x.shape[0], -(-x.shape[-1] // width) * width), float("-inf"), dtype=torch.float64)
+    padded[:, : x.shape[-1]] = x.double()
+    return padded.view(x.shape[0], -1, width).amax(dim=1)
+
+
+@pytest.mark.parametrize("device,backend", TRITON_BACKENDS)
+def test_each_route_to_the_list_gives_the_bits_of_the_split_rows(device, backend, monkeypatch):
+    """One program a row finds its list's floor from its sub-lanes' maxima
+    (kernels/sampling/select.py, _lane_floor), with no histogram; a split row
+    from a histogram of its keys (_split_selection). Both only choose which
+    tokens go on the list, so the bits agree, on each route one program can
+    take: the floor found and the list compacted (an LLM-like row, top-k 50
+    and top-p 0.9); the floor found but the tokens above it more than the list
+    holds (a top tie wider than the list: the row is its list, the counter
+    past the capacity); and no floor, where the window histogram is read
+    (top-p 0.9999 over a flat row: the sub-lanes' maxima hold less than p of
+    the mass, checked here from the row)."""
+    from fastrl.kernels import sampling as kernels
+
+    g = torch.Generator().manual_seed(torch.randint(2**31, ()).item())
+    vocab = 8200
+    capacity = kernels.list_capacity(vocab)
+    tie = torch.randn(vocab, generator=g)
+    tie[torch.randperm(vocab, generator=g)[: capacity + 200]] = 4.0  # more maxima than the list holds
+    x = torch.stack([torch.randn(vocab, generator=g) * 3, tie, torch.randn(vocab, generator=g) * 0.5])
+    x = x.to(torch.bfloat16)
+    temperature = 0.7
+    config = kernels._launch_config(x)
+    maxima = _sub_lane_maxima(x, config["LANES"], config["VEC"])
+    z = x.double() / temperature
+    mass = torch.exp(z - z.amax(dim=1, keepdim=True)).sum(dim=1)
+    held = torch.exp(maxima / temperature - z.amax(dim=1, keepdim=True)).sum(dim=1)
+    assert held[2] < 0.9999 * mass[2], "the flat row must leave the sub-lanes' maxima short of top-p's mass"
+    labels = torch.randint(vocab, (x.shape[0],), generator=g)
+    x, labels = x.to(device), labels.to(device)
+    lists = _last_workspace(monkeypatch)
+    for filters in (dict(top_k=50), dict(top_p=0.9), dict(top_p=0.9999)):
+        results = {}
+        for split in (False, True):
+            monkeypatch.setattr(kernels, "_sm_count", lambda device: 10**6 if split else 0)
+            tokens, logprobs, raw = _triton_sample(x, None, temperature=temperature, **filters, seed=7)
+            counters = lists["counters"].cpu().clone()
+            truncated = _triton_truncated(x, labels, None, temperature=temperature, **filters)
+            results[split] = (tokens, logprobs, raw, truncated)
+            if not split and "top_k" in filters:
+                # row 0 compacted from its floor; row 1's tie overflowed the list
+                assert 0 < counters[0] <= capacity and counters[1] > capacity, counters
+        for a, b in zip(results[False], results[True]):
+            assert torch.equal(a.view(torch.int32) if a.is_floating_point() else a,
+                               b.view(torch.int32) if b.is_floating_point() else b), (filters, a, b)  # fmt: skip
 
 
 # (dtype, V): rows of two tiles of the Triton forward (kernels/_launch.py,

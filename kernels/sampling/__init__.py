@@ -247,15 +247,15 @@ def _uses_window(device: torch.device) -> bool:
 
 def _selection_args(logits, n_rows, params, flags, config, acc_tl, window) -> tuple[list, dict]:
     """The final launch's (_select) candidate lists, counters and split records
-    (None for one program a row), and its SPLIT and WINDOW flags; ``window``:
-    the row histogram (None: the device's, _uses_window)."""
+    (None for one program a row), and its SPLIT flag; ``window``: a split
+    row's histogram (None: the device's, _uses_window)."""
     window = _uses_window(logits.device) if window is None else window
     parts, slice_lanes = _split_parts(logits, n_rows, config)
     workspace = _workspace(logits, n_rows, config, bool(parts), window, logits.device)
     if parts:
         _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes, window, workspace)
     records = workspace["records"] if parts else None
-    return [workspace["lists"], workspace["counters"], records], {"SPLIT": bool(parts), "WINDOW": window}
+    return [workspace["lists"], workspace["counters"], records], {"SPLIT": bool(parts)}
 
 
 def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset, window=None):

@@ -27,11 +27,14 @@ def list_capacity(vocab: int) -> int:
 
 @triton.jit
 def _compact(row_ptr, begin, end, V, first_lane, lowest, cand_ptr, counter_ptr, REPS: tl.constexpr,
-             LANES: tl.constexpr, VEC: tl.constexpr, TILE_LANES: tl.constexpr):  # fmt: skip
-    """Writes the row's tokens x >= lowest (a float32 logit above -inf; at most
-    the list's capacity, _list_floor) to the candidate list at cand_ptr, one int64 per token: the bits of
-    its logit as a float32 (exact for the 16- and 32-bit types) above its index
-    (_list_entries reads them). The tokens are those of the tiles from ``begin``
+             LANES: tl.constexpr, VEC: tl.constexpr, TILE_LANES: tl.constexpr, LIST_CAP: tl.constexpr):  # fmt: skip
+    """Writes the row's tokens x >= lowest (a float32 logit above -inf) to the
+    candidate list at cand_ptr, one int64 per token: the bits of its logit as a
+    float32 (exact for the 16- and 32-bit types) above its index (_list_entries
+    reads them), the first LIST_CAP of them; the row's counter ends at the
+    number of such tokens, so a count above LIST_CAP says the list overflowed
+    (a floor from _lane_floor, which does not know the count: the row is then
+    its own list). The tokens are those of the tiles from ``begin``
     (a tile's first element) to ``end`` in lanes first_lane .. first_lane + LANES
     - 1 of a tile of TILE_LANES lanes: the whole row (0, V, 0, LANES), or one
     program's slice of a tile (_split_compact_kernel).
@@ -68,7 +71,8 @@ def _compact(row_ptr, begin, end, V, first_lane, lowest, cand_ptr, counter_ptr, 
                 bits_here = tl.sum(tl.sum(tl.where(here, bits, 0), axis=2), axis=0)
                 index = (start + r * (TILE_LANES * VEC) + lane * VEC + v).to(tl.uint32)  # >= 0: zero-extended
                 take_here = bits_here.to(tl.float32, bitcast=True) >= lowest
-                tl.store(cand_ptr + at, (bits_here.to(tl.int64) << 32) | index.to(tl.int64), mask=take_here)
+                tl.store(cand_ptr + at, (bits_here.to(tl.int64) << 32) | index.to(tl.int64),
+                         mask=take_here & (at < LIST_CAP))
                 at += take_here.to(tl.int32)
     tl.debug_barrier()  # the list is written before any thread reads it
 

@@ -14,16 +14,14 @@ import triton.language as tl
 from ..random import exponential_variate, philox4x32_10
 from ..reduce import row_start, softmax_stats
 from .compact import _compact, _list_entries, _mass_units, _mass_value
-from .keys import _BINS, _key_to_value, _order_key, _race_key
+from .keys import _key_to_value, _order_key, _race_key
 from .params import _inverse_temperature, _row_params
 from .select import (
-    _WINDOW_BINS,
     _kth_largest_key32,
+    _lane_floor,
     _largest_key_reaching,
     _list_floor,
-    _may_list,
     _row_state,
-    _tile_top_digits,
     _window_histogram,
     _window_scale,
 )
@@ -32,7 +30,7 @@ from .split import _SPLIT_RECORD, _record_stats
 
 @triton.jit
 def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
-            SPLIT: tl.constexpr, WINDOW: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
+            SPLIT: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
             ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, LIST_BLOCK: tl.constexpr,
             SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """Everything about one row's processed distribution: (bad, greedy, m, first
@@ -42,49 +40,55 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
     over the row, e_j = exp((x_j - m) / T), and s_kept over the kept tokens (key
     >= threshold and (x - m) / T >= log min_p); bad as _row_state.
 
-    At most two reads of the row: its statistics (reduce.softmax_stats: m, s
-    and the number of maxima) with, for a row that may list candidates
-    (_may_list), its top-digit histogram (_tile_top_digits) from the same
-    loads; and the compaction of the candidates into this row's list of
-    LIST_CAP entries (_list_floor, _compact). With WINDOW (_uses_window) the
-    histogram is the window's (_window_histogram), a read of its own between
-    the two, for the rows that list. With SPLIT, other programs made those
-    reads (_split_selection) and left the row's statistics and list at
-    split_ptr (_split_rows_kernel).
+    Two reads of the row on every Triton, with no histogram in either: its
+    statistics (reduce.softmax_stats: m, s and the number of maxima) with
+    its sub-lanes' maxima from the same loads; then, for a row that lists
+    (top-k, top-p, greedy), the compaction of the tokens at or above the
+    floor those maxima give (_lane_floor; the max itself for a greedy row)
+    into this row's list of LIST_CAP entries (_compact). Where the maxima
+    give no floor (top-p over a mass spread wider than they hold), the
+    window histogram (_window_histogram, _list_floor) is a read between the
+    two. With SPLIT, other programs made those reads (_split_selection) and
+    left the row's statistics and list at split_ptr (_split_rows_kernel).
     The thresholds, s_kept, the first argmax and the draw then read the list
     only. A row with more candidates than that (top-p over a flat row) uses the
     row itself as its list: the same code, each step a read of the row."""
     neg_inf = float("-inf")
     inv_t = _inverse_temperature(t, valid, ACC)
-    HIST_BINS: tl.constexpr = _WINDOW_BINS if WINDOW else _BINS
-    counts = tl.zeros([HIST_BINS], tl.int32)  # the histogram of a row that may list
     if SPLIT:
         m, n_max, tail = _record_stats(split_ptr, ACC)
     elif ACC == tl.float64:  # never lists
         m, n_max, tail, _no_w = softmax_stats(row_ptr, V, inv_t, False, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
                                               ACC, True)  # fmt: skip
-    elif WINDOW:  # the window histogram is a read of its own, after the statistics
-        m, n_max, tail, _no_w = softmax_stats(row_ptr, V, inv_t, False, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
-                                              ACC, True)  # fmt: skip
-    elif _may_list(V, t, k, p):
-        m, n_max, tail, _no_w, counts = softmax_stats(row_ptr, V, inv_t, False, REPS, LANES, VEC, ALIGNED,
-                                                      MAX_IN_STORAGE_TYPE, ACC, True, _tile_top_digits,
-                                                      _BINS)  # fmt: skip
     else:
-        m, n_max, tail, _no_w = softmax_stats(row_ptr, V, inv_t, False, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
-                                              ACC, True)  # fmt: skip
+        m, n_max, tail, _no_w, sub = softmax_stats(row_ptr, V, inv_t, False, REPS, LANES, VEC, ALIGNED,
+                                                   MAX_IN_STORAGE_TYPE, ACC, True, SUB_MAX=True)  # fmt: skip
     bad, greedy, m_safe, s, log_s, k_on, p_on = _row_state(V, t, k, p, valid, m, n_max, tail, ACC)
     if SPLIT:
         n_candidates = tl.load(split_ptr + 4).to(tl.int32)
         compacted = tl.load(split_ptr + 5) != 0
     else:
-        if WINDOW and ACC != tl.float64:
+        # Float64 rows never compact: their sums stay float64, in row order (_mass_units).
+        n_candidates = V + tl.zeros([], tl.int32)
+        compacted = n_candidates < 0
+        if ACC != tl.float64:
             if (~bad) & (k_on | p_on | greedy):
-                counts = _window_histogram(row_ptr, V, m_safe, _window_scale(inv_t), REPS * LANES * VEC)
-        lowest, n_candidates, compacted = _list_floor(V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s, counts,
-                                                      LIST_CAP, WINDOW, ACC)  # fmt: skip
-        if compacted:
-            _compact(row_ptr, 0, V, V, 0, lowest, cand_ptr, counter_ptr, REPS, LANES, VEC, LANES)
+                lowest = m_safe.to(tl.float32)  # greedy: the maxima (the first argmax)
+                found = lowest == lowest
+                if k_on | p_on:
+                    lowest, found = _lane_floor(sub, k, p, m_safe, inv_t, s, k_on, p_on)
+                if found:
+                    _compact(row_ptr, 0, V, V, 0, lowest, cand_ptr, counter_ptr, REPS, LANES, VEC, LANES, LIST_CAP)
+                    # the tokens >= lowest, counted by the compaction's atomics
+                    n_candidates = tl.atomic_add(counter_ptr, 0, sem="relaxed")
+                    compacted = (n_candidates <= LIST_CAP) & (n_candidates < V)
+                else:
+                    counts = _window_histogram(row_ptr, V, m_safe, _window_scale(inv_t), REPS * LANES * VEC)
+                    lowest, n_candidates, compacted = _list_floor(V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s,
+                                                                  counts, LIST_CAP, True, ACC)  # fmt: skip
+                    if compacted:
+                        _compact(row_ptr, 0, V, V, 0, lowest, cand_ptr, counter_ptr, REPS, LANES, VEC, LANES,
+                                 LIST_CAP)  # fmt: skip
     n_list = tl.where(compacted, n_candidates, V)
 
     threshold = _order_key(tl.full([], neg_inf, ACC))  # keeps every non-NaN logit
@@ -118,8 +122,12 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
         kept_units += tl.sum(tl.where(kept, _mass_units(tl.exp(d), ACC), 0), axis=0)
         first = tl.minimum(first, tl.where(live & (x == m), index, V))
     s_kept = _mass_value(kept_units, ACC).to(ACC)
+    # A greedy row's log s_kept is 0, as the native kernel leaves it (its truncated
+    # log-prob is 0 or -inf and its gradient 0, whatever it is): not the mass of its
+    # list, which holds the maxima or more, by the route its floor took.
+    log_s_kept = tl.where(greedy, 0.0, tl.log(s_kept)).to(ACC)
     arg = tl.min(first, axis=0)
-    return (bad, greedy, m_safe, arg.to(tl.int64), n_max.to(ACC), inv_t, log_s, threshold, log_min_p, tl.log(s_kept),
+    return (bad, greedy, m_safe, arg.to(tl.int64), n_max.to(ACC), inv_t, log_s, threshold, log_min_p, log_s_kept,
             compacted, n_list)  # fmt: skip
 
 
@@ -130,7 +138,7 @@ def _sample_kernel(
     seeds_ptr, seed, offset_ptr, offset,
     tokens_ptr, logprobs_ptr, raw_ptr, cand_ptr, counter_ptr, split_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
-    PER_ROW_SEED: tl.constexpr, OFFSET_FROM_PTR: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr,
+    PER_ROW_SEED: tl.constexpr, OFFSET_FROM_PTR: tl.constexpr, SPLIT: tl.constexpr,
     REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
     MAX_IN_STORAGE_TYPE: tl.constexpr, LIST_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     LIST_CAP: tl.constexpr, ACC: tl.constexpr,
@@ -144,7 +152,7 @@ def _sample_kernel(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
-        ), cand_ptr, counter_ptr + row, split_ptr, SPLIT, WINDOW, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
+        ), cand_ptr, counter_ptr + row, split_ptr, SPLIT, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
         LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
     )  # fmt: skip
 
@@ -182,7 +190,7 @@ def _truncated_fwd_kernel(
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
     out_ptr, stats_ptr, cand_ptr, counter_ptr, split_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
-    WITH_STATS: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr,
+    WITH_STATS: tl.constexpr, SPLIT: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr,
     VEC: tl.constexpr,
     ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr,
     LIST_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr,
@@ -196,7 +204,7 @@ def _truncated_fwd_kernel(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
-        ), cand_ptr, counter_ptr + row, split_ptr, SPLIT, WINDOW, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
+        ), cand_ptr, counter_ptr + row, split_ptr, SPLIT, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
         LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
     )  # fmt: skip
     label = tl.load(labels_ptr + row).to(tl.int64)

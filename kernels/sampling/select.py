@@ -39,12 +39,16 @@ def _largest_key_reaching(row_ptr, cand_ptr, compacted, n, m, inv_t, floor_key, 
     sums e_j = exp((x_j - m) / T) over, in _mass_units; the target a float64 mass)
     the list's tokens (_list_entries) with key >= max(u, floor_key).
     F is non-increasing, so a descent digit by digit (16 pivots per pass, most
-    significant first) keeps the largest pivot that still reaches the target."""
+    significant first) keeps the largest pivot that still reaches the target.
+    The answer is the key of a list entry (F steps only there), so the bits its
+    row type leaves out of every key (_low_key_bits) are not searched but
+    filled in."""
     KEY_BITS: tl.constexpr = 64 if ACC == tl.float64 else 32
     KEY: tl.constexpr = tl.uint64 if ACC == tl.float64 else tl.uint32  # _order_key's type
+    LOW: tl.constexpr = _low_key_bits(row_ptr.dtype.element_ty, 4)
     digits = tl.arange(0, 16).to(KEY)
     prefix = tl.zeros([], KEY)
-    for level in tl.static_range(KEY_BITS // 4):
+    for level in tl.static_range((KEY_BITS - LOW) // 4):
         shift = KEY_BITS - 4 * (level + 1)  # a constexpr: level is one in static_range
         pivots = prefix + (digits << shift)
         if WEIGHTED:
@@ -66,6 +70,29 @@ def _largest_key_reaching(row_ptr, cand_ptr, compacted, n, m, inv_t, floor_key, 
         else:
             best = tl.max(tl.where(reach >= target, digits, 0), axis=0)
         prefix = prefix + (best << shift)
+    return _fill_low_bits(prefix, LOW)
+
+
+@triton.constexpr_function
+def _low_key_bits(row_type, digit_bits):
+    """Of a 32-bit key (_order_key) of a logit of ``row_type`` widened to float32,
+    the low bits that are the same for every key of its sign, rounded down to
+    whole digits of ``digit_bits``: a bfloat16's 16 (its float32 has 16 more
+    mantissa bits, all zero), a float16's 13 (12 in 4-bit digits, 8 in 8-bit
+    ones), none for float32 and float64."""
+    spare = {"bf16": 16, "fp16": 13}.get(str(row_type), 0)
+    return spare - spare % digit_bits
+
+
+@triton.jit
+def _fill_low_bits(prefix, LOW: tl.constexpr):
+    """The key of a logit whose key's bits above LOW are ``prefix``'s, when every
+    such logit's float32 bits below LOW are zero (_low_key_bits): a positive
+    logit's key keeps its bits (zero), a negative one's has them flipped (all
+    ones: _order_key flips a negative logit's bits); -0.0 keys as +0.0."""
+    if LOW > 0:
+        ones: tl.constexpr = (1 << LOW) - 1
+        prefix = tl.where((prefix >> (prefix.dtype.primitive_bitwidth - 1)) == 1, prefix, prefix | ones)
     return prefix
 
 
@@ -111,16 +138,19 @@ def _kth_largest_key32(row_ptr, cand_ptr, compacted, n, floor_key, k, BLOCK: tl.
     histogram of the keys' top 8 bits, then of the next 8 among the keys with
     the digits found so far, four passes; each fixes a byte of the answer and
     the answer's rank among the keys that share it."""
+    LOW: tl.constexpr = _low_key_bits(row_ptr.dtype.element_ty, 8)
     prefix = tl.zeros([], tl.uint32)
     counts = _digit_histogram(row_ptr, cand_ptr, compacted, n, floor_key, prefix, 32, 24, BLOCK)
     d, k = _top_digit(counts, k, 256)
     prefix = d
-    for level in tl.static_range(1, 4):
+    for level in tl.static_range(1, (32 - LOW) // 8):
         shift = 24 - 8 * level  # a constexpr: level is one in static_range
         counts = _digit_histogram(row_ptr, cand_ptr, compacted, n, floor_key, prefix, shift + 8, shift, BLOCK)
         d, k = _top_digit(counts, k, 256)
         prefix = (prefix << 8) | d
-    return prefix
+    # the bytes a bfloat16 or float16 key leaves alike (_low_key_bits): its own, as the
+    # full selection would find them in the one key the answer is
+    return _fill_low_bits(prefix << LOW, LOW)
 
 
 @triton.jit
@@ -180,6 +210,53 @@ def _top_p_floor(counts, p, m, inv_t, s, ACC: tl.constexpr):
     below = tl.cumsum(_digit_masses(bins, True, counts, m, inv_t, ACC), 0)
     from_below = tl.max(tl.where(below <= ((1.0 - p) * 0.99609375 - 9.5367431640625e-07) * s, bins, -1), axis=0) + 1
     return tl.maximum(tl.maximum(from_above, from_below), 0)
+
+
+@triton.jit
+def _lane_floor(sub, k, p, m, inv_t, s, k_on, p_on):
+    """(lowest, found): a floor for the row's candidate list from its sub-lanes'
+    maxima (reduce.softmax_stats' SUB_MAX, [LANES, VEC] float32), with no
+    histogram: the tokens >= lowest hold every kept token when ``found``.
+
+    The floor is the lowest max of a set S of sub-lanes, so each of S's
+    sub-lanes holds a token >= lowest:
+    - top-k: |S| >= k, so at least k tokens are >= lowest, and so is the k-th
+      largest (top-p only narrows the top-k set);
+    - top-p alone: the maxima of S have a mass sum_S exp((M_i - m) / T) >=
+      p * s (1 + 2^-8), so every token below lowest has at least p * s of mass
+      strictly above it, and top-p drops it. 2^-8 is far above the float32
+      rounding of the terms and their sum (4096 terms: < 2^-11 relative), as
+      for _window_floor's bounds.
+    S is the sub-lanes whose gap d = (m - M_i) / T is at most a pivot, the
+    lowest pivot that reaches k (or p * s): 16 doubling pivots 2^-3 .. 2^12,
+    then 16 steps across the one found, so that the floor sits within 1/16 of
+    the pivot's span below where S first reaches. Sub-lanes of -inf (d =
+    inf) are never in S. Not ``found`` when no pivot reaches (k above the
+    sub-lanes, a top-p mass spread over more tokens than the sub-lanes'
+    maxima hold): the caller takes the window histogram (_window_floor).
+    On the benchmark's rows (randn * 3 at T = 0.7, V = 151936 bfloat16, 4096
+    sub-lanes) top-k 50 lists 52 to 58 tokens and top-p 0.9 245 to 710."""
+    SIZE: tl.constexpr = sub.numel
+    x = tl.reshape(sub, [SIZE]).to(tl.float32)
+    d = (m.to(tl.float32) - x) * inv_t.to(tl.float32)  # inf for a sub-lane of -inf
+    weight = tl.where(k_on, 1.0, tl.exp(-d))  # a count is exact in float32 (<= 2^24)
+    target = tl.where(k_on, k.to(tl.float64), p.to(tl.float64) * s * 1.00390625)
+    steps = tl.arange(0, 16)
+    coarse = tl.exp2((steps - 3).to(tl.float32))
+    reach = tl.sum(tl.where(d[:, None] <= coarse[None, :], weight[:, None], 0.0), axis=0)
+    first = tl.minimum(tl.min(tl.where(reach.to(tl.float64) >= target, steps, 16), axis=0), 15)
+    high = tl.sum(tl.where(steps == first, coarse, 0.0), axis=0)
+    low = tl.where(first == 0, 0.0, high * 0.5)
+    fine = tl.where(steps == 15, high, low + (high - low) * ((steps + 1).to(tl.float32) * 0.0625))
+    reach = tl.sum(tl.where(d[:, None] <= fine[None, :], weight[:, None], 0.0), axis=0)
+    chosen = tl.min(tl.where(reach.to(tl.float64) >= target, steps, 15), axis=0)
+    pivot = tl.sum(tl.where(steps == chosen, fine, 0.0), axis=0)
+    # S, and whether it reaches: summed once more over exactly the set the floor is
+    # taken from (another reduction order of the same terms could round across the target)
+    in_s = d <= pivot
+    found = tl.sum(tl.where(in_s, weight, 0.0), axis=0).to(tl.float64) >= target
+    lowest = tl.min(tl.where(in_s, x, float("inf")), axis=0)
+    return lowest, found
 
 
 @triton.jit

@@ -220,4 +220,4 @@ def _split_compact_kernel(
         row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
         start = (part // SLICES) * (REPS * LANES * VEC)
         _compact(row_ptr, start, start + 1, V, (part % SLICES) * SLICE_LANES, lowest, cand_ptr + row * LIST_CAP,
-                 counter_ptr + row, REPS, SLICE_LANES, VEC, LANES)  # fmt: skip
+                 counter_ptr + row, REPS, SLICE_LANES, VEC, LANES, LIST_CAP)  # fmt: skip

@@ -248,18 +248,24 @@ def _match_loops(sass_loops: list[sp.Loop], cfg: sp.CFG, ir_loops: list[sp.IRLoo
     def ir_line(loop: sp.IRLoop):
         return (Path(loop.source[0]).name, loop.source[1]) if loop.source else None
 
-    if len(sass_loops) == len(ir_loops):
-        return list(zip(sass_loops, ir_loops))
-    rolled = [il for il in ir_loops if not constant(il)]
-    if len(sass_loops) == len(rolled):
-        return list(zip(sass_loops, rolled))
-    used, out = set(), []
+    used, by_line = set(), []
     for sl in sass_loops:
         match = next((k for k, il in enumerate(ir_loops) if k not in used and ir_line(il) == line(sl)), None)
         if match is not None:
             used.add(match)
-        out.append((sl, ir_loops[match] if match is not None else None))
-    return out
+        by_line.append((sl, ir_loops[match] if match is not None else None))
+    rolled = [il for il in ir_loops if not constant(il)]
+    for candidates in (ir_loops, rolled):
+        if len(sass_loops) == len(candidates):
+            in_order = list(zip(sass_loops, candidates))
+            # ptxas may lay a branch's blocks out in another order than the source (the
+            # sampler's else before its then): program order holds only where the
+            # lines agree, and where they do not, the lines pair every loop
+            if all(line(sl) is None or line(sl) == ir_line(il) for sl, il in in_order) or None in (
+                    il for _, il in by_line):
+                return in_order
+            return by_line
+    return by_line
 
 
 # ---------------------------------------------------------------------------
