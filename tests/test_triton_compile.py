@@ -8,12 +8,12 @@ launcher at the canonical shapes, binds it with Triton's own JIT binder (so the
 cubin has a real launch's divisibility specialisation), compiles it with
 Triton's ptxas, reads the SASS and predicts each launch's time
 (tools/sass/__init__.py states the model). The tests then check, per kernel and
-case, the budgets of ``tools.sass.BUDGETS`` / ``OP_BUDGETS``: no spills,
+case, the budgets of ``tools.sass.gate.BUDGETS`` / ``OP_BUDGETS``: no spills,
 128-bit loads on every pass over a bf16 / fp32 row, a predicted issue / memory
 ratio within budget for memory-bound kernels, a grid that occupies at least
 half the SMs, passes over the row, and the predicted share of the copy
 bandwidth of the log-prob and KL ops. What today's kernels miss is listed in
-``tools.sass.KNOWN_FAILURES`` with the change that fixes it, and marked
+``tools.sass.gate.KNOWN_FAILURES`` with the change that fixes it, and marked
 xfail(strict=True) here: fixing the kernel makes that test XPASS, which fails
 until its entry is removed. On a machine with a GPU the kernels are compiled
 for real by the other tests and this module is skipped. Triton's cache makes a
@@ -35,6 +35,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed")
 
 from tools import sass  # noqa: E402
+from tools.sass import gate as budgets  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile every kernel for this GPU")
@@ -108,8 +109,8 @@ def test_no_kernel_spills(model, kernel):
 
 def _gate_params() -> list:
     params = []
-    for case, role, gate in sass.gate_items():
-        reason = sass.known_failure(case, role, gate)
+    for case, role, gate in budgets.gate_items():
+        reason = budgets.known_failure(case, role, gate)
         marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
         name = f"{case} {role if role != '*' else 'op'} {gate}"
         params.append(pytest.param(case, role, gate, marks=marks, id=name))
@@ -118,5 +119,5 @@ def _gate_params() -> list:
 
 @pytest.mark.parametrize("case, role, gate", _gate_params())
 def test_budget(model, case, role, gate):
-    ok, found = sass.check(model, case, role, gate)
-    assert ok, f"{found} ({sass.BUDGETS.get(role, sass.Budget()).why or 'issue 13'})"
+    ok, found = budgets.check(model, case, role, gate)
+    assert ok, f"{found} ({budgets.BUDGETS.get(role, budgets.Budget()).why or 'issue 13'})"

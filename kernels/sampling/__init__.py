@@ -17,27 +17,33 @@ row:
               with its processed probability; ties go to the lowest index.
 
 A row is read twice (``sample._select``): its softmax statistics
-(reduce.softmax_stats) with a histogram of its keys' top 12 bits from the same
-loads, and the compaction into the row's candidate list of the tokens whose top
-digit can hold a kept token (from the k-th largest's digit up, for top-p alone the
-digits above a mass bound, ``select._top_p_floor``, for greedy rows the max's digit).
-The thresholds (a radix selection for top-k, ``select._kth_largest_key32``; a 16-way
-descent for top-p and for float64 keys, ``select._largest_key_reaching``), the kept
-mass, the first argmax and the race then read the list of at most
-list_capacity(V) entries, so Philox runs for the candidates only. A row with
-more candidates than that (top-p over a flat row) runs the same steps with the
-row as its list; rows with min-p or temperature alone (nothing to list) and
-float64 rows skip the histogram and the compaction and read the row twice
-more, for the kept mass and the race.
+(reduce.softmax_stats) with the maxima of its sub-lanes from the same loads,
+and the compaction into the row's candidate list of the tokens at or above the
+floor those maxima give (``select._lane_floor``: the lowest max of enough
+sub-lanes to hold k tokens, or p of the mass; for greedy rows the max), on
+every Triton, with no histogram. Where the maxima give no floor (top-p over a
+mass spread wider than they hold) the row is read once more between the two,
+for a window histogram below its max (``select._window_floor``). A split row
+(a small batch, ``_split_selection``) takes a histogram in its tiles'
+statistics pass instead: of its keys' top 12 bits (``select._top_p_floor``),
+or where triton's tl.histogram is slow (< 3.8), of the window, in launches of
+their own. The thresholds (a radix selection for top-k,
+``select._kth_largest_key32``; a 16-way descent for top-p and for float64 keys,
+``select._largest_key_reaching``), the kept mass, the first argmax and the race
+then read the list of at most list_capacity(V) entries, so Philox runs for the
+candidates only. A row with more candidates than that (a top tie wider than
+the list, top-p over a flat row) runs the same steps with the row as its list;
+rows with min-p or temperature alone (nothing to list) and float64 rows skip
+the compaction and read the row twice more, for the kept mass and the race.
 
 The package, by concern:
 
     params    a row's parameters: a per-row tensor or a scalar each;
     keys      the order-preserving keys, their top digits, the race's Philox key;
     compact   the candidate list: its compaction, entries and fixed-point sums;
-    select    the list's floor from the row's histogram (its keys' top digits,
-              or the window below its max where triton's tl.histogram is
-              slow), and the thresholds over the list;
+    select    the list's floor (from the sub-lanes' maxima, or a histogram:
+              of the keys' top digits, or of the window below the max),
+              and the thresholds over the list;
     split     a row's reads split over many programs, for a small batch;
     sample    a row's selection (_select) and the kernels that use it: the
               draw, the truncated log-prob and its backward;
@@ -232,16 +238,16 @@ def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice
 
 
 def _uses_window(device: torch.device) -> bool:
-    """Whether the sampler's launches on ``device`` take the window histogram
-    (_window_bin: 128 bins from the row's max, a read of the row of its own)
-    rather than the top-digit histogram (4096 bins, in the statistics pass)
-    when the caller does not choose (``window=None``): where tl.histogram is
-    slow, triton < 3.8 on a GPU (and the static model's meta tensors:
-    _launch.FAST_HISTOGRAM_TRITON), whose cost grows with the bins (the
-    4096-bin one made the sampler 20-270x slower on an H100; with the window
-    the sm_90 model puts it within 1.2x of the top digits on triton 3.9). Both
-    give the same results: the tests run both on one machine, the static
-    model compiles both."""
+    """Whether a split row's launches on ``device`` take the window histogram
+    (_window_bin: 128 bins from the row's max, a launch of its own after the
+    row's statistics) rather than the top-digit histogram (4096 bins, in the
+    tiles' statistics launch) when the caller does not choose
+    (``window=None``): where tl.histogram is slow, triton < 3.8 on a GPU (and
+    the static model's meta tensors: _launch.FAST_HISTOGRAM_TRITON), whose
+    cost grows with the bins (the 4096-bin one made the sampler 20-270x
+    slower on an H100). Both give the same results: the tests run both on
+    one machine, the static model compiles both. One program a row takes
+    neither (select._lane_floor)."""
     return device.type != "cpu" and triton_histogram_is_slow()
 
 
@@ -264,9 +270,9 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset, wi
     [N], log-probs under the processed distribution [N], raw log-probs [N]).
     Parameters are scalars or flat per-row tensors (accumulation dtype, int64
     for top_k); ``seed`` an int64 or int64 [N] per-row seeds; ``offset`` an int
-    or a one-element int64 tensor read on the device. ``window``: whether the
-    rows' histogram is the window's or the top digits' (the same results; None:
-    the device's, _uses_window)."""
+    or a one-element int64 tensor read on the device. ``window``: whether a
+    split row's histogram is the window's or the top digits' (the same results;
+    None: the device's, _uses_window)."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
     acc, acc_tl = acc_dtypes(logits)
     tokens = torch.empty(n_rows, dtype=torch.int64, device=logits.device)

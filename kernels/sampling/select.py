@@ -1,17 +1,14 @@
 """Which tokens a row keeps, and which go on its candidate list. A row's state
-from its statistics (``_row_state``); the list's floor (``_list_floor``) from
-the row's histogram, of its keys' top digits (``_tile_top_digits``, in the
+from its statistics (``_row_state``); the list's floor: from its sub-lanes'
+maxima (``_lane_floor``, one program a row, on every Triton), or from a
+histogram, of its keys' top digits (``_tile_top_digits``, in a split row's
 statistics pass; for top-p alone a floor from mass bounds, ``_top_p_floor``)
-or of the window below its max; and the thresholds over the list: a radix
-selection for top-k (``_kth_largest_key32``), a 16-way descent for top-p and
-for float64 keys (``_largest_key_reaching``).
-
-Where triton's tl.histogram costs a vote and a popcount per bin and element
-(< 3.8, sampling._uses_window), the 4096 top-digit bins would dominate the
-sampler; it takes instead a window histogram (_window_bin) of 128 bins below
-the row's max, in a read of the row between the statistics and the
-compaction, and the same steps after it (the list's floor as a logit,
-_window_edge)."""
+or of the window below its max (``_window_histogram``: one program's
+fallback, and a split row's histogram where triton's tl.histogram is slow,
+< 3.8, sampling._uses_window, the list's floor as a logit, _window_edge);
+and the thresholds over the list: a radix selection for top-k
+(``_kth_largest_key32``), a 16-way descent for top-p and for float64 keys
+(``_largest_key_reaching``)."""
 
 from __future__ import annotations
 

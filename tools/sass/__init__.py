@@ -1,8 +1,9 @@
 """``python -m tools.sass``: the static sm_90 performance model of every
 kernel, *predicted* from the compiled code, never measured.
 
-    python -m tools.sass                 model, table, bench/results/sm90-predicted.json
+    python -m tools.sass                 model, table, bench/results/sm90-predicted-triton-<installed>.json
     python -m tools.sass --arch 90       sm_90 only (default: sm_90 and sm_80)
+    bash tools/sass/tritons.sh           one predictions file for each Triton our users run
 
 What it compiles. Every Triton kernel variant the API launches, at the canonical
 shapes of DESIGN.md (``tools.sass.cases``: the launchers called with meta
@@ -79,8 +80,8 @@ whatever a run with triton >= 3.8 shows. The clock, the latencies, the L2
 bandwidth and per-SM cap and the hot-path rule stay to check. Everything this
 module writes is labelled *predicted*.
 
-The CI gate (tests/test_triton_compile.py) holds every kernel to ``BUDGETS``;
-``KNOWN_FAILURES`` lists what today's kernels miss, each with the change that
+The CI gate (tests/test_triton_compile.py) holds every kernel to ``gate.BUDGETS``;
+``gate.KNOWN_FAILURES`` lists what today's kernels miss, each with the change that
 fixes it (issue 14: the sampler).
 """
 
@@ -103,11 +104,21 @@ from pathlib import Path
 from . import model as sm
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "bench" / "results" / "sm90-predicted.json"
+RESULTS_DIR = ROOT / "bench" / "results"
+
+
+def results_path(triton_version: str) -> Path:
+    """The predictions file of a Triton version: one per version (tools/sass/tritons.sh), since
+    the versions lower the kernels differently."""
+    return RESULTS_DIR / f"sm90-predicted-triton-{triton_version}.json"
+
+
 LABEL = "predicted by the static sm_90 model (tools.sass), not measured"
 # What the predictions are a function of (besides the Triton that compiles): the kernels' code and
 # what they import from fastrl, and the model's own. ``source_hash`` digests them.
 PREDICTION_SOURCES = ("kernels", "fastrl/_rows.py", "tools/sass")
+# What the CI gate holds the predictions to, not what they are: left out of ``source_hash``.
+GATE_SOURCE = "tools/sass/gate.py"
 
 
 def _code_shape(node) -> str:
@@ -129,7 +140,7 @@ def source_hash() -> str:
     A committed predictions file records it; tests/test_bench.py fails when it is stale."""
     digest = hashlib.sha256()
     paths = sorted(p for name in PREDICTION_SOURCES for p in ((ROOT / name).rglob("*.py") if (ROOT / name).is_dir()
-                                                              else [ROOT / name]))  # fmt: skip
+                                                              else [ROOT / name]) if p != ROOT / GATE_SOURCE)  # fmt: skip
     for path in paths:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -141,154 +152,6 @@ def source_hash() -> str:
         digest.update(f"{path.relative_to(ROOT).as_posix()}\n{_code_shape(tree)}\n".encode())
     return digest.hexdigest()
 
-
-# ---------------------------------------------------------------------------
-# Budgets: the CI gate's one table.
-
-
-@dataclasses.dataclass(frozen=True)
-class Budget:
-    """What one kernel role is held to. None: not gated."""
-
-    max_issue_ratio: float | None = None  # predicted issue / memory of a memory-bound kernel
-    vector_loads: bool = False  # its main loop loads its floating-point rows 128 bits at a time
-    min_active_sms: float | None = None  # share of the SMs its grid must occupy at the canonical shape
-    max_passes: int | None = None  # passes over a row
-    max_sass_vs_logprobs: float | None = None  # SASS per element of its dearest pass / the log-prob forward's
-    why: str = ""
-
-
-# Forward kernels that stream a row once: issue 13 targets >= 90% of copy
-# bandwidth. The audit's kernels reduced across the block every iteration (4 to
-# 10 barriers), and for those the loads are in flight only while the schedulers
-# are idle: the budget was 0.5. The lane-tile forwards (reduce.softmax_stats)
-# have no reduction across threads in the loop, so the loads of other warps stay
-# in flight through a warp's arithmetic, as in the backward streams: the model
-# predicts 95% at 0.54 (log-probs), 93% at 0.69 (with entropy) and 95% at 0.55
-# (full_kl). 0.7, the backward's budget, with the op-level >= 90% gate beside it.
-_FORWARD = Budget(
-    max_issue_ratio=0.7,
-    vector_loads=True,
-    min_active_sms=0.5,
-    max_passes=1,
-    why="forward row stream, no reduction across threads per iteration: >= 90% of copy bandwidth at issue / "
-    "memory <= 0.7 (issue 13)",
-)
-# Backward kernels read the row and write the gradient (twice the bytes per
-# element): issue 13 calls 0.3-0.66 fine for >= 85% forward + backward; 0.7
-# holds them there.
-_BACKWARD = Budget(
-    max_issue_ratio=0.7,
-    vector_loads=True,
-    min_active_sms=0.5,
-    max_passes=1,
-    why="backward row stream: >= 85% forward + backward; issue 13 found 0.3-0.66 fine",
-)
-# Per-token elementwise kernels ([B, L] or [T] fp32): memory-bound by design
-# (a few flops per 17-20 bytes); the same headroom as the backward streams.
-_TOKENS = Budget(
-    max_issue_ratio=0.7,
-    vector_loads=True,
-    min_active_sms=0.5,
-    why="per-token stream: memory-bound by design, as the backward streams",
-)
-
-BUDGETS: dict[str, Budget] = {
-    "logprobs fwd": _FORWARD,
-    "logprobs+entropy fwd": _FORWARD,
-    "full_kl fwd": _FORWARD,
-    "logprobs bwd": _BACKWARD,
-    "logprobs+entropy bwd": _BACKWARD,
-    "full_kl bwd": _BACKWARD,
-    "truncated_logprobs bwd": _BACKWARD,
-    # The sampler and the truncated log-probs' selection: issue 14's targets, at
-    # most 3 passes over the row, 128-bit loads on each, every SM busy at B = 1.
-    "sample": Budget(
-        vector_loads=True,
-        min_active_sms=0.5,
-        max_passes=3,
-        max_sass_vs_logprobs=1.5,
-        why="issue 14: <= 3 passes over the row, each <= 1.5x the log-prob forward's SASS per "
-        "element, 128-bit loads, every SM busy",
-    ),
-    # A batch of at most half the SMs splits its rows (kernels/sampling/,
-    # _split_parts): a program reads a quarter of a tile, so that the two
-    # launches over the row fill the SMs at B = 1; the one-program-a-row
-    # launches between and after them (statistics fold, list work) are latency.
-    "sample tiles": Budget(
-        vector_loads=True, min_active_sms=0.5, max_passes=1,
-        why="issue 14: a split row's statistics and histogram, every SM busy at B = 1",
-    ),
-    "sample compact": Budget(
-        vector_loads=True, min_active_sms=0.5, max_passes=1,
-        why="issue 14: a split row's compaction, every SM busy at B = 1",
-    ),
-    "sample rows": Budget(why="one program a row folds its tiles' statistics: latency-bound by design"),
-    "sample list": Budget(why="one program a row over its candidate list: latency-bound by design"),
-    # The tensor-parallel sampler's pass over a rank's shard (kernels/sampling/shard.py, _shard_tile_kernel): a
-    # program a tile, Philox in the tiles holding kept tokens only (the model counts it in every tile);
-    # then one program a row folds the tiles' records (_shard_fold_kernel).
-    "sample shard tiles": Budget(
-        vector_loads=True, min_active_sms=0.5, max_passes=1,
-        why="issue 16: one read of the shard's row, 128-bit loads, every SM busy",
-    ),
-    "sample shard fold": Budget(why="one program a row over its tiles' records: latency-bound by design"),
-    # A round of its threshold search (_digit_histogram_kernel): one read of the row, an integer atomic
-    # a counted token.
-    "sample shard histogram": Budget(
-        vector_loads=True, max_passes=1,
-        why="issue 16: one read of the shard's row a round, 128-bit loads",
-    ),
-    "truncated_logprobs fwd": Budget(
-        vector_loads=True,
-        min_active_sms=0.5,
-        max_passes=3,
-        max_sass_vs_logprobs=1.5,
-        why="issue 14: shares the sampler's selection",
-    ),
-    "policy u sums": _TOKENS,  # sequence level's first launch: the chunks' sums of u
-    "policy fwd": _TOKENS,
-    "policy bwd": _TOKENS,
-    "rollout_correction fwd": _TOKENS,
-    "kl_penalty fwd": _TOKENS,
-    "kl_penalty bwd": _TOKENS,
-    # One program reduces [B, 8] per-row statistics (a few KB): latency, not
-    # bandwidth, by design; only spills are gated.
-    "policy finalize": Budget(why="one program over [B, 8] statistics: latency-bound by design"),
-    "rollout finalize": Budget(why="one program over [B, 8] statistics: latency-bound by design"),
-}
-
-# Ops (the benchmark's names): predicted share of the copy bandwidth, issue 13's
-# "done when": >= 90% forward for the row streams, >= 85% forward + backward.
-OP_BUDGETS: dict[str, float] = {
-    "logprobs fwd": 0.90,
-    "logprobs+entropy fwd": 0.90,
-    "full_kl fwd": 0.90,
-    "logprobs fwd+bwd": 0.85,
-    "logprobs+entropy fwd+bwd": 0.85,
-    "full_kl fwd+bwd": 0.85,
-}
-
-# What today's kernels miss: (case id or op prefix, role or "*", gate) -> the
-# change that fixes it. The test marks these xfail(strict=True): once the kernel
-# is fixed the test passes, fails as XPASS, and the entry is removed.
-# (fragment of the case id, role, gate) -> the change that fixes it.
-_FUSED_HISTOGRAM = "issue 14: the statistics pass carries the top-digit histogram (one read fewer, more SASS)"
-KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
-    # One program a row (B > half the SMs) reads the row's statistics and its
-    # top-digit histogram in the same pass (kernels/sampling/sample.py, _select): ~19
-    # SASS an element against the budget's 14.9, where the two passes apart were
-    # 11 and 13.5 each. Both counted, the fused pass does less (~19 against ~24.5
-    # an element over the row) and reads the row once less: predicted ~10% faster
-    # at B = 256 and 1024 and for the truncated forward. The histogram's share
-    # (~6 an element: the key, its digit's address and a shared-memory atomic)
-    # is near its floor.
-    ("sample top-k 50 [256x", "sample", "SASS/element"): _FUSED_HISTOGRAM,
-    ("sample top-p 0.9 [256x", "sample", "SASS/element"): _FUSED_HISTOGRAM,
-    ("sample top-k 50 [1024x", "sample", "SASS/element"): _FUSED_HISTOGRAM,
-    ("sample top-p 0.9 [1024x", "sample", "SASS/element"): _FUSED_HISTOGRAM,
-    ("truncated_logprobs", "truncated_logprobs fwd", "SASS/element"): _FUSED_HISTOGRAM,
-}
 
 # ---------------------------------------------------------------------------
 # Running the model
@@ -612,34 +475,6 @@ def op_rows(rows: list[dict]) -> list[dict]:
     return list(out.values())
 
 
-# ---------------------------------------------------------------------------
-# Gates
-
-GATES = ("issue/memory", "128-bit loads", "grid", "passes", "SASS/element")
-ELEMENT_BITS = {"bfloat16": 16, "float16": 16, "float32": 32, "float64": 64}
-# The log-prob forward whose SASS per element the sampler's passes are held to (issue 14).
-REFERENCE_CASE = ("logprobs fwd [16384x151936 bfloat16]", "logprobs fwd")
-
-
-def gate_items() -> list[tuple[str, str, str]]:
-    """(case id, role, gate) of every check the CI gate makes, from the cases
-    alone (no compilation), so that a test can be parametrised by them. Ops are
-    gated on their predicted share of the copy bandwidth (role "*")."""
-    from . import cases
-
-    items = []
-    for case in cases.cases():
-        for role in dict.fromkeys(case.roles):
-            b = BUDGETS.get(role, Budget())
-            on = {"issue/memory": b.max_issue_ratio is not None, "128-bit loads": b.vector_loads,
-                  "grid": b.min_active_sms is not None, "passes": b.max_passes is not None,
-                  "SASS/element": b.max_sass_vs_logprobs is not None}  # fmt: skip
-            items += [(case.id, role, gate) for gate in GATES if on[gate]]
-        if case.op in OP_BUDGETS:
-            items.append((case.id, "*", "copy bandwidth"))
-    return items
-
-
 def triton_kernel_names() -> list[str]:
     """Every kernel of fastrl.kernels (a @triton.jit function named *_kernel)."""
     import importlib
@@ -660,61 +495,6 @@ def triton_kernel_names() -> list[str]:
         module = importlib.import_module(f"fastrl.kernels.{info.name}")
         names |= {n for n, obj in vars(module).items() if isinstance(obj, kinds) and n.endswith("_kernel")}
     return sorted(names)
-
-
-def known_failure(case_id: str, role: str, gate: str) -> str | None:
-    """The reason a gate item fails today, if it is a known failure."""
-    for (fragment, r, g), reason in KNOWN_FAILURES.items():
-        if fragment in case_id and r == role and g == gate:
-            return reason
-    return None
-
-
-def check(payload: dict, case_id: str, role: str, gate: str) -> tuple[bool, str]:
-    """(passes, what was found) of one gate item against the results."""
-    if gate == "copy bandwidth":
-        op = next((o for o in payload["ops"] if o["case"] == case_id), None)
-        if op is None:
-            return False, f"{case_id}: not modelled (see compile_failures)"
-        need = OP_BUDGETS[op["op"]]
-        got = op["predicted"]["H100"]["copy_pct"]
-        return (
-            got >= 100 * need,
-            f"{case_id}: predicted {got:.1f}% of copy bandwidth on H100, budget >= {100 * need:.0f}%",
-        )
-    rows = [r for r in payload["launches"] if r["case"] == case_id and r["role"] == role]
-    if not rows:
-        return False, f"{case_id} {role}: not modelled (see compile_failures)"
-    r = rows[0]
-    b = BUDGETS[role]
-    name = r["kernel"].split("(")[0]
-    if gate == "issue/memory":
-        got = r["predicted"]["H100"]["issue_memory_ratio"]
-        return got <= b.max_issue_ratio, f"{name}: predicted issue / memory {got:.2f}, budget <= {b.max_issue_ratio}"
-    if gate == "128-bit loads":
-        bits = r["float_load_bits"]
-        if "ALIGNED=False" in r["variant"].split(", "):
-            # A forward reduction over rows that do not all start on a 16-byte
-            # boundary counts its tiles from each row's first element, one element
-            # a lane (_launch.tile_config), so that a row's result does not depend
-            # on its address (DESIGN.md, batch invariance): its loads are the
-            # element's width, coalesced across the warp, never narrower or mixed.
-            width = ELEMENT_BITS[r["dtype"]]
-            return bits == [width], (f"{name}: rows off 16-byte boundaries, loads of float rows on its passes: "
-                                     f"{bits or 'none'} bits, the element's {width} coalesced")  # fmt: skip
-        return bool(bits) and min(bits) >= 128, f"{name}: loads of float rows on its passes: {bits or 'none'} bits"
-    if gate == "grid":
-        need = b.min_active_sms * sm.H100.sms
-        return r["active_sms"] >= need, f"{name}: grid of {r['grid']} CTAs uses {r['active_sms']} of {sm.H100.sms} SMs"
-    if gate == "passes":
-        return r["passes"] <= b.max_passes, f"{name}: {r['passes']} passes over the row, budget <= {b.max_passes}"
-    if gate == "SASS/element":
-        ref = next(x for x in payload["launches"] if (x["case"], x["role"]) == REFERENCE_CASE)
-        limit = b.max_sass_vs_logprobs * ref["sass_per_element"]
-        got = r["sass_per_element_max"]
-        return got <= limit, (f"{name}: {got:.0f} SASS per element on its dearest pass, budget <= "
-                              f"{b.max_sass_vs_logprobs} x the log-prob forward's {ref['sass_per_element']:.1f}")  # fmt: skip
-    raise ValueError(gate)
 
 
 def spills(payload: dict) -> dict[str, list[str]]:
@@ -768,8 +548,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", default="90,80", help="comma-separated SM versions to compile for (default 90,80)")
     parser.add_argument("--jobs", type=int, default=None, help="compile processes (default: up to 4)")
     parser.add_argument(
-        "--json", type=Path, default=RESULTS, help=f"results file (default {RESULTS.relative_to(ROOT)})"
-    )
+        "--json", type=Path, default=None,
+        help=f"results file (default {results_path('<installed triton>').relative_to(ROOT)})",
+    )  # fmt: skip
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     archs = tuple(int(a) for a in args.arch.split(","))
@@ -777,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the model is of sm_90: --arch must include 90")
     progress = (lambda msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
     payload = run_model(archs, args.jobs, progress)
+    args.json = args.json or results_path(payload["triton"])
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(dumps(payload))
     if not args.quiet:
