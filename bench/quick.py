@@ -146,16 +146,11 @@ def cases(device: torch.device, *, dry: bool = False) -> list[tuple[Case, tuple]
 
 
 def predictions(triton_version: str | None, directory: Path = PREDICTIONS_DIR) -> dict | None:
-    """The sm_90 model's predictions for ``triton_version``: the predictions file made
-    with that Triton (sm90-predicted-triton-<version>.json), else the unversioned
-    sm90-predicted.json, whichever Triton made it (the rows say which); None without either."""
-    payloads = {p.name: json.loads(p.read_text()) for p in sorted(directory.glob("sm90-predicted*.json"))}
-    for name, payload in payloads.items():
-        if payload.get("triton") == triton_version:
-            return {**payload, "file": name}
-    if "sm90-predicted.json" in payloads:
-        return {**payloads["sm90-predicted.json"], "file": "sm90-predicted.json"}
-    return None
+    """The sm_90 model's predictions made with ``triton_version`` (the predictions file
+    tools/sass/tritons.sh writes for it), or None: a prediction for another Triton is of
+    other code."""
+    path = directory / f"sm90-predicted-triton-{triton_version}.json"
+    return {**json.loads(path.read_text()), "file": path.name} if path.exists() else None
 
 
 def model_of(device_name: str) -> str | None:

@@ -1,9 +1,10 @@
 """Regenerates the README's performance section from the results files the
 suite wrote (bench/results/*.json), so that no number there is typed by hand:
 the measured tables first, then the static sm_90 model's predictions
-(bench/results/sm90-predicted.json, written by ``python -m tools.sass``),
-headed as predictions, with the measured time beside each prediction once a
-GPU run of the same case under the same Triton exists.
+(bench/results/sm90-predicted-triton-<version>.json, one per Triton version,
+written by ``tools/sass/tritons.sh``), headed as predictions, with the measured
+time beside each prediction once a GPU run of the same case under one of
+those Tritons exists.
 
     python -m bench.report            rewrite the section in README.md
     python -m bench.report --check    exit 1 if it is out of date
@@ -71,43 +72,66 @@ def _time(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.1f} us"
 
 
-def render_predicted(payload: dict, measured: list[dict]) -> str:
-    """The static model's tables: per op on H100 and H200 (with the measured
-    time of the same case beside it when a GPU run under the same Triton
-    recorded one: the model predicts the code that Triton compiles), then per
-    kernel launch on H100. Every figure is a prediction."""
-    commit = (payload.get("commit") or "unknown")[:10]
-    gpu = _measured_gpu_times([run for run in measured if run.get("triton") == payload["triton"]])
-    models = payload["model"]
+def _triton_order(payload: dict) -> tuple[int, ...]:
+    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in payload["triton"].split("."))
+
+
+def render_predicted(predicted: list[dict], measured: list[dict]) -> str:
+    """The static model's tables, from one predictions file per Triton version
+    (``tools/sass/tritons.sh``): per op, its predicted H100 time and share of the
+    copy bandwidth under each version, and H200 under the newest, with the
+    measured time of the same case beside them when a GPU run recorded one
+    under one of those versions (named in the cell: the model predicts the code
+    that Triton compiles); then per kernel launch on H100, a table per version.
+    Every figure but the measured column is a prediction."""
+    predicted = sorted(predicted, key=_triton_order)
+    newest = predicted[-1]
+    versions = [p["triton"] for p in predicted]
+    gpu = {version: _measured_gpu_times([run for run in measured if run.get("triton") == version])
+           for version in versions}  # fmt: skip
+    models = newest["model"]
+    made = ", ".join(f"triton {p['triton']} at commit `{(p.get('commit') or 'unknown')[:10]}` ({p['date'][:10]})"
+                     for p in predicted)  # fmt: skip
     lines = [
-        f"**Predicted, not measured: {payload['device']}** by the static sm_90 model (`python -m tools.sass`, "
-        f"triton {payload['triton']}, commit `{commit}`, {payload['date'][:10]}). "
+        f"**Predicted, not measured: {newest['device']}** by the static sm_90 model (`python -m tools.sass`, "
+        f"one run per Triton our users run, `tools/sass/tritons.sh`: {made}). "
         f"Copy bandwidth assumed {models['H100']['copy_bw'] / 1e12:.1f} TB/s (H100) and "
         f"{models['H200']['copy_bw'] / 1e12:.1f} TB/s (H200), {models['H100']['sms']} SMs at "
         f"{models['H100']['clock_hz'] / 1e9:.3f} GHz; the model and its assumptions are stated in "
-        "`tools/sass/__init__.py`. Predicted % of copy bandwidth = the op's minimum bytes / predicted time.",
+        "`tools/sass/__init__.py`. Each cell: predicted time (predicted % of copy bandwidth = the op's minimum "
+        "bytes / predicted time).",
         "",
-        f"| op | shape | dtype | predicted H100 | % of copy BW | predicted H200 | % of copy BW | bound | "
-        f"measured (triton {payload['triton']}) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| op | shape | dtype | "
+        + " | ".join(f"H100, triton {v}" for v in versions)
+        + f" | H200, triton {newest['triton']} | bound ({newest['triton']}) | measured |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in versions) + " | --- | --- | --- |",
     ]
-    for op in payload["ops"]:
-        h100, h200 = op["predicted"]["H100"], op["predicted"]["H200"]
-        key = (op["op"], tuple(op["shape"]), op["dtype"])
-        seen = gpu.get(key)
-        bounds = "/".join(dict.fromkeys(h100["bounds"]))
+    ops = {(op["op"], tuple(op["shape"]), op["dtype"]): op for op in newest["ops"]}
+    by_version = [{(op["op"], tuple(op["shape"]), op["dtype"]): op for op in p["ops"]} for p in predicted]
+    for key, op in ops.items():
+        cells = []
+        for table in by_version:
+            h100 = table[key]["predicted"]["H100"] if key in table else None
+            cells.append(f"{_time(h100['time_s'])} ({h100['copy_pct']:.0f}%)" if h100 else "-")
+        h200 = op["predicted"]["H200"]
+        seen = [f"{gpu[v][key][1]:.3f} ms ({gpu[v][key][0]}, triton {v})" for v in versions if key in gpu[v]]
         lines.append(
-            f"| {op['op']} | {'x'.join(map(str, op['shape']))} | {op['dtype']} | {_time(h100['time_s'])} | "
-            f"{h100['copy_pct']:.0f}% | {_time(h200['time_s'])} | {h200['copy_pct']:.0f}% | {bounds} | "
-            f"{f'{seen[1]:.3f} ms ({seen[0]})' if seen else '-'} |"
+            f"| {op['op']} | {'x'.join(map(str, op['shape']))} | {op['dtype']} | {' | '.join(cells)} | "
+            f"{_time(h200['time_s'])} ({h200['copy_pct']:.0f}%) | {'/'.join(dict.fromkeys(op['predicted']['H100']['bounds']))} | "
+            f"{'; '.join(seen) or '-'} |"
         )
-    lines += [
-        "",
-        "Per kernel launch, predicted on H100 (main loop: the pass over the row with the most elements; "
-        "SASS / element on its hot path, with the most expensive pass in brackets when it differs):",
-        "",
-        launch_table(payload),
-    ]
+    for payload in reversed(predicted):
+        lines += [
+            "",
+            f"<details><summary>Per kernel launch, predicted on H100 with triton {payload['triton']}</summary>",
+            "",
+            "Main loop: the pass over the row with the most elements; SASS / element on its hot path, with the "
+            "most expensive pass in brackets when it differs.",
+            "",
+            launch_table(payload),
+            "",
+            "</details>",
+        ]
     return "\n".join(lines)
 
 
@@ -159,7 +183,8 @@ def render(results_dir: Path) -> str:
     parts = [render_device(p) for p in measured]
     if not measured:
         parts.append("No measured results recorded yet: run `make bench-record`.")
-    parts += [render_predicted(p, measured) for p in predicted]
+    if predicted:
+        parts.append(render_predicted(predicted, measured))
     return "\n\n".join(parts)
 
 

@@ -34,7 +34,7 @@ def _sampler_histogram() -> str:
 
     if not _launch.triton_histogram_is_slow():
         return ""
-    return f" (sampler: window histogram, triton < {'.'.join(map(str, _launch.FAST_HISTOGRAM_TRITON))})"
+    return f" (sampler: split rows take the window histogram, triton < {'.'.join(map(str, _launch.FAST_HISTOGRAM_TRITON))})"
 
 
 def info_lines() -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 import subprocess
 import sys
 import time
@@ -38,12 +39,15 @@ def test_the_committed_predictions_are_of_the_code_in_the_tree():
     from tools import sass
 
     predicted = sorted((ROOT / "bench" / "results").glob("sm90-predicted*.json"))
-    assert predicted
+    # one file for each Triton tools/sass/tritons.sh runs, and no other
+    versions = re.search(r"ALL_VERSIONS=\(([^)]*)\)", (ROOT / "tools" / "sass" / "tritons.sh").read_text()).group(1)
+    assert [p.name for p in predicted] == sorted(f"sm90-predicted-triton-{v}.json" for v in versions.split())
     for path in predicted:
         payload = json.loads(path.read_text())
+        assert path == sass.results_path(payload["triton"])
         assert payload.get("source_hash") == sass.source_hash(), (
-            f"{path.name} predicts other code than the tree's: run python -m tools.sass under triton "
-            f"{payload.get('triton')} and commit the file it writes"
+            f"{path.name} predicts other code than the tree's: run bash tools/sass/tritons.sh {payload.get('triton')} "
+            "and commit the file it writes"
         )
 
 

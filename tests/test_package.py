@@ -124,8 +124,8 @@ def test_import_costs_little_more_than_torch():
 @pytest.mark.parametrize("version,slow", [("3.6.0", True), ("3.7.1", True), ("3.8.0", False), ("3.10.0+git1a2b", False)])
 def test_triton_versions_with_the_slow_histogram(monkeypatch, version, slow):
     """Triton < 3.8 lowers tl.histogram to votes and popcounts (kernels/_launch.py,
-    FAST_HISTOGRAM_TRITON): the sampler takes its window histogram on a GPU and
-    `fastrl info` says so."""
+    FAST_HISTOGRAM_TRITON): a split row of the sampler takes its window histogram on
+    a GPU and `fastrl info` says so."""
     triton = pytest.importorskip("triton")
     from fastrl.kernels import _launch
 

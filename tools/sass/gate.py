@@ -136,26 +136,12 @@ OP_BUDGETS: dict[str, float] = {
     "full_kl fwd+bwd": 0.85,
 }
 
-# What today's kernels miss: (case id or op prefix, role or "*", gate) -> the
+# What today's kernels miss: (fragment of the case id, role or "*", gate) -> the
 # change that fixes it. The test marks these xfail(strict=True): once the kernel
-# is fixed the test passes, fails as XPASS, and the entry is removed.
-# (fragment of the case id, role, gate) -> the change that fixes it.
-_FUSED_HISTOGRAM = "issue 14: the statistics pass carries the top-digit histogram (one read fewer, more SASS)"
-KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
-    # One program a row (B > half the SMs) reads the row's statistics and its
-    # top-digit histogram in the same pass (kernels/sampling/sample.py, _select): ~19
-    # SASS an element against the budget's 14.9, where the two passes apart were
-    # 11 and 13.5 each. Both counted, the fused pass does less (~19 against ~24.5
-    # an element over the row) and reads the row once less: predicted ~10% faster
-    # at B = 256 and 1024 and for the truncated forward. The histogram's share
-    # (~6 an element: the key, its digit's address and a shared-memory atomic)
-    # is near its floor.
-    ("sample top-k 50 [256x", "sample", "SASS/element"): _FUSED_HISTOGRAM,
-    ("sample top-p 0.9 [256x", "sample", "SASS/element"): _FUSED_HISTOGRAM,
-    ("sample top-k 50 [1024x", "sample", "SASS/element"): _FUSED_HISTOGRAM,
-    ("sample top-p 0.9 [1024x", "sample", "SASS/element"): _FUSED_HISTOGRAM,
-    ("truncated_logprobs", "truncated_logprobs fwd", "SASS/element"): _FUSED_HISTOGRAM,
-}
+# is fixed the test passes, fails as XPASS, and the entry is removed. Empty since
+# the sampler's one program a row left its top-digit histogram (its dearest pass,
+# the compaction, is 14-15 SASS an element, within 1.5x the log-prob forward's).
+KNOWN_FAILURES: dict[tuple[str, str, str], str] = {}
 
 # Gates
 
