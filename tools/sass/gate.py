@@ -143,6 +143,20 @@ OP_BUDGETS: dict[str, float] = {
 # the compaction, is 14-15 SASS an element, within 1.5x the log-prob forward's).
 KNOWN_FAILURES: dict[tuple[str, str, str], str] = {}
 
+# Kernels that spill today under CI's Triton (tests/test_triton_compile.py,
+# test_no_kernel_spills), each with the change that fixes it: marked
+# xfail(strict=True) the same way, so that the fix removes the entry.
+KNOWN_SPILLS: dict[str, str] = {
+    # Under triton 3.9 the truncated forward, capped at 64 registers (two CTAs an SM),
+    # keeps one value in local memory on the loop over its candidate list that sums
+    # the kept mass (kernels/sampling/sample.py, _select): one LDL an iteration of a
+    # loop of one or two iterations a row, not on a pass over the row. Since the
+    # statistics pass carries the sub-lanes' maxima (8 float32 registers a thread);
+    # triton 3.8 spills the same way in the sampler's kernel, 3.6 and 3.7.1 not at all.
+    "_truncated_fwd_kernel": "issue 38: keep the sub-lanes' maxima in 16-bit pairs (4 registers) where the "
+    "row is 16-bit, or free a register around the list loop",
+}
+
 # Gates
 
 GATES = ("issue/memory", "128-bit loads", "grid", "passes", "SASS/element")
