@@ -192,7 +192,7 @@ QUICK_END=$((SECONDS + ${QUICK_BUDGET:-345}))
 for stage in "$@"; do
     case $stage in
         quick) quick ;;
-        setup) run_stage setup 420 bash -c "$(declare -f setup); PY=$PY; setup" ;;
+        setup) run_stage setup 420 bash -c "$(declare -f install_peers versions setup); PY=$PY; setup" ;;
         # -v: a run cut short by its limit still logs each test's verdict (the
         # first H100 run's -m gpu suite took over 330 s on 16 workers)
         test) run_stage test 480 $PY -m pytest -v -rfE -m gpu -n 16 -p no:cacheprovider --junitxml "$OUT/junit.xml" ;;
