@@ -291,15 +291,18 @@ def _mulhilo32(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
 def philox4x32_10(c0, c1, c2, c3, k0, k1) -> tuple[torch.Tensor, ...]:
     """Philox4x32-10 (Salmon et al., SC'11) on 32-bit values held in int64 tensors
     (broadcast together; the four output words have their shape)."""
-    words = torch.broadcast_tensors(*(torch.as_tensor(v) & _MASK32 for v in (c0, c1, c2, c3, k0, k1)))
+    # Python ints go to the tensors' device: broadcast, a CPU scalar would stay a
+    # CPU tensor of the full shape, which a CUDA operand cannot meet.
+    device = next((v.device for v in (c0, c1, c2, c3, k0, k1) if isinstance(v, torch.Tensor)), None)
+    words = torch.broadcast_tensors(*(torch.as_tensor(v, device=device) & _MASK32 for v in (c0, c1, c2, c3, k0, k1)))
     shape, flat = words[0].shape, [w.reshape(-1) for w in words]
     out = [torch.empty(flat[0].numel(), dtype=torch.int64, device=flat[0].device) for _ in range(4)]
-    # In pieces of 2^16 counters: the ten rounds' int64 temporaries stay in the
-    # CPU's cache (5.8x faster than whole [N, V] tensors at N V = 6.4M). Each
-    # counter's words depend on that counter alone. Traced by torch.compile, in
-    # one piece (no loop over a symbolic size).
+    # On a CPU, in pieces of 2^16 counters: the ten rounds' int64 temporaries stay
+    # in its cache (5.8x faster than whole [N, V] tensors at N V = 6.4M). Each
+    # counter's words depend on that counter alone. Elsewhere, and when traced by
+    # torch.compile (no loop over a symbolic size), in one piece.
     n = flat[0].numel()
-    step = max(n, 1) if torch.compiler.is_compiling() else 1 << 16
+    step = 1 << 16 if flat[0].device.type == "cpu" and not torch.compiler.is_compiling() else max(n, 1)
     for start in range(0, n, step):
         piece = slice(start, start + step)
         for o, w in zip(out, _philox_rounds(*(f[piece] for f in flat))):

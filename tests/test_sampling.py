@@ -867,6 +867,17 @@ def test_philox_known_answers_on_every_implementation():
     assert [tuple(row) for row in out.tolist()[:3]] == [e for _, e in vectors]
 
 
+def test_reference_philox_puts_python_int_words_on_the_tensors_device():
+    """The reference sampler passes the offset's words as Python ints beside
+    CUDA tensors; they must be made on that device (broadcast, a CPU scalar
+    became a CPU tensor of the full shape: every draw of the reference on CUDA
+    failed, found on an H200 2026-11-27). Meta tensors stand in for CUDA here."""
+    counters = torch.arange(5, device="meta").unsqueeze(0)
+    keys = torch.zeros(3, 1, dtype=torch.int64, device="meta")
+    words = reference.philox4x32_10(counters, keys, 7, 0, keys, keys)
+    assert all(w.device.type == "meta" and w.shape == (3, 5) for w in words)
+
+
 @triton.jit
 def _philox_kat_kernel(inp, out):
     """Four Philox calls, counter and key words read from ``inp [4, 6]``."""
