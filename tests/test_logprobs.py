@@ -775,11 +775,14 @@ def test_python_numbers_are_checked_as_the_kernels_hold_them(dtype):
 
 
 def _temperature_ops(temperature):
-    """Every op that takes a temperature, each called with it: (name, call)."""
-    logits, labels = _ok()
+    """Every op that takes a temperature, each called with it on its device: (name, call)."""
+    device = temperature.device
+    logits, labels = (t.to(device) for t in _ok())
     logits.requires_grad_()
-    hidden, weight = torch.randn(2, 3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
-    policy = (-torch.rand(2, 3), torch.randn(2, 3), torch.ones(2, 3, dtype=torch.bool))
+    hidden = torch.randn(2, 3, 4, device=device, requires_grad=True)
+    weight = torch.randn(5, 4, device=device, requires_grad=True)
+    policy = (-torch.rand(2, 3, device=device), torch.randn(2, 3, device=device),
+              torch.ones(2, 3, dtype=torch.bool, device=device))  # fmt: skip
     return [
         ("logprobs_from_logits", lambda: fastrl.logprobs_from_logits(logits, labels, temperature=temperature)),
         ("logprobs_and_entropy", lambda: sum(fastrl.logprobs_and_entropy(logits, labels, temperature=temperature))),
@@ -802,7 +805,7 @@ def test_temperature_that_requires_grad(device, backend):
     frameworks do) and would give it no gradient, silently, so every op that takes
     one refuses it there, naming it, unless no gradient is being recorded; the
     reference differentiates through logits / T, so there T gets its gradient."""
-    temperature = (torch.rand(2, 1) + 0.5).requires_grad_()
+    temperature = (torch.rand(2, 1, device=device) + 0.5).requires_grad_()
     for name, call in _temperature_ops(temperature):
         with fastrl.use_backend(backend):
             if backend != "reference":

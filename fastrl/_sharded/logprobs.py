@@ -110,12 +110,12 @@ def combine_across_ranks(local, labels, temps, temp_scalar, ignore_index, shard:
     logprob = None
     if labels is not None:
         keep = labels != ignore_index
-        starts = torch.tensor(shard.starts, device=labels.device)
-        sizes = torch.tensor(shard.sizes, device=labels.device)
-        owner = (labels.long().unsqueeze(0) >= starts.unsqueeze(1)) & (
-            labels.long().unsqueeze(0) < (starts + sizes).unsqueeze(1)
-        )
-        owner = owner.long().argmax(dim=0)
+        # The rank whose shard holds each label (0 for an ignored one), from the shards'
+        # bounds as Python ints: a tensor made of them would be a host-to-device copy,
+        # which a CUDA graph's capture refuses.
+        owner = torch.zeros_like(labels, dtype=torch.long)
+        for rank, (start, size) in enumerate(zip(shard.starts, shard.sizes, strict=True)):
+            owner = torch.where((labels >= start) & (labels < start + size), rank, owner)
         x_y = label_logit.gather(0, owner.unsqueeze(0)).squeeze(0)
         logprob = torch.where(keep, (x_y - top) / t - log_s, 0.0).to(acc)
     stats = torch.stack([top, log_s], dim=-1).to(acc)
