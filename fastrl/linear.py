@@ -425,11 +425,20 @@ def _check_scale_and_cap(logit_scale: object, softcap: object, acc: torch.dtype)
     return logit_scale, softcap
 
 
+# Whether torch.autocast knows a device type, asked once a type outside a trace:
+# torch.is_autocast_enabled raises for one it does not know (meta tensors, which
+# every op takes through the reference), and torch.compile under torch 2.11
+# cannot trace torch.amp.is_autocast_available (a graph break; seen on an H200).
+_AUTOCAST_AVAILABLE = {t: torch.amp.is_autocast_available(t) for t in ("cpu", "cuda", "meta")}
+
+
 def _autocasting(device_type: str) -> bool:
     """Whether torch.autocast is on for ``device_type``; never for a device type
-    autocast does not know (meta tensors, which every op takes through the
-    reference, as the other ops do: torch.is_autocast_enabled raises there)."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    autocast does not know."""
+    available = _AUTOCAST_AVAILABLE.get(device_type)
+    if available is None:
+        available = _AUTOCAST_AVAILABLE[device_type] = torch.amp.is_autocast_available(device_type)
+    return available and torch.is_autocast_enabled(device_type)
 
 
 def _autocast(hidden, weight, bias):
