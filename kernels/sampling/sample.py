@@ -64,9 +64,13 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
         m, n_max, tail, _no_w, sub = softmax_stats(row_ptr, V, inv_t, False, REPS, LANES, VEC, ALIGNED,
                                                    MAX_IN_STORAGE_TYPE, ACC, True, SUB_MAX=True)  # fmt: skip
     bad, greedy, m_safe, s, log_s, k_on, p_on = _row_state(V, t, k, p, valid, m, n_max, tail, ACC)
+    # A listed row reads the entries its compaction counted (the counter; past
+    # LIST_CAP the row is its own list), never a histogram's count of them: a
+    # count off by one made the tokens read depend on the atomics' order.
     if SPLIT:
-        n_candidates = tl.load(split_ptr + 4).to(tl.int32)
-        compacted = tl.load(split_ptr + 5) != 0
+        compacted = tl.load(split_ptr + 4) != 0
+        n_candidates = tl.where(compacted, tl.load(counter_ptr), V)
+        compacted = compacted & (n_candidates <= LIST_CAP)
     else:
         # Float64 rows never compact: their sums stay float64, in row order (_mass_units).
         n_candidates = V + tl.zeros([], tl.int32)
@@ -89,6 +93,8 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
                     if compacted:
                         _compact(row_ptr, 0, V, V, 0, lowest, cand_ptr, counter_ptr, REPS, LANES, VEC, LANES,
                                  LIST_CAP)  # fmt: skip
+                        n_candidates = tl.atomic_add(counter_ptr, 0, sem="relaxed")
+                        compacted = n_candidates <= LIST_CAP
     n_list = tl.where(compacted, n_candidates, V)
 
     threshold = _order_key(tl.full([], neg_inf, ACC))  # keeps every non-NaN logit

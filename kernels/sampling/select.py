@@ -336,6 +336,23 @@ def _window_floor(counts, k, p, c, inv_t, s, k_on, p_on):
 
 
 @triton.jit
+def _window_counts(bins, live):
+    """The counts [_WINDOW_BINS] of window bins ``bins`` (_window_bin) of any
+    shape whose elements ``live`` (of their shape) are tokens: the others were
+    loaded as -inf, so they lie in the last bin, and are taken back out of it.
+    tl.histogram gets no mask: under triton 3.6 a histogram's values and its
+    mask, reshaped from tiles of different layouts, are each reordered on their
+    own (tt.reshape allow_reorder), and a value was counted under another's
+    mask: a split row lost 1 to 3 of its tokens from the bins its list holds
+    (an H200, 2026-11-27), its list overflowed the count, and the tokens its
+    last launch read varied from call to call."""
+    SIZE: tl.constexpr = bins.numel
+    counts = tl.histogram(tl.reshape(bins, [SIZE]), _WINDOW_BINS)
+    dead = SIZE - tl.sum(tl.reshape(live.to(tl.int32), [SIZE]), axis=0)
+    return counts - tl.where(tl.arange(0, _WINDOW_BINS) == _WINDOW_BINS - 1, dead, 0)
+
+
+@triton.jit
 def _window_histogram(row_ptr, V, m, c, TILE: tl.constexpr):
     """The row's window histogram [_WINDOW_BINS] (_window_bin of every token), a
     read of the row in tiles of TILE."""
@@ -343,7 +360,7 @@ def _window_histogram(row_ptr, V, m, c, TILE: tl.constexpr):
     for start in range(0, V, TILE):
         offs = start + tl.arange(0, TILE)
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        counts += tl.histogram(_window_bin(x, m, c), _WINDOW_BINS, mask=offs < V)
+        counts += _window_counts(_window_bin(x, m, c), offs < V)
     return counts
 
 

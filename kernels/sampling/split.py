@@ -21,11 +21,20 @@ from ..reduce import exp2_scale, fold_lanes, lane_tile, merge_lanes, row_start, 
 from .compact import _compact
 from .keys import _BINS
 from .params import _inverse_temperature, _row_params
-from .select import _WINDOW_BINS, _list_floor, _may_list, _row_state, _tile_top_digits, _window_bin, _window_scale
+from .select import (
+    _WINDOW_BINS,
+    _list_floor,
+    _may_list,
+    _row_state,
+    _tile_top_digits,
+    _window_bin,
+    _window_counts,
+    _window_scale,
+)
 
 # A split row's statistics fold 8 tiles a trip (_split_rows_kernel): their loads issued together.
 _FOLD_GROUP = tl.constexpr(8)
-# A split row's record (_split_rows_kernel, _record_list): 6 int64, padded to 8.
+# A split row's record (_split_rows_kernel, _record_list): 5 int64, padded to 8.
 _SPLIT_RECORD = tl.constexpr(8)
 
 
@@ -130,15 +139,15 @@ def _record_list(record, V, t, k, p, valid, inv_t, m, n_max, tail, hist_ptr, LIS
                  WINDOW: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """A split row's list (_list_floor, from the row's histogram at hist_ptr:
     zero for a row that lists none) to its record after m, n and t: the float64
-    bits of its lowest logit, n_candidates and compacted."""
+    bits of its lowest logit, and whether it compacts (the list's length is
+    the compaction's count: _select)."""
     bad, greedy, m_safe, s, _, k_on, p_on = _row_state(V, t, k, p, valid, m, n_max, tail, ACC)
     HIST_BINS: tl.constexpr = _WINDOW_BINS if WINDOW else _BINS
     counts = tl.load(hist_ptr + tl.arange(0, HIST_BINS))
-    lowest, n_candidates, compacted = _list_floor(V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s, counts,
-                                                  LIST_CAP, WINDOW, ACC)  # fmt: skip
+    lowest, _n_candidates, compacted = _list_floor(V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s, counts,
+                                                   LIST_CAP, WINDOW, ACC)  # fmt: skip
     tl.store(record + 3, lowest.to(tl.float64).to(tl.int64, bitcast=True))
-    tl.store(record + 4, n_candidates.to(tl.int64))
-    tl.store(record + 5, compacted.to(tl.int64))
+    tl.store(record + 4, compacted.to(tl.int64))
 
 
 @triton.jit
@@ -177,9 +186,7 @@ def _split_window_kernel(
         lane_offs, rep_offs = slice_offsets(REPS, SLICE_LANES, VEC, (part % SLICES) * SLICE_LANES, LANES)
         offs = ((part // SLICES) * (REPS * LANES * VEC) + lane_offs) + rep_offs
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        SIZE: tl.constexpr = REPS * SLICE_LANES * VEC
-        bins = tl.reshape(_window_bin(x, m_safe, _window_scale(_inverse_temperature(t, valid, ACC))), [SIZE])
-        counts = tl.histogram(bins, _WINDOW_BINS, mask=tl.reshape(offs < V, [SIZE]))
+        counts = _window_counts(_window_bin(x, m_safe, _window_scale(_inverse_temperature(t, valid, ACC))), offs < V)
         tl.atomic_add(hist_ptr + row * _WINDOW_BINS + tl.arange(0, _WINDOW_BINS), counts, mask=counts > 0,
                       sem="relaxed")  # fmt: skip
 
@@ -214,7 +221,7 @@ def _split_compact_kernel(
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     record = split_ptr + row * _SPLIT_RECORD  # (_record_list)
-    compacted = tl.load(record + 5)
+    compacted = tl.load(record + 4)
     if compacted != 0:
         lowest = tl.load(record + 3).to(tl.float64, bitcast=True).to(tl.float32)
         row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
