@@ -33,10 +33,9 @@ from pathlib import Path
 
 import torch
 
-from . import COMPILED, Case, kl, linear, logprobs, percent_of_copy, policy, row_key, sampling
+from tools.sass import RESULTS_DIR, results_path
 
-ROOT = Path(__file__).resolve().parents[1]
-PREDICTIONS_DIR = ROOT / "bench" / "results"
+from . import COMPILED, Case, kl, linear, logprobs, percent_of_copy, policy, row_key, sampling
 
 # Node ids with {device} for "cuda" (or "cpu" in the dry run, which only collects
 # them: a renamed test or parameter fails CI there, not the next GPU session).
@@ -145,11 +144,11 @@ def cases(device: torch.device, *, dry: bool = False) -> list[tuple[Case, tuple]
     return out
 
 
-def predictions(triton_version: str | None, directory: Path = PREDICTIONS_DIR) -> dict | None:
+def predictions(triton_version: str | None, directory: Path = RESULTS_DIR) -> dict | None:
     """The sm_90 model's predictions made with ``triton_version`` (the predictions file
     tools/sass/tritons.sh writes for it), or None: a prediction for another Triton is of
     other code."""
-    path = directory / f"sm90-predicted-triton-{triton_version}.json"
+    path = results_path(str(triton_version), directory)
     return {**json.loads(path.read_text()), "file": path.name} if path.exists() else None
 
 
@@ -237,7 +236,7 @@ def _measured_call_times(directory: Path, gpu: str) -> dict[tuple, float]:
     return times
 
 
-def estimate(gpu: str = "H100", directory: Path = PREDICTIONS_DIR) -> list[tuple[str, float, str]]:
+def estimate(gpu: str = "H100", directory: Path = RESULTS_DIR) -> list[tuple[str, float, str]]:
     """(stage, seconds, how) for the plan on ``gpu``: the bench from the model's
     predicted fastrl times and the peers' measured times, the rest from the stated
     overheads above. Every peer the plan times counts, importable here or not,

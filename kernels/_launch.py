@@ -152,8 +152,13 @@ def row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP: tl.constexpr,
 FAST_HISTOGRAM_TRITON = (3, 8)
 
 
+def version_tuple(version: str) -> tuple[int, ...]:
+    """A version string's numbers, for ordering: "3.7.1" -> (3, 7, 1), "3.8.0+git1a2b" ->
+    (3, 8, 0) (each part's digits; a part with none counts as 0)."""
+    return tuple(int("".join(c for c in part.split("+")[0] if c.isdigit()) or 0) for part in version.split("."))
+
+
 @functools.cache
 def triton_histogram_is_slow() -> bool:
     """Whether the installed Triton's tl.histogram is the slow lowering above."""
-    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in triton.__version__.split(".")[:2])
-    return (major, minor) < FAST_HISTOGRAM_TRITON
+    return version_tuple(triton.__version__)[:2] < FAST_HISTOGRAM_TRITON

@@ -63,6 +63,8 @@
 #                   family takes more than one call)
 #   profile-sampler the device time of each kernel fastrl.sample launches
 #                   (bench/gpu/sampler_profile.py)
+#   probe-split     whether a split row's launches repeat their workspace and
+#                   outputs bit for bit over identical calls (bench/gpu/split_probe.py)
 #   demo            examples/grpo_tiny.py --compare on the GPU
 #   pack            $OUT/results.tgz: bench/results (JSON, plots) and the README
 #                   regenerated from them, to unpack over the checkout here
@@ -205,6 +207,7 @@ for stage in "$@"; do
             run_stage "bench-logprobs-${shape//,/-}" 570 bash -c \
                 "$(declare -f bench_merged); PY=$PY; bench_merged --op logprobs --shape $shape --plot bench/results/plots" ;;
         profile-sampler) run_stage profile-sampler 240 $PY bench/gpu/sampler_profile.py ;;
+        probe-split) run_stage probe-split 120 $PY bench/gpu/split_probe.py ;;
         demo) run_stage demo 300 $PY examples/grpo_tiny.py --compare --device cuda --plot "$OUT/reward_curve_cuda.png" ;;
         pack) run_stage pack 120 bash -c "$PY -m bench.report && tar -czf '$OUT/results.tgz' bench/results README.md" ;;
         *) echo "unknown stage: $stage" >&2; exit 2 ;;

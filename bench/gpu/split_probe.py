@@ -74,9 +74,14 @@ def main() -> int:
         for r in range(x.shape[0]):
             n_kept = int(kept[r].sum())
             lowest = float(rec[r, 3].view(torch.float64)) if rec.numel() else float("nan")
+            at_or_above = int((x[r].float() >= lowest).sum())
+            counter = int(first["counters"][r])
             print(f"  row {r}: kept {n_kept}, record lowest {lowest:.9g} compacted {int(rec[r, 4])}, "
-                  f"counter {int(first['counters'][r])}, tokens at or above lowest "
-                  f"{int((x[r].float() >= lowest).sum())}")  # fmt: skip
+                  f"counter {counter}, tokens at or above lowest {at_or_above}")  # fmt: skip
+            # the list must hold every token >= its floor, and the floor every kept token
+            if int(rec[r, 4]) and (counter != at_or_above or bool((x[r][kept[r]].float() < lowest).any())):
+                print(f"    row {r}: the list is not the tokens at or above a floor under every kept one")
+                status = 1
         for i, (stages, out) in enumerate(runs[1:], 1):
             for name, value in stages.items():
                 if not torch.equal(value, first[name]):

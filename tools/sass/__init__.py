@@ -107,10 +107,10 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "bench" / "results"
 
 
-def results_path(triton_version: str) -> Path:
-    """The predictions file of a Triton version: one per version (tools/sass/tritons.sh), since
-    the versions lower the kernels differently."""
-    return RESULTS_DIR / f"sm90-predicted-triton-{triton_version}.json"
+def results_path(triton_version: str, directory: Path = RESULTS_DIR) -> Path:
+    """The predictions file of a Triton version in ``directory``: one per version
+    (tools/sass/tritons.sh), since the versions lower the kernels differently."""
+    return directory / f"sm90-predicted-triton-{triton_version}.json"
 
 
 LABEL = "predicted by the static sm_90 model (tools.sass), not measured"
