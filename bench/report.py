@@ -74,10 +74,6 @@ def _time(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.1f} us"
 
 
-def _triton_order(payload: dict) -> tuple[int, ...]:
-    return version_tuple(payload["triton"])
-
-
 def render_predicted(predicted: list[dict], measured: list[dict]) -> str:
     """The static model's tables, from one predictions file per Triton version
     (``tools/sass/tritons.sh``): per op, its predicted H100 time and share of the
@@ -86,7 +82,7 @@ def render_predicted(predicted: list[dict], measured: list[dict]) -> str:
     under one of those versions (named in the cell: the model predicts the code
     that Triton compiles); then per kernel launch on H100, a table per version.
     Every figure but the measured column is a prediction."""
-    predicted = sorted(predicted, key=_triton_order)
+    predicted = sorted(predicted, key=lambda payload: version_tuple(payload["triton"]))
     newest = predicted[-1]
     versions = [p["triton"] for p in predicted]
     gpu = {version: _measured_gpu_times([run for run in measured if run.get("triton") == version])

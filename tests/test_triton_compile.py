@@ -13,9 +13,10 @@ case, the budgets of ``tools.sass.gate.BUDGETS`` / ``OP_BUDGETS``: no spills,
 ratio within budget for memory-bound kernels, a grid that occupies at least
 half the SMs, passes over the row, and the predicted share of the copy
 bandwidth of the log-prob and KL ops. What today's kernels miss is listed in
-``tools.sass.gate.KNOWN_FAILURES`` with the change that fixes it, and marked
-xfail(strict=True) here (a kernel that spills today: ``tools.sass.gate.KNOWN_SPILLS``):
-fixing the kernel makes that test XPASS, which fails until its entry is removed. On a machine with a GPU the kernels are compiled
+``tools.sass.gate.KNOWN_FAILURES`` with the change that fixes it (a kernel
+that spills today: ``tools.sass.gate.KNOWN_SPILLS``), and marked
+xfail(strict=True) here: fixing the kernel makes that test XPASS, which fails
+until its entry is removed. On a machine with a GPU the kernels are compiled
 for real by the other tests and this module is skipped. Triton's cache makes a
 second run of the model take seconds.
 """
