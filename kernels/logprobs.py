@@ -44,6 +44,26 @@ from ._launch import (
 )
 from .reduce import aligned_body, log_sum, row_start, softmax_stats
 
+# Register caps (maxnreg) that keep the long rows' kernels at the occupancy
+# they were tuned for under every Triton our users run: a row kernel is
+# memory-bound only while enough CTAs share an SM to cover its loads'
+# latency, and the registers a Triton's schedule takes decide how many fit.
+# Forward, 8 warps a CTA (_launch.tile_config): 48 registers fit 5 CTAs;
+# under triton 3.8 / 3.9 the entropy variant took 61 / 59, so 4 (sm_90
+# model, H100, logprobs+entropy fwd 16384x151936 bf16: 91% -> 94% of copy
+# bandwidth; H200 77% -> 85%). Backward, 16 warps: 64 registers fit 2 CTAs;
+# under triton 3.7.1 the entropy variant took 87, so 1 (79% -> 94%). The caps
+# are for 16-bit logits, what trainers hand over: short rows' CTAs are half
+# the size, and 48 registers spilled in float32's forward loop under 3.8
+# (float64's accumulators take two registers each); those run uncapped.
+_FORWARD_MAXNREG = {8: 48}
+_BACKWARD_MAXNREG = {16: 64}
+
+
+def _register_cap(caps: dict[int, int], num_warps: int, logits: torch.Tensor) -> int | None:
+    """The launch's maxnreg: the cap for its CTA's warps, for 16-bit logits."""
+    return caps.get(num_warps) if logits.element_size() == 2 else None
+
 
 @triton.jit
 def _logprobs_fwd_kernel(
@@ -164,11 +184,13 @@ def logprobs_forward(
     entropy = new() if with_entropy else None
     stats = torch.empty(n_rows, 2, dtype=acc, device=logits.device) if with_stats else None
     temps, temp_scalar, per_row = temperature_args(temperature)
+    config = tile_config(logits)
     _logprobs_fwd_kernel[(n_rows,)](
         logits, *row_layout(logits), labels, temps, temp_scalar, ignore_index,
         logprob, entropy, stats, vocab,
         HAS_LABELS=labels is not None, PER_ROW_TEMP=per_row, WITH_ENTROPY=with_entropy,
-        WITH_STATS=with_stats, ACC=acc_tl, **tile_config(logits), **CONTRACTED,
+        WITH_STATS=with_stats, ACC=acc_tl, **config, **CONTRACTED,
+        maxnreg=_register_cap(_FORWARD_MAXNREG, config["num_warps"], logits),
     )  # fmt: skip
     return logprob, entropy, stats
 
@@ -202,4 +224,5 @@ def logprobs_backward(
         HAS_GRAD_LOGPROB=grad_logprob is not None, HAS_GRAD_ENTROPY=grad_entropy is not None,
         PER_ROW_TEMP=per_row, ALIGN_BODY=not rows_aligned(logits) and same_row_alignment(logits, grad_out),
         BLOCK_V=block, ACC=acc_tl, num_warps=num_warps, **CONTRACTED,
+        maxnreg=_register_cap(_BACKWARD_MAXNREG, num_warps, logits),
     )  # fmt: skip
