@@ -54,6 +54,7 @@ def acc_dtypes(t: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
     return acc, _TRITON_DTYPES[acc]
 
 
+@functools.cache
 def launch_config(vocab: int) -> tuple[int, int]:
     """(BLOCK_V, num_warps) for a row of ``vocab`` logits."""
     block = min(triton.next_power_of_2(vocab), _MAX_BLOCK_V if vocab > _SHORT_ROW else _MAX_BLOCK_V // 2)
@@ -78,16 +79,22 @@ def tile_config(*rows: torch.Tensor, num_warps: int | None = None) -> dict:
     reduce.lane_max may take the max in the logits' own type (compiled, not
     interpreted: a CPU tensor runs in Triton's interpreter)."""
     first = rows[0]
-    vocab = first.shape[-1]
+    aligned = all(rows_aligned(t) for t in rows)
+    return dict(_tile_config(first.shape[-1], first.element_size(), aligned, first.device.type != "cpu", num_warps))
+
+
+@functools.cache
+def _tile_config(vocab: int, element_size: int, aligned: bool, compiled: bool, num_warps: int | None) -> dict:
+    """tile_config's meta-parameters, a function of these alone: worked out once
+    for each (a launch's host time is what a small batch waits for)."""
     block, warps = launch_config(vocab)
     if num_warps is None:
         num_warps = min(warps, _FORWARD_MAX_WARPS if vocab > _SHORT_ROW else _FORWARD_MAX_WARPS // 2)
-    aligned = all(rows_aligned(t) for t in rows)
-    vec = 16 // first.element_size() if aligned else 1
+    vec = 16 // element_size if aligned else 1
     lanes = max(1, min(32 * num_warps, block // vec))
     reps = max(1, min(_THREAD_ELEMS // vec, triton.next_power_of_2(vocab) // (lanes * vec)))
     return {"REPS": reps, "LANES": lanes, "VEC": vec, "ALIGNED": aligned,
-            "MAX_IN_STORAGE_TYPE": first.device.type != "cpu", "num_warps": num_warps}  # fmt: skip
+            "MAX_IN_STORAGE_TYPE": compiled, "num_warps": num_warps}  # fmt: skip
 
 
 def _row_offsets_mod_16(t: torch.Tensor) -> tuple[int, int, int]:

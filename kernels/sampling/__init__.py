@@ -74,7 +74,6 @@ from .split import (
     _FOLD_GROUP,
     _SPLIT_RECORD,
     _split_compact_kernel,
-    _split_floor_kernel,
     _split_rows_kernel,
     _split_tiles_kernel,
     _split_window_kernel,
@@ -109,6 +108,7 @@ _EXACT = {"enable_fp_fusion": False}
 _SHARD_PASS_BLOCK = 1024
 
 
+@functools.cache
 def _row_block(vocab: int) -> int:
     return min(triton.next_power_of_2(vocab), _MAX_BLOCK_V)
 
@@ -118,12 +118,15 @@ def _launch_config(logits: torch.Tensor) -> dict:
     alignment only, never the batch): the statistics and compaction passes'
     tile (_launch.tile_config, whose num_warps the launch takes), the block of
     the passes over the candidate list, and of the digit search."""
-    vocab = logits.shape[-1]
+    return tile_config(logits, num_warps=_WARPS) | _list_config(logits.shape[-1])
+
+
+@functools.cache
+def _list_config(vocab: int) -> dict:
+    """_launch_config's blocks over the candidate list, and its capacity."""
     block = _row_block(vocab)
-    return tile_config(logits, num_warps=_WARPS) | {
-        "LIST_BLOCK": min(block, _LIST_BLOCK), "SEARCH_BLOCK": min(block, _MAX_SEARCH_BLOCK),
-        "LIST_CAP": list_capacity(vocab),
-    }  # fmt: skip
+    return {"LIST_BLOCK": min(block, _LIST_BLOCK), "SEARCH_BLOCK": min(block, _MAX_SEARCH_BLOCK),
+            "LIST_CAP": list_capacity(vocab)}  # fmt: skip
 
 
 def workspace_bytes(logits: torch.Tensor) -> int:
@@ -152,7 +155,7 @@ def _workspace(logits: torch.Tensor, n_rows: int, config: dict, split: bool, win
         "counters": zeroed[n_rows * bins :],
     }
     if split:
-        groups = triton.cdiv(_tiles(vocab, config), _FOLD_GROUP.value)
+        groups = -(-_tiles(vocab, config) // _FOLD_GROUP.value)
         workspace |= {
             "hist": zeroed[: n_rows * bins],
             "lane_stats": torch.empty(n_rows, groups, 3, _FOLD_GROUP.value, config["LANES"],
@@ -184,7 +187,7 @@ def _split_parts(logits: torch.Tensor, n_rows: int, config: dict) -> tuple[int, 
 
 def _tiles(vocab: int, config: dict) -> int:
     """Tiles of the statistics pass (reduce.softmax_stats) in a row."""
-    return triton.cdiv(vocab, config["REPS"] * config["LANES"] * config["VEC"])
+    return -(-vocab // (config["REPS"] * config["LANES"] * config["VEC"]))
 
 
 @functools.cache
@@ -202,9 +205,9 @@ def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice
     top-digit histogram (_split_tiles_kernel), the row's statistics and its
     list's floor (_split_rows_kernel, one program a row); with ``window``
     (_uses_window) the tiles' statistics alone, the row's statistics, then
-    the window histogram (_split_window_kernel) and the floor
-    (_split_floor_kernel); last the compaction (_split_compact_kernel), into
-    ``workspace`` (_workspace)."""
+    the window histogram (_split_window_kernel); last the compaction
+    (_split_compact_kernel, whose programs find the floor from the window
+    histogram first), into ``workspace`` (_workspace)."""
     vocab = logits.shape[-1]
     tiles = _tiles(vocab, config)
     groups = workspace["lane_stats"].shape[1]
@@ -227,13 +230,10 @@ def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice
                 logits, *layout, vocab, *params, workspace["records"], workspace["hist"], **flags, **tile_meta,
                 ALIGNED=config["ALIGNED"], ACC=acc_tl, num_warps=warps, **_EXACT,
             )  # fmt: skip
-        _split_floor_kernel[(n_rows,)](
-            vocab, *params, workspace["hist"], workspace["records"], **flags, LIST_CAP=config["LIST_CAP"],
-            ACC=acc_tl, num_warps=4, **_EXACT,
-        )  # fmt: skip
     _split_compact_kernel[(n_rows, parts)](
-        logits, *layout, vocab, workspace["records"], workspace["lists"], workspace["counters"], **tile_meta,
-        LIST_CAP=config["LIST_CAP"], num_warps=warps, **_EXACT,
+        logits, *layout, vocab, *params, workspace["hist"], workspace["records"], workspace["lists"],
+        workspace["counters"], **flags, **tile_meta, LIST_CAP=config["LIST_CAP"], WINDOW=window, ACC=acc_tl,
+        num_warps=warps, **_EXACT,
     )  # fmt: skip
 
 
