@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -286,3 +287,38 @@ def test_cpu_isa_restarts_the_run_at_that_level(monkeypatch):
         bench_main._inductor_at_native_level()
         assert config.cpp.simdlen == 256
     assert hasattr(config.cpp, "simdlen")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="measures the host path on CPU tensors")
+def test_the_host_time_harness_launches_through_triton_on_a_null_driver():
+    """python -m bench.host: a case runs through Triton's compiled launch path
+    (kernels compiled for sm_90 at the first call, a launcher that does
+    nothing) and again with its kernels stubbed; a process of its own, as a
+    Triton under TRITON_INTERPRET has no compiled launch path to time."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.host", "--only", "policy_loss", "--calls", "2", "--rounds", "1"],
+        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    row = [line for line in result.stdout.splitlines() if line.startswith("policy_loss fwd+bwd")]
+    assert len(row) == 1, result.stdout
+    total, own, launches = (float(v) for v in row[0].split()[-3:])
+    assert total > 0 and own > 0 and abs(total - own - launches) < 0.2
+    interpreted = subprocess.run(
+        [sys.executable, "-m", "bench.host", "--only", "policy_loss"],
+        capture_output=True, text=True, env=env | {"TRITON_INTERPRET": "1"}, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert interpreted.returncode != 0 and "without TRITON_INTERPRET" in interpreted.stderr
+
+
+def test_the_predicted_tables_measured_column_takes_the_newest_gpu_run():
+    """A case two GPU runs measured shows the newer one's time, whatever order
+    the results files come in: an older run may predate a fix."""
+    def run(device, date, ms):
+        row = {"op": "sample top-k 50", "shape": [1, 151936], "dtype": "bfloat16", "impl": "fastrl", "median_ms": ms}
+        return {"device": device, "device_type": "cuda", "date": date, "rows": [row]}
+
+    old, new = run("NVIDIA H100", "2026-11-24T08:35:12+00:00", 78.6), run("NVIDIA H200", "2026-11-27T18:16:18+00:00", 0.9)
+    for runs in ([old, new], [new, old]):
+        assert list(report._measured_gpu_times(runs).values()) == [("NVIDIA H200", 0.9)]
