@@ -74,6 +74,7 @@ from .split import (
     _FOLD_GROUP,
     _SPLIT_RECORD,
     _split_compact_kernel,
+    _split_floor_kernel,
     _split_rows_kernel,
     _split_tiles_kernel,
     _split_window_kernel,
@@ -205,9 +206,9 @@ def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice
     top-digit histogram (_split_tiles_kernel), the row's statistics and its
     list's floor (_split_rows_kernel, one program a row); with ``window``
     (_uses_window) the tiles' statistics alone, the row's statistics, then
-    the window histogram (_split_window_kernel); last the compaction
-    (_split_compact_kernel, whose programs find the floor from the window
-    histogram first), into ``workspace`` (_workspace)."""
+    the window histogram (_split_window_kernel) and the floor
+    (_split_floor_kernel); last the compaction (_split_compact_kernel), into
+    ``workspace`` (_workspace)."""
     vocab = logits.shape[-1]
     tiles = _tiles(vocab, config)
     groups = workspace["lane_stats"].shape[1]
@@ -230,10 +231,13 @@ def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice
                 logits, *layout, vocab, *params, workspace["records"], workspace["hist"], **flags, **tile_meta,
                 ALIGNED=config["ALIGNED"], ACC=acc_tl, num_warps=warps, **_EXACT,
             )  # fmt: skip
+        _split_floor_kernel[(n_rows,)](
+            vocab, *params, workspace["hist"], workspace["records"], **flags, LIST_CAP=config["LIST_CAP"],
+            ACC=acc_tl, num_warps=4, **_EXACT,
+        )  # fmt: skip
     _split_compact_kernel[(n_rows, parts)](
-        logits, *layout, vocab, *params, workspace["hist"], workspace["records"], workspace["lists"],
-        workspace["counters"], **flags, **tile_meta, LIST_CAP=config["LIST_CAP"], WINDOW=window, ACC=acc_tl,
-        num_warps=warps, **_EXACT,
+        logits, *layout, vocab, workspace["records"], workspace["lists"], workspace["counters"], **tile_meta,
+        LIST_CAP=config["LIST_CAP"], num_warps=warps, **_EXACT,
     )  # fmt: skip
 
 

@@ -5,9 +5,8 @@ The launches (sampling._split_selection) split the reads of one program's
 selection (sample._select): each program reads a slice of one tile of the
 statistics pass and writes its lanes' statistics of that tile alone, and adds
 its top digits to the row's histogram; one program a row folds the tiles in
-order and finds the list's floor; the slices compact their candidates (where
-the histogram is the window's, a launch of its own after the fold, the
-slices find the floor first); the last launch works on the list as one program's does. The one-program pass
+order and finds the list's floor; the slices compact their candidates; the
+last launch works on the list as one program's does. The one-program pass
 folds its tiles the same way (reduce.softmax_stats, FOLD_TILES), and every
 launch compiles without fused multiply-adds, so both paths give the same bits
 and a row's result does not depend on the batch it comes in. A split row's
@@ -99,7 +98,7 @@ def _split_rows_kernel(
     folds and merges them (the same bits as one program's read of the row), to
     the row's record of _SPLIT_RECORD int64 at split_ptr: the float64 bits of
     m, n and t; then which tokens go on its list (_record_list, from the
-    histogram; with WINDOW, _split_compact_kernel does, after the window's)."""
+    histogram; with WINDOW, _split_floor_kernel does, after the window's)."""
     row = tl.program_id(0).to(tl.int64)
     t, k, p, _, valid = _row_params(
         row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
@@ -132,33 +131,23 @@ def _split_rows_kernel(
     tl.store(record + 1, n_max.to(tl.int64, bitcast=True))
     tl.store(record + 2, tail.to(tl.int64, bitcast=True))
     if not WINDOW:
-        lowest, compacted = _row_list(V, t, k, p, valid, inv_t, m, n_max, tail, hist_ptr + row * _BINS, LIST_CAP,
-                                      False, ACC)  # fmt: skip
-        _record_list(record, lowest, compacted)
+        _record_list(record, V, t, k, p, valid, inv_t, m, n_max, tail, hist_ptr + row * _BINS, LIST_CAP, WINDOW, ACC)
 
 
 @triton.jit
-def _record_list(record, lowest, compacted):
-    """A split row's list (_row_list) to its record after m, n and t: the
-    float64 bits of its lowest logit, and whether it compacts (the list's
-    length is the compaction's count: _select). Recorded where the list is
-    found: by _split_rows_kernel from the top-digit histogram, with WINDOW
-    by the first program of _split_compact_kernel."""
-    tl.store(record + 3, lowest.to(tl.float64).to(tl.int64, bitcast=True))
-    tl.store(record + 4, compacted.to(tl.int64))
-
-
-@triton.jit
-def _row_list(V, t, k, p, valid, inv_t, m, n_max, tail, hist_ptr, LIST_CAP: tl.constexpr, WINDOW: tl.constexpr,
-              ACC: tl.constexpr):  # fmt: skip
+def _record_list(record, V, t, k, p, valid, inv_t, m, n_max, tail, hist_ptr, LIST_CAP: tl.constexpr,
+                 WINDOW: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """A split row's list (_list_floor, from the row's histogram at hist_ptr:
-    zero for a row that lists none): (its lowest logit, whether it compacts)."""
+    zero for a row that lists none) to its record after m, n and t: the float64
+    bits of its lowest logit, and whether it compacts (the list's length is
+    the compaction's count: _select)."""
     bad, greedy, m_safe, s, _, k_on, p_on = _row_state(V, t, k, p, valid, m, n_max, tail, ACC)
     HIST_BINS: tl.constexpr = _WINDOW_BINS if WINDOW else _BINS
     counts = tl.load(hist_ptr + tl.arange(0, HIST_BINS))
     lowest, _n_candidates, compacted = _list_floor(V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s, counts,
                                                    LIST_CAP, WINDOW, ACC)  # fmt: skip
-    return lowest, compacted
+    tl.store(record + 3, lowest.to(tl.float64).to(tl.int64, bitcast=True))
+    tl.store(record + 4, compacted.to(tl.int64))
 
 
 @triton.jit
@@ -203,40 +192,38 @@ def _split_window_kernel(
 
 
 @triton.jit
-def _split_compact_kernel(
-    logits_ptr, inner, outer_stride, inner_stride, V,
-    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p, hist_ptr, split_ptr, cand_ptr,
-    counter_ptr,
+def _split_floor_kernel(
+    V, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p, hist_ptr, split_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
+    LIST_CAP: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """With WINDOW, the fourth launch of a split row, one program a row: which
+    tokens go on its list, from its window histogram (_record_list)."""
+    row = tl.program_id(0).to(tl.int64)
+    t, k, p, _, valid = _row_params(
+        row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
+        PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
+    )  # fmt: skip
+    record = split_ptr + row * _SPLIT_RECORD
+    m, n_max, tail = _record_stats(record, ACC)
+    _record_list(record, V, t, k, p, valid, _inverse_temperature(t, valid, ACC), m, n_max, tail,
+                 hist_ptr + row * _WINDOW_BINS, LIST_CAP, True, ACC)  # fmt: skip
+
+
+@triton.jit
+def _split_compact_kernel(
+    logits_ptr, inner, outer_stride, inner_stride, V, split_ptr, cand_ptr, counter_ptr,
     REPS: tl.constexpr, LANES: tl.constexpr, SLICE_LANES: tl.constexpr, VEC: tl.constexpr, LIST_CAP: tl.constexpr,
-    WINDOW: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """The last launch before the list's of a split row, program (row, part) as
-    in _split_tiles_kernel: its slice's candidates onto the row's list
-    (_compact). With WINDOW each program finds the row's list itself, from
-    the window histogram the launch before completed (_row_list: a few
-    reductions over its 128 bins, the same in every program, cheaper than a
-    launch of their own), and the first writes it to the record as
-    _record_list does (the last launch reads whether the row compacted);
-    without, _split_rows_kernel recorded it."""
+    in _split_tiles_kernel: its slice's candidates onto the row's list (_compact)."""
     SLICES: tl.constexpr = LANES // SLICE_LANES
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     record = split_ptr + row * _SPLIT_RECORD  # (_record_list)
-    if WINDOW:
-        t, k, p, _, valid = _row_params(
-            row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
-            PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
-        )  # fmt: skip
-        m, n_max, tail = _record_stats(record, ACC)
-        lowest, compacted = _row_list(V, t, k, p, valid, _inverse_temperature(t, valid, ACC), m, n_max, tail,
-                                      hist_ptr + row * _WINDOW_BINS, LIST_CAP, True, ACC)  # fmt: skip
-        if part == 0:
-            _record_list(record, lowest, compacted)
-    else:
-        compacted = tl.load(record + 4) != 0
+    compacted = tl.load(record + 4)
+    if compacted != 0:
         lowest = tl.load(record + 3).to(tl.float64, bitcast=True).to(tl.float32)
-    if compacted:
         row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
         start = (part // SLICES) * (REPS * LANES * VEC)
         _compact(row_ptr, start, start + 1, V, (part % SLICES) * SLICE_LANES, lowest, cand_ptr + row * LIST_CAP,
