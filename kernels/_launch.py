@@ -66,20 +66,26 @@ def tile_config(*rows: torch.Tensor, num_warps: int | None = None) -> dict:
     """The forward's tile (reduce.tile_offsets) over the rows of one or more
     [.., V] tensors read together (same dtype), and its num_warps.
 
-    When every row of every tensor starts on a 16-byte boundary (ALIGNED), a lane
-    holds VEC contiguous elements (one 128-bit load), REPS times a tile. Otherwise
-    (V = 50257 bf16: the rows of a contiguous batch start at every even byte) a
-    lane holds one element, REPS = 16 times a tile, LANES apart: its loads are
-    scalar but coalesced across a warp, and its sums stay inside its thread.
-    Tiles count from each row's first element and the partition is a function of
-    the launch (V, dtype, whether the rows are aligned), never of one row's
-    address, so that a row's result does not depend on its place in the batch.
-    Short rows get fewer lanes. ``num_warps`` overrides the warps (and so the
+    When every row of every tensor starts on a 16-byte boundary and holds whole
+    16-byte lines (ALIGNED), a lane holds VEC contiguous elements (one 128-bit
+    load), REPS times a tile. Otherwise (V = 50257 bf16: the rows of a contiguous
+    batch start at every even byte) a lane holds one element, REPS = 16 times a
+    tile, LANES apart: its loads are scalar but coalesced across a warp, and its
+    sums stay inside its thread. The two partitions sum a row in different
+    orders, so which one a row gets must not depend on its batch: tiles count
+    from each row's first element, and rows of a length that is not whole lines
+    are never ALIGNED, not even a row alone that happens to start on a boundary
+    (row 32 of a contiguous [33, 4099] bf16 batch, alone, took the aligned
+    partition and differed from its batch by an ulp), nor the same rows sliced
+    out of a wider, padded buffer. A row's result then depends on V, the dtype
+    and the launch only, except for rows of whole lines that a view starts off
+    a boundary. Short rows get fewer lanes. ``num_warps`` overrides the warps (and so the
     lanes) of a kernel that does more than the forward. MAX_IN_STORAGE_TYPE:
     reduce.lane_max may take the max in the logits' own type (compiled, not
     interpreted: a CPU tensor runs in Triton's interpreter)."""
     first = rows[0]
-    aligned = all(rows_aligned(t) for t in rows)
+    whole_lines = first.shape[-1] * first.element_size() % 16 == 0
+    aligned = whole_lines and all(rows_aligned(t) for t in rows)
     return dict(_tile_config(first.shape[-1], first.element_size(), aligned, first.device.type != "cpu", num_warps))
 
 

@@ -556,19 +556,30 @@ def test_double_backward_raises(device, backend):
     assert g.requires_grad
 
 
+@pytest.mark.parametrize("vocab", [5000, 4099])
 @pytest.mark.parametrize("device,backend", KERNEL_BACKENDS)
-def test_deterministic_and_batch_invariant(device, backend):
+def test_deterministic_and_batch_invariant(device, backend, vocab):
     """Bitwise the same on repeat, and a row's result does not depend on the
-    rows around it (alone, or anywhere in batches of other sizes)."""
-    logits = make_logits((33,), 5000, torch.bfloat16, std=3.0, device=device)
+    rows around it (alone, or anywhere in batches of other sizes). V = 4099
+    bf16 rows are not whole 16-byte lines: in the batch most start off a
+    boundary, alone rows 0, 16 and 32 start on one (the Triton kernels then
+    took another partition of the row: issue 39); and the same rows sliced out
+    of a padded buffer (rows on boundaries) give the same bits too."""
+    logits = make_logits((33,), vocab, torch.bfloat16, std=3.0, device=device)
     labels = make_labels(logits)
+    padded = torch.zeros(33, -(-(vocab + 1) // 64) * 64, dtype=logits.dtype, device=device)  # rows on boundaries
+    padded[:, :vocab] = logits
     with fastrl.use_backend(backend):
         lp1, ent1 = fastrl.logprobs_and_entropy(logits, labels)
         lp2, ent2 = fastrl.logprobs_and_entropy(logits, labels)
         assert torch.equal(lp1, lp2) and torch.equal(ent1, ent2)
-        for rows in (slice(7, 8), slice(5, 20), slice(0, 2)):
+        lp_pad, ent_pad = fastrl.logprobs_and_entropy(padded[:, :vocab], labels)
+        assert torch.equal(lp_pad, lp1) and torch.equal(ent_pad, ent1)
+        for rows in (slice(7, 8), slice(5, 20), slice(0, 2), slice(0, 1), slice(16, 17), slice(32, 33)):
             lp_sub, ent_sub = fastrl.logprobs_and_entropy(logits[rows].clone(), labels[rows].clone())
             assert torch.equal(lp_sub, lp1[rows]) and torch.equal(ent_sub, ent1[rows])
+            lp_view, ent_view = fastrl.logprobs_and_entropy(logits[rows], labels[rows])
+            assert torch.equal(lp_view, lp1[rows]) and torch.equal(ent_view, ent1[rows])
         x = logits.clone().requires_grad_(True)
         fastrl.logprobs_and_entropy(x, labels)[0].sum().backward()
         x_one = logits[7:8].clone().requires_grad_(True)
