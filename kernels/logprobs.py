@@ -44,19 +44,20 @@ from ._launch import (
 )
 from .reduce import aligned_body, log_sum, row_start, softmax_stats
 
-# Register caps (maxnreg) that keep the long rows' kernels at the occupancy
-# they were tuned for under every Triton our users run: a row kernel is
+# A register cap (maxnreg) that keeps the long rows' backward at the occupancy
+# it was tuned for under every Triton our users run: a row kernel is
 # memory-bound only while enough CTAs share an SM to cover its loads'
 # latency, and the registers a Triton's schedule takes decide how many fit.
-# Forward, 8 warps a CTA (_launch.tile_config): 48 registers fit 5 CTAs;
-# under triton 3.8 / 3.9 the entropy variant took 61 / 59, so 4 (sm_90
-# model, H100, logprobs+entropy fwd 16384x151936 bf16: 91% -> 94% of copy
-# bandwidth; H200 77% -> 85%). Backward, 16 warps: 64 registers fit 2 CTAs;
-# under triton 3.7.1 the entropy variant took 87, so 1 (79% -> 94%). The caps
-# are for 16-bit logits, what trainers hand over: short rows' CTAs are half
-# the size, and 48 registers spilled in float32's forward loop under 3.8
-# (float64's accumulators take two registers each); those run uncapped.
-_FORWARD_MAXNREG = {8: 48}
+# 16 warps a CTA: 64 registers fit 2 CTAs; under triton 3.7.1 the entropy
+# variant took 87, so 1 (sm_90 model, H100, logprobs+entropy bwd
+# 16384x151936 bf16: 79% -> 94% of copy bandwidth). The cap is for 16-bit
+# logits, what trainers hand over; float64's accumulators take two registers
+# each. (The forward's entropy variant takes 59-61 registers under triton
+# 3.8 / 3.9, 4 CTAs of 8 warps where 48 would fit 5: capped at 48 it predicted
+# 94% against 91-92% on an H100, but its SASS per element rose under 3.9 past
+# the compile gate's issue / memory budget at 8192x128256, and the log-prob
+# forward's fell below what the sampler's budget is measured against: left
+# uncapped until that trade is measured on a GPU.)
 _BACKWARD_MAXNREG = {16: 64}
 
 
@@ -184,13 +185,11 @@ def logprobs_forward(
     entropy = new() if with_entropy else None
     stats = torch.empty(n_rows, 2, dtype=acc, device=logits.device) if with_stats else None
     temps, temp_scalar, per_row = temperature_args(temperature)
-    config = tile_config(logits)
     _logprobs_fwd_kernel[(n_rows,)](
         logits, *row_layout(logits), labels, temps, temp_scalar, ignore_index,
         logprob, entropy, stats, vocab,
         HAS_LABELS=labels is not None, PER_ROW_TEMP=per_row, WITH_ENTROPY=with_entropy,
-        WITH_STATS=with_stats, ACC=acc_tl, **config, **CONTRACTED,
-        maxnreg=_register_cap(_FORWARD_MAXNREG, config["num_warps"], logits),
+        WITH_STATS=with_stats, ACC=acc_tl, **tile_config(logits), **CONTRACTED,
     )  # fmt: skip
     return logprob, entropy, stats
 
