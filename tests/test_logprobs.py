@@ -404,7 +404,7 @@ def test_sliced_logits_are_read_in_place(device, backend, layout):
     forward allocates nothing near the size of the logits (per-row outputs
     only), and with inplace_backward the gradient that reaches the slice lives
     in the logits' own storage. Values as the float64 reference."""
-    from fastrl.kernels._launch import rows_aligned
+    from fastrl.kernels._launch import tile_config
     from fastrl.kernels.sampling import workspace_bytes
 
     full = make_logits((2, 7), 512, torch.bfloat16, std=2.0, device=device, masked=False)
@@ -431,17 +431,18 @@ def test_sliced_logits_are_read_in_place(device, backend, layout):
                 assert peak < budget, f"{name} allocated {peak} bytes on {layout} logits"
                 # The same rows in the same order: bitwise the results of a contiguous
                 # copy, unless the two launches tile the rows differently: a forward
-                # reduction reads rows that all start on a 16-byte boundary 128 bits a
-                # lane, others one element a lane (kernels._launch.tile_config), and
-                # the vocab slice's rows are aligned where its copy's (V = 507) are not
-                # (the sampler's statistics pass is that forward's, so its raw log-probs too).
-                # Then the two float32 sums differ in order only: each is within
-                # DESIGN.md's output bound of the float64 sum, so they are within twice it
-                # (tokens, integers, are then compared exactly: the bound is below 1).
+                # reduction reads rows that all start on a 16-byte boundary and are
+                # whole 16-byte lines 128 bits a lane, others one element a lane
+                # (kernels._launch.tile_config; the vocab slice's V = 507 rows are one
+                # element a lane, as its copy's, though they start on boundaries).
+                # Where they do differ, the two float32 sums differ in order only: each
+                # is within DESIGN.md's output bound of the float64 sum, so they are
+                # within twice it (tokens, integers, are then compared exactly: the
+                # bound is below 1).
                 copy = logits.contiguous()
                 copy_out = call(copy)
                 pairs = list(zip(out, copy_out)) if isinstance(out, tuple) else [(out, copy_out)]
-                tiled_alike = rows_aligned(logits) == rows_aligned(copy)
+                tiled_alike = tile_config(logits)["ALIGNED"] == tile_config(copy)["ALIGNED"]
                 for a, b in pairs:
                     if tiled_alike:
                         assert torch.equal(a, b), f"{name} differs from a contiguous copy"
