@@ -793,8 +793,13 @@ def _temperature_ops(temperature):
     logits.requires_grad_()
     hidden = torch.randn(2, 3, 4, device=device, requires_grad=True)
     weight = torch.randn(5, 4, device=device, requires_grad=True)
-    policy = (-torch.rand(2, 3, device=device), torch.randn(2, 3, device=device),
-              torch.ones(2, 3, dtype=torch.bool, device=device))  # fmt: skip
+    # old log-probs equal to the current ones (ratio 1): no token is clipped, so the
+    # loss depends on T (random old log-probs clipped every token in 1 seed of 40)
+    t = temperature.detach()
+    with torch.no_grad(), fastrl.use_backend("reference"):
+        old_from_logits = fastrl.logprobs_from_logits(logits, labels, temperature=t)
+        old_from_hidden = fastrl.linear_logprobs_and_entropy(hidden, weight, labels, temperature=t)[0]
+    advantages, mask = torch.randn(2, 3, device=device), torch.ones(2, 3, dtype=torch.bool, device=device)
     return [
         ("logprobs_from_logits", lambda: fastrl.logprobs_from_logits(logits, labels, temperature=temperature)),
         ("logprobs_and_entropy", lambda: sum(fastrl.logprobs_and_entropy(logits, labels, temperature=temperature))),
@@ -803,11 +808,13 @@ def _temperature_ops(temperature):
         ("sample", lambda: fastrl.sample(logits, temperature=temperature, top_k=3, seed=1).logprobs),
         ("truncated_logprobs", lambda: fastrl.truncated_logprobs(logits, labels, temperature=temperature, top_k=3)),
         ("policy_loss_from_logits",
-         lambda: fastrl.policy_loss_from_logits(logits, labels, *policy, temperature=temperature)[0]),
+         lambda: fastrl.policy_loss_from_logits(logits, labels, old_from_logits, advantages, mask,
+                                               temperature=temperature)[0]),
         ("linear_logprobs_and_entropy",
          lambda: sum(fastrl.linear_logprobs_and_entropy(hidden, weight, labels, temperature=temperature))),
         ("policy_loss_from_hidden",
-         lambda: fastrl.policy_loss_from_hidden(hidden, weight, labels, *policy, temperature=temperature)[0]),
+         lambda: fastrl.policy_loss_from_hidden(hidden, weight, labels, old_from_hidden, advantages, mask,
+                                               temperature=temperature)[0]),
     ]  # fmt: skip
 
 
