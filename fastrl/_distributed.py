@@ -323,6 +323,28 @@ def summed_gradient_over_ranks(x: torch.Tensor, group) -> torch.Tensor:
     return _GradientSummedOverRanks.apply(x, group)
 
 
+class _OwnedEntriesOnEveryRank(torch.autograd.Function):
+    """Forward: the entries each rank owns (0 on the ranks that do not), on every rank:
+    their sum in rank order, which is exact (one term of each entry is not 0), so every
+    rank holds the owner's bits (a -0.0 comes back +0.0). Backward: every rank computes
+    the same loss from them, so each passes the gradient on as it is; the caller's mask
+    keeps the part its own entries get."""
+
+    @staticmethod
+    def forward(ctx, part, group):
+        return sum_in_rank_order(part, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def owned_entries_on_every_rank(part: torch.Tensor, group) -> torch.Tensor:
+    """``part`` [N, ...] (0 where this rank owns no entry, each entry owned by one rank),
+    completed from every rank's: differentiable (_OwnedEntriesOnEveryRank)."""
+    return _OwnedEntriesOnEveryRank.apply(part, group)
+
+
 def all_reduce_sum(t: torch.Tensor, shard: Shard) -> torch.Tensor:
     import torch.distributed as dist
 

@@ -250,10 +250,25 @@ def truncated_logprobs(
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-prob of ``labels`` under the processed distribution of
-    :func:`truncated_log_distribution` (-inf for a label outside the kept set)."""
-    logq = truncated_log_distribution(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    :func:`truncated_log_distribution` (-inf for a label outside the kept set).
+
+    ``kept`` (instead of top_k / top_p / min_p): the kept set given, token ids
+    [..., K] with -1 as padding (a repeated id counts once); the distribution is
+    softmax(logits / T) renormalised over exactly those ids (T > 0). NaN for a
+    row whose kept logits are all -inf or hold NaN or +inf, or that keeps none."""
+    if kept is not None:
+        x = logits.to(compute_dtype(logits))
+        ids, vocab = kept.long(), x.shape[-1]
+        counts = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
+        member = counts.scatter_add_(-1, ids.clamp(0, vocab - 1), ((ids >= 0) & (ids < vocab)).long()) > 0
+        z = torch.where(member, x / _per_row(temperature, x.shape[:-1], x.dtype, x.device), float("-inf"))
+        bad_ids = ((ids < -1) | (ids >= vocab)).any(-1, keepdim=True)  # (NaN: an id outside the vocabulary)
+        logq = torch.log_softmax(z, dim=-1).masked_fill(bad_ids, math.nan)
+    else:
+        logq = truncated_log_distribution(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     return logq.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
 
 

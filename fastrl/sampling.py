@@ -35,6 +35,7 @@ import torch
 
 from . import _ops, _validation, reference
 from ._backend import select_backend
+from ._distributed import LABELED, agree, label_range, logits_layout, owned_entries_on_every_rank
 from ._rows import row_view
 from ._sharded.sampling import sample_sharded, truncated_logprobs_sharded
 
@@ -209,6 +210,85 @@ def _truncation_args(params: dict) -> tuple:
     return tuple(x for name in ("temperature", "top_k", "top_p", "min_p") for x in _ops.split_row_param(params[name]))
 
 
+# Replaying a kept set (truncated_logprobs(kept=...)): the softmax over exactly
+# the tokens the rollout's sampler kept. Their ids are sorted (descending, so the
+# -1 padding comes last) and each is taken once; their logits are gathered into
+# a row of their own, -inf after the last id, of width a multiple of
+# _KEPT_ROW_STEP, and the log-prob op (log-probs and gradient) runs on that row.
+# Its bits are a function of the kept set alone, not of the ids' order, of the
+# padding, or of the other rows: the Triton forward tiles every row of a width
+# that is a multiple of 2048, up to 65536, alike (2048-element tiles of 128
+# lanes in every dtype, kernels/_launch.tile_config), the CPU kernel reads a row
+# in 2048-element chunks from its start (csrc/softmax_stats.h), and an -inf
+# logit adds exactly nothing to either's sums. The gathered row is [..., W], W
+# the padded width of the batch's largest kept set: no [..., V] temporary; the
+# gradient scatters back into the logits' shape (torch.gather's backward).
+_KEPT_ROW_STEP = 2048
+KEPT_MAX = 65536
+
+
+def _kept_support(kept: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [..., W] int64: the kept ids sorted descending, then -1; valid [..., W]:
+    the slots holding an id, each id once; bad [...]: rows with an id outside
+    [-1, vocab), whose log-probs are NaN) of a checked ``kept`` [..., K]."""
+    ids = torch.sort(kept.to(torch.int64), dim=-1, descending=True).values
+    bad = (ids[..., 0] >= vocab) | (ids[..., -1] < -1)
+    width = max(_KEPT_ROW_STEP, -(-ids.shape[-1] // _KEPT_ROW_STEP) * _KEPT_ROW_STEP)
+    ids = torch.nn.functional.pad(ids, (0, width - ids.shape[-1]), value=-1)
+    valid = (ids >= 0) & (ids < vocab)
+    valid[..., 1:] &= ids[..., 1:] != ids[..., :-1]  # a repeated id counts once
+    return ids, valid, bad
+
+
+def _kept_logprobs(values: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, bad: torch.Tensor,
+                   labels: torch.Tensor, temperature) -> torch.Tensor:
+    """The log-prob of ``labels`` under softmax(values / T) over the ``valid`` slots (values
+    [..., W]: the kept tokens' logits, ``_kept_support``'s order); -inf for a label not among
+    them, NaN for a ``bad`` row. Differentiable w.r.t. ``values``."""
+    from .logprobs import logprobs_from_logits
+
+    values = torch.where(valid, values, float("-inf"))
+    hit = valid & (ids == labels.unsqueeze(-1).to(torch.int64))
+    found = hit.any(-1)
+    # The label's slot (argmax: the first holding it), or slot 0 for a label not kept: its
+    # log-prob is NaN exactly when the row has nothing to renormalise (NaN or +inf kept, or
+    # every kept logit -inf, or no id), which must show whether or not the label is kept;
+    # the where() below gives that row's kernel a zero incoming gradient.
+    slot = torch.where(found, hit.to(torch.int8).argmax(-1), 0)
+    out = logprobs_from_logits(values, slot, temperature=temperature)
+    out = torch.where(found | out.isnan(), out, float("-inf"))
+    return torch.where(bad, float("nan"), out)
+
+
+def _check_kept(kept: object, logits: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
+    """``kept``: an integer [..., K] tensor of the logits' rows (K in [1, KEPT_MAX]) on
+    their device, holding token ids in [0, V) or -1 (padding; on CPU and under
+    FASTRL_CHECKS=1, checked there), with no top_k / top_p / min_p beside it."""
+    if any(x is not None for x in (top_k, top_p, min_p)):
+        raise ValueError("kept replaces top_k, top_p and min_p (the kept set is the truncation): pass one or the other")
+    if not isinstance(kept, torch.Tensor):
+        raise TypeError(f"kept must be a torch.Tensor of token ids; got {type(kept).__name__}")
+    if kept.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"kept must have an integer dtype (int64, int32); got {kept.dtype}")
+    rows = tuple(logits.shape[:-1])
+    if kept.dim() != len(rows) + 1 or tuple(kept.shape[:-1]) != rows:
+        raise ValueError(f"kept must have shape logits.shape[:-1] + (K,) = {rows + ('K',)}; got {tuple(kept.shape)}")
+    if not 1 <= kept.shape[-1] <= KEPT_MAX:
+        raise ValueError(f"kept must hold between 1 and {KEPT_MAX} ids a row (K); got K = {kept.shape[-1]}")
+    if kept.device != logits.device:
+        raise ValueError(f"kept is on {kept.device} but logits is on {logits.device}; they must share a device")
+    return kept
+
+
+def _check_kept_values(kept: torch.Tensor, vocab: int | None) -> None:
+    """The ids' values, where checks read tensors (``_validation.host_checks``): in [0, vocab) or -1."""
+    if kept.numel() and _validation.host_checks(kept.device):
+        bad = (kept < -1) if vocab is None else (kept < -1) | (kept >= vocab)
+        if bool(bad.any()):
+            raise ValueError(f"kept ids must lie in [0, {vocab}) or be -1 (padding); found "
+                             f"{kept[bad].flatten()[0].item()} ({int(bad.sum())} such ids)")  # fmt: skip
+
+
 class _TruncatedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, truncation, backend):
@@ -242,6 +322,7 @@ def truncated_logprobs(
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
     group: object = None,
     vocab_start: int | None = None,
 ) -> torch.Tensor:
@@ -249,13 +330,26 @@ def truncated_logprobs(
     :func:`sample` draws from (the same kept set on the same logits, so trainer
     and rollout agree exactly); -inf for a label outside the kept set.
 
+    ``kept``: the kept set itself, replayed instead of found: an integer
+    ``[..., K]`` tensor (K <= 65536) of the token ids each row's sampler kept
+    (another engine's, e.g. vLLM's top-k / top-p), padded with -1; a repeated
+    id counts once. The log-prob is then softmax(logits / T) renormalised over
+    exactly those tokens (T > 0; no top_k / top_p / min_p beside it), and its
+    bits depend on the set alone: not on the ids' order, the padding, or the
+    other rows. A row whose kept logits are all -inf or hold NaN or +inf (or
+    that keeps no id) is NaN, a ValueError on CPU; ids outside [0, V) raise on
+    CPU (and under FASTRL_CHECKS=1) and give NaN elsewhere.
+
     Differentiable w.r.t. ``logits`` with the kept set held fixed:
     d/dlogit_j = (1/T) ([j == label] - q_j) over the kept tokens (zero for a
     label outside the kept set and for greedy rows). Float32 output (float64 for
     float64 logits).
 
     ``group`` / ``vocab_start``: vocabulary-sharded logits, as :func:`sample`;
-    ``labels`` are then global ids. The backward needs no collective."""
+    ``labels`` (and ``kept``) are then global ids. The backward needs no
+    collective; with ``kept`` every rank gets bitwise the unsharded result."""
+    if kept is not None:
+        return _replay_kept(logits, labels, kept, temperature, top_k, top_p, min_p, group, vocab_start)
     if group is not None:
         def check():
             _validation.check_logits(logits)
@@ -284,3 +378,51 @@ def truncated_logprobs(
     if _rejects_bad_rows(logits.device):
         _reject_bad_rows(out.isnan(), rows)
     return out.view(rows)
+
+
+def _replay_kept(logits, labels, kept, temperature, top_k, top_p, min_p, group, vocab_start) -> torch.Tensor:
+    """truncated_logprobs(kept=...): the log-prob of each label under softmax(logits / T) over
+    its row's kept ids (the helpers above), unsharded or, with ``group``, sharded: each rank
+    gathers the kept logits its shard holds, and one exact sum over the ranks (every id is one
+    rank's) gives every rank the unsharded gathered row, so the unsharded bits."""
+    rows = logits.shape[:-1] if isinstance(logits, torch.Tensor) else None
+
+    def check():
+        _validation.check_logits(logits)
+        _check_kept(kept, logits, top_k, top_p, min_p)
+        return _validation.check_temperature(temperature, rows, logits.device, reference.compute_dtype(logits))
+
+    def rejecting_bad_rows(out):
+        if _rejects_bad_rows(logits.device) and bool(out.isnan().any()):
+            where = torch.nonzero(out.isnan()).tolist()[:5]
+            raise ValueError(f"rows {where}: the logits of the kept ids are all -inf (or the row keeps no id) or "
+                             "contain NaN or +inf: there is no distribution to renormalise")  # fmt: skip
+        return out
+
+    if group is None:
+        _no_vocab_start(vocab_start)
+        temperature = check()
+        _validation.check_labels(labels, logits, ignore_index=None)
+        _check_kept_values(kept, logits.shape[-1])
+        if select_backend(logits.device) == "reference":
+            return rejecting_bad_rows(reference.truncated_logprobs(logits, labels, temperature=temperature, kept=kept))
+        ids, valid, bad = _kept_support(kept, logits.shape[-1])
+        values = logits.gather(-1, ids.clamp(0, logits.shape[-1] - 1))
+    else:
+        checked = {}
+
+        def layout():
+            checked["temperature"] = check()
+            _validation.check_token_labels(labels, rows, None, logits.device, ignore_index=None)
+            return logits_layout(logits, temperature=checked["temperature"], kept=kept.shape[-1])
+
+        shard = agree(group, layout, vocab_start, LABELED, label_range(labels, None),
+                      lambda: (labels, kept, checked["temperature"]))  # fmt: skip
+        temperature = checked["temperature"]
+        _check_kept_values(kept, shard.vocab)  # (the ranks agreed on kept: all raise alike)
+        ids, valid, bad = _kept_support(kept, shard.vocab)
+        local = ids - shard.start
+        owned = valid & (local >= 0) & (local < shard.local)
+        part = torch.where(owned, logits.gather(-1, local.clamp(0, shard.local - 1)), 0.0)
+        values = owned_entries_on_every_rank(part, group)
+    return rejecting_bad_rows(_kept_logprobs(values, ids, valid, bad, labels, temperature))

@@ -748,6 +748,141 @@ def test_truncated_logprobs_gradient(device, backend):
         )  # fmt: skip
 
 
+def _kept_sets(n_rows, vocab, width, device):
+    """[n_rows, width] kept ids: row i keeps 1 to width - 5 distinct ids (one row a
+    single id), one of them twice, in random order, padded with -1 scattered between."""
+    kept = torch.full((n_rows, width), -1, dtype=torch.int64)
+    for i in range(n_rows):
+        k = 1 if i == 1 else int(torch.randint(2, width - 5, ()))
+        ids = torch.randperm(vocab)[:k]
+        row = torch.cat([ids, ids[:1], torch.full((width - k - 1,), -1)])
+        kept[i] = row[torch.randperm(width)]
+    return kept.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_kept_set_replay(device, backend, dtype):
+    """truncated_logprobs(kept=...): softmax(logits / T) over exactly the given ids,
+    against the float64 spec (1e-5: a sum of at most 60 terms, DESIGN.md), -inf for a
+    label outside them; and the same bits for a row whatever the ids' order, the
+    padding, the batch around it (alone, permuted) or a sliced view of the logits."""
+    n_rows, vocab = 9, 4099
+    x = (torch.randn(n_rows, vocab + 3, device=device, dtype=torch.float64) * 3).to(dtype)[:, 3:]  # a sliced view
+    x[2, :] = float("-inf")  # only the kept ids are read: -inf outside them is fine
+    x[2, 17] = 1.0
+    kept = _kept_sets(n_rows, vocab, 60, device)
+    kept[2, :3] = torch.tensor([17, 5, 9])
+    temperature = torch.linspace(0.5, 1.5, n_rows, device=device, dtype=reference.compute_dtype(x))
+    inside = kept.gather(-1, (kept >= 0).long().argmax(-1, keepdim=True)).squeeze(-1)
+    labels = torch.where(torch.arange(n_rows, device=device) % 3 == 0, torch.randint(vocab, (n_rows,), device=device),
+                         inside)  # fmt: skip
+    with fastrl.use_backend(backend):
+        out = fastrl.truncated_logprobs(x, labels, temperature=temperature, kept=kept)
+        # the same sets, each row's ids shuffled and padded to K = 3000 (a gathered row of 4096, not 2048)
+        wide = torch.full((n_rows, 3000), -1, dtype=torch.int64, device=device)
+        for i in range(n_rows):
+            wide[i, torch.randperm(3000)[:60]] = kept[i]
+        shuffled = fastrl.truncated_logprobs(x, labels, temperature=temperature, kept=wide.int())
+        order = torch.randperm(n_rows)
+        permuted = fastrl.truncated_logprobs(x.contiguous()[order], labels[order], temperature=temperature[order],
+                                             kept=kept[order])  # fmt: skip
+        alone = [fastrl.truncated_logprobs(x[i : i + 1], labels[i : i + 1], temperature=temperature[i : i + 1],
+                                           kept=kept[i][kept[i] >= 0][None]) for i in (1, 4)]  # fmt: skip
+    truth = reference.truncated_logprobs(x.double(), labels, temperature=temperature.double(), kept=kept)
+    assert_close_to_reference(out, truth, 1e-5, what="kept log-probs")
+    assert bool(out.isfinite().any()) and bool((out == float("-inf")).any())
+    assert out.dtype == reference.compute_dtype(x)
+    assert torch.equal(shuffled, out), "the ids' order and the padding change no bit"
+    assert torch.equal(permuted, out[order]), "the rows' order changes no bit"
+    assert torch.equal(alone[0], out[1:2]) and torch.equal(alone[1], out[4:5]), "a row alone: the same bits"
+
+
+def test_kept_rows_take_one_tiling():
+    """The premise of kept's padding invariance (fastrl/sampling.py): the log-prob forward
+    tiles every gathered row width (a multiple of 2048, up to KEPT_MAX) alike, in 2048-element
+    tiles, so a wider batch only adds tiles of -inf, which add exactly nothing."""
+    from fastrl.kernels._launch import tile_config
+
+    from fastrl.sampling import KEPT_MAX
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        configs = {tuple(sorted(tile_config(torch.empty(1, width, dtype=dtype)).items()))
+                   for width in range(2048, KEPT_MAX + 1, 2048)}  # fmt: skip
+        assert len(configs) == 1, dtype
+        config = dict(configs.pop())
+        assert config["REPS"] * config["LANES"] * config["VEC"] == 2048, (dtype, config)
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_kept_set_replay_gradient(device, backend):
+    """d/dx_j = (1/T) g ([j == label] - q_j) on the kept ids, 0 elsewhere and on a row
+    whose label is not kept: against the float64 spec's autograd (1e-10, float64 in
+    both; an [N, V] gradient from torch.gather's backward), bitwise whatever the ids'
+    order and padding, and in float32 within its 1e-5."""
+    n_rows, vocab = 6, 700
+    x = torch.randn(n_rows, vocab, device=device, dtype=torch.float64) * 2
+    kept = _kept_sets(n_rows, vocab, 40, device)
+    labels = kept.gather(-1, (kept >= 0).long().argmax(-1, keepdim=True)).squeeze(-1)
+    labels[0] = int(torch.isin(torch.arange(vocab), kept[0].cpu(), invert=True).nonzero()[0])  # not kept
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.4, 0.9, 2.0], device=device, dtype=torch.float64)
+    w = torch.randn(n_rows, device=device, dtype=torch.float64)
+
+    def loss(z, fn, ids):
+        lp = fn(z, labels, temperature=temperature.to(reference.compute_dtype(z)), kept=ids)
+        return (torch.where(torch.isfinite(lp), lp, 0.0) * w.to(lp.dtype)).sum()
+
+    expected = torch.func.grad(lambda z: loss(z, reference.truncated_logprobs, kept))(x)
+    with fastrl.use_backend(backend):
+        grads = []
+        for ids in (kept, torch.cat([kept.flip(-1), torch.full_like(kept, -1)], -1)):
+            xg = x.clone().requires_grad_(True)
+            loss(xg, fastrl.truncated_logprobs, ids).backward()
+            grads.append(xg.grad)
+        x32 = x.float().requires_grad_(True)
+        loss(x32, fastrl.truncated_logprobs, kept).backward()
+    assert_close_to_reference(grads[0], expected, 1e-10, atol=1e-12, what="grad")
+    assert torch.equal(grads[0], grads[1]), "the ids' order and padding change no bit of the gradient"
+    member = torch.zeros(n_rows, vocab, dtype=torch.int64, device=device).scatter_add_(-1, kept.clamp(min=0),
+                                                                                       (kept >= 0).long()) > 0  # fmt: skip
+    assert bool((grads[0][~member] == 0).all()), "no gradient outside the kept set"
+    assert bool((grads[0][0] == 0).all()), "none on a row whose label is not kept"
+    assert_close_to_reference(x32.grad, expected, 1e-5, atol=1e-6, what="fp32 grad")
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_kept_set_replay_bad_input(device, backend):
+    x, labels = torch.randn(3, 50, device=device), torch.randint(50, (3,), device=device)
+    kept = torch.randint(50, (3, 4), device=device)
+    bad = [
+        (dict(kept=kept, top_k=5), ValueError, "kept replaces top_k"),
+        (dict(kept=kept.float()), TypeError, "kept must have an integer dtype"),
+        (dict(kept=[1, 2]), TypeError, "kept must be a torch.Tensor"),
+        (dict(kept=kept[:2]), ValueError, r"kept must have shape logits.shape\[:-1\] \+ \(K,\)"),
+        (dict(kept=kept[:, :0]), ValueError, "kept must hold between 1 and 65536 ids"),
+        (dict(kept=kept.masked_fill(kept == kept[0, 0], 50)), ValueError, r"kept ids must lie in \[0, 50\) or be -1"),
+        (dict(kept=kept.masked_fill(kept == kept[0, 0], -2)), ValueError, r"kept ids must lie in \[0, 50\) or be -1"),
+        (dict(kept=kept, temperature=0.0), ValueError, "temperature must be"),
+        (dict(kept=kept, vocab_start=0), ValueError, "vocab_start is for vocabulary-sharded logits"),
+    ]
+    with fastrl.use_backend(backend):
+        for kw, error, match in bad:
+            with pytest.raises(error, match=match):
+                fastrl.truncated_logprobs(x, labels, **kw)
+        with pytest.raises(ValueError, match="labels must lie in"):
+            fastrl.truncated_logprobs(x, labels + 50, kept=kept)
+        # rows with nothing to renormalise: no id kept, only -inf kept, NaN kept (NaN elsewhere is not read)
+        nan_elsewhere = x.clone()
+        nan_elsewhere[:, kept.max() + 1 :] = float("nan")
+        for z, ids in ((x, kept.masked_fill(torch.arange(3, device=device)[:, None] == 1, -1)),
+                       (x.index_put((torch.tensor([1]), kept[1:2].cpu()), torch.tensor(float("-inf"))), kept),
+                       (x.index_put((torch.tensor([1]), kept[1:2, :1].cpu()), torch.tensor(float("nan"))), kept)):  # fmt: skip
+            with pytest.raises(ValueError, match=r"rows \[\[1\]\]: the logits of the kept ids"):
+                fastrl.truncated_logprobs(z, labels, kept=ids)
+        if kept.max() + 1 < 50:
+            assert bool(fastrl.truncated_logprobs(nan_elsewhere, labels, kept=kept).isnan().logical_not().all())
+
+
 # Rows with nothing to sample, made from a row of V = 3000 finite logits: NaN
 # filling the first 2048 (a whole chunk of the C++ row statistics), a NaN last,
 # a negative NaN (its order key is the smallest of all), +inf (softmax(z) is

@@ -671,6 +671,31 @@ def _check_sampling(rank: int, world: int, group, seed: int) -> None:
     out = fastrl.sample(x[:, lo:hi], top_p=0.8, seed=5, group=group, vocab_start=lo)
     assert torch.equal(out.tokens, fastrl.sample(x, top_p=0.8, seed=5).tokens)
 
+    # A kept set replayed (truncated_logprobs(kept=...)): the unsharded bits on every rank, its gradient's too
+    # (each kept logit reaches every rank exactly, module fastrl.sampling); the reference backend's dense spec
+    # to rounding.
+    kept = torch.randint(-1, vocab, (n_rows, 40))
+    kept[:, 0] = vocab - 1  # (row 1 is -inf on rank 0's part: one kept logit is finite)
+    kept[3, 1:3] = torch.tensor([bounds[1] - 1, bounds[1]])  # both sides of a shard boundary
+    kept_labels = torch.where(torch.rand(n_rows) < 0.7, kept[:, 1].clamp(min=0), torch.randint(vocab, (n_rows,)))
+    for backend in kernel_backends("cpu") + ["reference"]:
+        for dtype, t in ((torch.float32, 0.8), (torch.bfloat16, temperature.float().clamp(min=0.3))):
+            whole, part = logits.to(dtype), logits.to(dtype)[:, start:stop].clone()
+            whole.requires_grad_(), part.requires_grad_()
+            with fastrl.use_backend(backend):
+                whole_lp = fastrl.truncated_logprobs(whole, kept_labels, temperature=t, kept=kept)
+                sharded_lp = fastrl.truncated_logprobs(part, kept_labels, temperature=t, kept=kept.flip(-1), group=group)
+            (whole_lp.nan_to_num(0.0, 0.0, 0.0) * weights.float()).sum().backward()
+            (sharded_lp.nan_to_num(0.0, 0.0, 0.0) * weights.float()).sum().backward()
+            what = f"kept {backend} {dtype} rank {rank}/{world}"
+            assert _all_equal_across_ranks(sharded_lp.detach(), group), what
+            if backend == "reference":
+                assert_close_to_reference(sharded_lp, whole_lp, 1e-5, what=what)
+                assert_close_to_reference(part.grad, whole.grad[:, start:stop], 1e-2, 1e-5, what=what)
+            else:
+                assert torch.equal(sharded_lp, whole_lp), what
+                assert torch.equal(part.grad, whole.grad[:, start:stop]), what
+
     # Bad input raises on every rank; rows with nothing to sample raise on CPU as unsharded.
     shard = x[:, start:stop]
     _expect_error_everywhere("disagree on their options",
@@ -692,6 +717,12 @@ def _check_sampling(rank: int, world: int, group, seed: int) -> None:
         _expect_error_everywhere("pass different values", lambda kw=kw: fastrl.sample(shard, **kw, group=group))
     _expect_error_everywhere("pass different values",
                              lambda: fastrl.truncated_logprobs(shard, out.tokens.roll(rank), group=group))  # fmt: skip
+    _expect_error_everywhere("pass different values",
+                             lambda: fastrl.truncated_logprobs(shard, kept_labels, kept=kept.roll(rank), group=group))  # fmt: skip
+    too_far = kept.clone()
+    too_far[2, 5] = vocab
+    _expect_error_everywhere(r"kept ids must lie in \[0, 1031\)",
+                             lambda: fastrl.truncated_logprobs(shard, kept_labels, kept=too_far, group=group))  # fmt: skip
     _expect_error_everywhere("pass different values",
                              lambda: fastrl.logprobs_from_logits(shard, out.tokens.roll(rank), group=group))  # fmt: skip
     nan_row = shard.clone()
