@@ -261,14 +261,20 @@ def truncated_logprobs(
     row whose kept logits are all -inf or hold NaN or +inf, or that keeps none."""
     if kept is not None:
         x = logits.to(compute_dtype(logits))
-        ids, vocab = kept.long(), x.shape[-1]
+        ids, vocab, index = kept.long(), x.shape[-1], labels.long().unsqueeze(-1)
         counts = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
         member = counts.scatter_add_(-1, ids.clamp(0, vocab - 1), ((ids >= 0) & (ids < vocab)).long()) > 0
-        z = torch.where(member, x / _per_row(temperature, x.shape[:-1], x.dtype, x.device), float("-inf"))
-        bad_ids = ((ids < -1) | (ids >= vocab)).any(-1, keepdim=True)  # (NaN: an id outside the vocabulary)
-        logq = torch.log_softmax(z, dim=-1).masked_fill(bad_ids, math.nan)
-    else:
-        logq = truncated_log_distribution(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        kept_x = torch.where(member, x, float("-inf"))
+        # shifted by the kept max before scaling (scaled_logits' reason: x / T overflows at T < 1)
+        m = kept_x.amax(dim=-1, keepdim=True).detach()
+        z = (kept_x - m) / _per_row(temperature, x.shape[:-1], x.dtype, x.device)
+        logq = torch.log_softmax(torch.where(member, z, float("-inf")), dim=-1)
+        bad_ids = ((ids < -1) | (ids >= vocab)).any(-1)  # (NaN: an id outside the vocabulary)
+        out = logq.gather(-1, index).squeeze(-1)
+        # a label not kept: -inf, with a zero gradient (not log_softmax's at a -inf entry)
+        out = torch.where(member.gather(-1, index).squeeze(-1) | out.isnan(), out, float("-inf"))
+        return out.masked_fill(bad_ids, math.nan)
+    logq = truncated_log_distribution(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     return logq.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
 
 

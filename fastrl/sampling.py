@@ -233,10 +233,15 @@ def _kept_support(kept: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.T
     [-1, vocab), whose log-probs are NaN) of a checked ``kept`` [..., K]."""
     ids = torch.sort(kept.to(torch.int64), dim=-1, descending=True).values
     bad = (ids[..., 0] >= vocab) | (ids[..., -1] < -1)
+    # A repeated id counts once: its repeats become padding, and a second sort moves them
+    # after the last id, so that every id keeps the slot it has without repeats (a slot
+    # decides the order its term is summed in).
+    repeat = torch.zeros_like(ids, dtype=torch.bool)
+    repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
+    ids = torch.sort(ids.masked_fill(repeat, -1), dim=-1, descending=True).values
     width = max(_KEPT_ROW_STEP, -(-ids.shape[-1] // _KEPT_ROW_STEP) * _KEPT_ROW_STEP)
     ids = torch.nn.functional.pad(ids, (0, width - ids.shape[-1]), value=-1)
     valid = (ids >= 0) & (ids < vocab)
-    valid[..., 1:] &= ids[..., 1:] != ids[..., :-1]  # a repeated id counts once
     return ids, valid, bad
 
 

@@ -779,11 +779,11 @@ def test_kept_set_replay(device, backend, dtype):
                          inside)  # fmt: skip
     with fastrl.use_backend(backend):
         out = fastrl.truncated_logprobs(x, labels, temperature=temperature, kept=kept)
-        # the same sets, each row's ids shuffled and padded to K = 3000 (a gathered row of 4096, not 2048)
+        # the same sets, each row's ids shuffled, repeated and padded to K = 3060 (a gathered row of 4096, not 2048)
         wide = torch.full((n_rows, 3000), -1, dtype=torch.int64, device=device)
         for i in range(n_rows):
             wide[i, torch.randperm(3000)[:60]] = kept[i]
-        shuffled = fastrl.truncated_logprobs(x, labels, temperature=temperature, kept=wide.int())
+        shuffled = fastrl.truncated_logprobs(x, labels, temperature=temperature, kept=torch.cat([wide, kept], -1).int())
         order = torch.randperm(n_rows)
         permuted = fastrl.truncated_logprobs(x.contiguous()[order], labels[order], temperature=temperature[order],
                                              kept=kept[order])  # fmt: skip
@@ -793,7 +793,7 @@ def test_kept_set_replay(device, backend, dtype):
     assert_close_to_reference(out, truth, 1e-5, what="kept log-probs")
     assert bool(out.isfinite().any()) and bool((out == float("-inf")).any())
     assert out.dtype == reference.compute_dtype(x)
-    assert torch.equal(shuffled, out), "the ids' order and the padding change no bit"
+    assert torch.equal(shuffled, out), "the ids' order, repeats and the padding change no bit"
     assert torch.equal(permuted, out[order]), "the rows' order changes no bit"
     assert torch.equal(alone[0], out[1:2]) and torch.equal(alone[1], out[4:5]), "a row alone: the same bits"
 
@@ -835,19 +835,36 @@ def test_kept_set_replay_gradient(device, backend):
     expected = torch.func.grad(lambda z: loss(z, reference.truncated_logprobs, kept))(x)
     with fastrl.use_backend(backend):
         grads = []
-        for ids in (kept, torch.cat([kept.flip(-1), torch.full_like(kept, -1)], -1)):
+        for ids in (kept, torch.cat([kept.flip(-1), torch.full_like(kept, -1), kept], -1)):
             xg = x.clone().requires_grad_(True)
             loss(xg, fastrl.truncated_logprobs, ids).backward()
             grads.append(xg.grad)
         x32 = x.float().requires_grad_(True)
         loss(x32, fastrl.truncated_logprobs, kept).backward()
+        not_kept = x.clone().requires_grad_(True)
+        fastrl.truncated_logprobs(not_kept, labels, temperature=temperature, kept=kept)[0].backward()
+    assert bool((not_kept.grad == 0).all()), "a label not kept: -inf, and a zero gradient"
     assert_close_to_reference(grads[0], expected, 1e-10, atol=1e-12, what="grad")
-    assert torch.equal(grads[0], grads[1]), "the ids' order and padding change no bit of the gradient"
+    assert torch.equal(grads[0], grads[1]), "the ids' order, repeats and padding change no bit of the gradient"
     member = torch.zeros(n_rows, vocab, dtype=torch.int64, device=device).scatter_add_(-1, kept.clamp(min=0),
                                                                                        (kept >= 0).long()) > 0  # fmt: skip
     assert bool((grads[0][~member] == 0).all()), "no gradient outside the kept set"
     assert bool((grads[0][0] == 0).all()), "none on a row whose label is not kept"
     assert_close_to_reference(x32.grad, expected, 1e-5, atol=1e-6, what="fp32 grad")
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_kept_set_replay_extreme_logits(device, backend):
+    """Logits near finfo.max at T < 1 (x / T overflows float32; x - max does not) and a
+    T of 1e-37: the spec's values on every backend, never a NaN or a refusal."""
+    x = torch.tensor([[3e38, 1e38, 0.0, -3e38], [40.0, 39.0, 0.0, 1.0]], device=device)
+    kept = torch.tensor([[0, 1, 2, -1], [0, 1, 2, 3]], device=device)
+    labels = torch.tensor([0, 1], device=device)
+    for t in (0.5, torch.tensor([0.5, 1e-37], device=device)):
+        with fastrl.use_backend(backend):
+            out = fastrl.truncated_logprobs(x, labels, temperature=t, kept=kept)
+        truth = reference.truncated_logprobs(x.double(), labels, temperature=t, kept=kept)
+        assert_close_to_reference(out, truth, 1e-6, what=f"T={t}")
 
 
 @pytest.mark.parametrize("device,backend", BACKENDS)
