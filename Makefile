@@ -31,6 +31,10 @@ VERL_VERSION ?= 0.9.0
 # The OpenRLHF release fastrl.integrations.openrlhf is tested with (--no-deps:
 # its loss modules need only torch and deepspeed, from the `openrlhf` extra).
 OPENRLHF_VERSION ?= 0.11.2
+# Megatron-core, whose vocab_parallel_cross_entropy (and veRL's Megatron helpers on
+# its tensor-parallel group) the sharded ops are tested against (--no-deps: it needs
+# only torch, numpy and packaging). 0.16.1 is the last release for Python 3.11.
+MEGATRON_CORE_VERSION ?= 0.16.1
 
 .PHONY: setup setup-demo setup-bench setup-test bench bench-record bench-quick gpu-quick-dry test demo clean
 
@@ -89,7 +93,8 @@ $(STAMPS)/bench: $(BUILD_INPUTS) Makefile
 setup-test: $(STAMPS)/test
 $(STAMPS)/test: $(BUILD_INPUTS) Makefile
 	$(call install,$(TEST_EXTRAS))
-	$(PYTHON) -m pip install --no-deps "verl==$(VERL_VERSION)" "openrlhf==$(OPENRLHF_VERSION)"
+	$(PYTHON) -m pip install --no-deps "verl==$(VERL_VERSION)" "openrlhf==$(OPENRLHF_VERSION)" \
+		"megatron-core==$(MEGATRON_CORE_VERSION); python_version == '3.11'"
 	@mkdir -p $(@D) && touch $@ $(@D)/demo $(@D)/bench
 
 # Everything (what `make test` installs).

@@ -89,16 +89,24 @@ def import_peer(module: str):
 
 def verl_vocab_parallel_entropy(group):
     """veRL's ``verl.utils.megatron.tensor_parallel.vocab_parallel_entropy`` (its
-    own code) on ``group``: it asks Megatron's ``parallel_state`` for the
-    tensor-parallel group, and where megatron-core is not installed a stand-in
-    module answers with ``group`` (the only thing veRL asks of it there). None
-    without veRL."""
+    own code) on ``group``, the world's ranks: it asks Megatron's ``parallel_state``
+    for the tensor-parallel group, which is made over the world here where
+    megatron-core is installed and not yet initialised; where it is not installed, a
+    stand-in module answers with ``group`` (the only thing veRL asks of it there).
+    None without veRL."""
     import sys
     import types
 
     try:
-        import megatron.core.parallel_state  # noqa: F401
+        from megatron.core import parallel_state
     except ImportError:
+        parallel_state = None
+    if parallel_state is not None:
+        if not parallel_state.model_parallel_is_initialized():
+            import torch.distributed as dist
+
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(group))
+    else:
         stand_in = types.ModuleType("megatron.core.parallel_state")
         stand_in.get_tensor_model_parallel_group = lambda: group
         core = types.ModuleType("megatron.core")

@@ -578,6 +578,81 @@ def _check_verl(rank: int, world: int, group, seed: int) -> None:
                               what="patched vocab_parallel_log_probs_from_logits")  # fmt: skip
 
 
+def _check_megatron(rank: int, world: int, group, seed: int) -> None:
+    """One rank of test_megatron_vocab_parallel_parity."""
+    from megatron.core import parallel_state, tensor_parallel
+    from verl.utils.megatron import tensor_parallel as verl_tp
+
+    import fastrl.integrations.verl as verl_integration
+
+    torch._dynamo.config.disable = True  # veRL compiles a helper inside its forward: run it eagerly (same math)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    tp = parallel_state.get_tensor_model_parallel_group()
+    torch.manual_seed(seed)  # every rank draws the same full tensors
+    vocab = 1032  # Megatron's shards are equal: V / world each, in rank order
+    start, stop = vocab * rank // world, vocab * (rank + 1) // world
+    logits = make_logits((3, 5), vocab, torch.float32, std=3.0, masked=False)  # (veRL: NaN at -inf logits)
+    labels = torch.randint(vocab, (3, 5))  # (Megatron's cross-entropy has no ignored label)
+    weights = torch.randn(3, 5)
+    x64 = logits.double().requires_grad_()
+    truths = {"logprobs": reference.logprobs_from_logits(x64, labels), "entropy": reference.entropy_from_logits(x64)}
+    grad_truths = {k: torch.autograd.grad((v * weights.double()).sum(), x64)[0][..., start:stop]
+                   for k, v in truths.items()}  # fmt: skip
+    ops = {
+        ("logprobs", "fastrl"): lambda s: fastrl.logprobs_from_logits(s, labels, group=tp),
+        ("logprobs", "megatron"): lambda s: -tensor_parallel.vocab_parallel_cross_entropy(s, labels),
+        ("logprobs", "veRL"): lambda s: verl_tp.vocab_parallel_log_probs_from_logits(s, labels),
+        ("entropy", "fastrl"): lambda s: fastrl.entropy_from_logits(s, group=tp),
+        ("entropy", "veRL"): lambda s: verl_tp.vocab_parallel_entropy(s),
+    }
+    # Float32 bounds against the float64 truth, as _check_verl's: each op sums V terms of a row in
+    # float32, within (V + 4) u of the sum of |terms| <= max |x| (the softmax sums to 1); a gradient's
+    # p_j errs by (2 max |x| + 1) u relative (exp of a difference of two logits' size), and the
+    # entropy's by its terms' sum besides; tiny: a p_j flushed to 0; and the float32 gradient's own rounding.
+    u, tiny = 2.0**-24, torch.finfo(torch.float32).tiny
+    max_x = logits.abs().amax(dim=-1).double()
+    p = torch.softmax(logits.double(), dim=-1)[..., start:stop]
+    w = weights.abs().double().unsqueeze(-1)
+    for (what, who), op in ops.items():
+        shard = logits[..., start:stop].clone().requires_grad_()
+        out = op(shard)  # (Megatron's cross-entropy overwrites its input: each op its own copy)
+        (out * weights).sum().backward()
+        name = f"{who} {what} rank {rank}/{world}"
+        assert out.dtype == torch.float32, name
+        error = (out.double() - truths[what].detach()).abs()
+        assert bool((error <= (vocab + 4) * u * max_x + 1e-6 * (1 + truths[what].detach().abs())).all()), (
+            f"{name}: off by {error.max():.3g}")  # fmt: skip
+        grad_error = (shard.grad.double() - grad_truths[what]).abs()
+        scale = 4 * (vocab + 4) if what == "entropy" else 4 * 2
+        grad_bound = (scale * u * p + 2 * tiny) * (max_x.unsqueeze(-1) + 1) * w + 2 * u * grad_truths[what].abs()
+        assert bool((grad_error <= grad_bound).all()), f"{name} gradient: off by {grad_error.max():.3g}"
+
+    # The patch routes veRL's Megatron-backend functions to fastrl on Megatron's tensor-parallel group.
+    shard = logits[..., start:stop]
+    verl_integration.patch(["vocab_parallel"])
+    try:
+        patched = verl_tp.vocab_parallel_entropy(shard), verl_tp.vocab_parallel_log_probs_from_logits(shard, labels)
+    finally:
+        verl_integration.unpatch(["vocab_parallel"])
+    assert torch.equal(patched[0], fastrl.entropy_from_logits(shard, group=tp))
+    assert torch.equal(patched[1], fastrl.logprobs_from_logits(shard, labels, group=tp))
+    assert _all_equal_across_ranks(patched[1], tp)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_megatron_vocab_parallel_parity(world, tmp_path):
+    """fastrl's sharded log-probs and entropy beside Megatron-core's own
+    vocab_parallel_cross_entropy and veRL's Megatron helpers, on Megatron's
+    tensor-parallel group of 2 and 4 gloo ranks: values and gradients all within
+    float32 bounds of the float64 truth; the veRL patch's vocab_parallel op runs
+    fastrl's there. (Megatron has no full-vocabulary KL to compare full_kl with:
+    test_sharded_logprobs_and_entropy_match_the_unsharded_reference holds it to
+    the float64 spec.)"""
+    pytest.importorskip("verl")
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (make setup installs it on Python 3.11)")
+    _spawn(_check_megatron, world, tmp_path)
+
+
 def test_verl_vocab_parallel_entropy_parity(tmp_path):
     """veRL's own vocab_parallel_entropy (its Megatron group lookup answered with
     the gloo group) and fastrl's entropy_from_logits(group=) on the same two
