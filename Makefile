@@ -27,7 +27,7 @@ TORCH_VERSION ?= 2.13.0
 # The veRL release the parity tests and the benchmarks compare against (its
 # loss and log-prob functions only; --no-deps, their imports come from the
 # `verl` extra).
-VERL_VERSION ?= 0.9.0
+VERL_VERSION ?= 0.9.1
 # The OpenRLHF release fastrl.integrations.openrlhf is tested with (--no-deps:
 # its loss modules need only torch and deepspeed, from the `openrlhf` extra).
 OPENRLHF_VERSION ?= 0.11.2

@@ -460,11 +460,11 @@ def test_verl_patch_is_idempotent_and_reaches_late_imports(verl, monkeypatch):
     assert verl.integration.patched() == []
 
 
-def _verl_091_gspo(agg_loss, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+def _verl_090_gspo(agg_loss, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                    rollout_is_weights=None):  # fmt: skip
-    """veRL 0.9.1's compute_policy_loss_gspo (verl/trainer/ppo/core_algos.py), transcribed:
-    0.9.0's with ``loss_agg_mode`` passed to ``agg_loss`` in place of the fixed
-    "seq-mean-token-mean" (the only change between the two); loss only."""
+    """veRL 0.9.0's compute_policy_loss_gspo (verl/trainer/ppo/core_algos.py), transcribed:
+    0.9.1's with the fixed "seq-mean-token-mean" passed to ``agg_loss`` in place of
+    ``loss_agg_mode`` (the only change between the two); loss only."""
     clip_ratio_low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
     clip_ratio_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
     negative_approx_kl = log_prob - old_log_prob
@@ -477,7 +477,7 @@ def _verl_091_gspo(agg_loss, old_log_prob, log_prob, advantages, response_mask, 
     pg_losses = torch.maximum(pg_losses1, pg_losses2)
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
-    return agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
+    return agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode="seq-mean-token-mean",
                     **config.global_batch_info)  # fmt: skip
 
 
@@ -485,9 +485,9 @@ def _verl_091_gspo(agg_loss, old_log_prob, log_prob, advantages, response_mask, 
 def test_verl_gspo_aggregates_as_the_installed_version(verl, monkeypatch, version):
     """veRL 0.9.0's GSPO ignores loss_agg_mode (always "seq-mean-token-mean"); 0.9.1
     aggregates with it. The adapter follows the version patch() finds (here
-    simulated): 0.9.0's real function, or 0.9.1's transcribed semantics."""
+    simulated): 0.9.1's real function, or 0.9.0's transcribed semantics."""
     installed = importlib.metadata.version("verl")
-    assert installed == "0.9.0", f"the 0.9.0 case below runs veRL's installed function, which is {installed}"
+    assert installed == "0.9.1", f"the 0.9.1 case below runs veRL's installed function, which is {installed}"
     real_version = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda dist: version if dist == "verl" else real_version(dist))
     t = _per_token_inputs()
@@ -507,7 +507,7 @@ def test_verl_gspo_aggregates_as_the_installed_version(verl, monkeypatch, versio
             return out, grad
 
         verl.integration.unpatch()
-        verl_090, verl_091 = verl.core.get_policy_loss_fn("gspo"), functools.partial(_verl_091_gspo, agg_loss)
+        verl_091, verl_090 = verl.core.get_policy_loss_fn("gspo"), functools.partial(_verl_090_gspo, agg_loss)
         semantics = (verl_090, verl_091) if version == "0.9.0" else (verl_091, verl_090)
         expected, other = (loss_and_grad(f) for f in semantics)
         verl.integration.patch()

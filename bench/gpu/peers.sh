@@ -25,7 +25,7 @@ download() {
         "${PLATFORMS[@]}" -d "$dir" "$@"
 }
 # veRL's loss and log-prob modules, and what importing them needs beyond the image.
-download "$DEST" verl==0.9.0 omegaconf==2.3.0 codetiming==1.4.0 tensordict==0.10.0 pyvers orjson
+download "$DEST" verl==0.9.1 omegaconf==2.3.0 codetiming==1.4.0 tensordict==0.10.0 pyvers orjson
 # omegaconf pins antlr4 4.9, published only as source: built here (pure Python).
 "$PY" -m pip wheel -q --no-deps -w "$DEST" antlr4-python3-runtime==4.9.3
 # TRL's log-prob helpers and its Triton kernel (trl.kernels), and datasets, which

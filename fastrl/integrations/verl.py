@@ -417,7 +417,7 @@ FRAMEWORK = Framework(
     display="veRL",
     distribution="verl",
     supported=((0, 9), (0, 10)),
-    tested="0.9.0",
+    tested="0.9.1",
     targets=(
         Target("logprobs", _F, "logprobs_from_logits", _logprobs_from_logits),
         Target("entropy", _F, "entropy_from_logits", _entropy_from_logits),
