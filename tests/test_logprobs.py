@@ -925,7 +925,7 @@ def test_keyword_only_options_passed_positionally_name_the_keywords():
                                              r"temperature, top_k, top_p, min_p, seed, offset, group, vocab_start are "
                                              r"keyword-only"),
         (lambda: fastrl.truncated_logprobs(logits, labels, 0.7),
-         r"temperature, top_k, top_p, min_p, group, vocab_start are keyword-only"),
+         r"temperature, top_k, top_p, min_p, kept, group, vocab_start are keyword-only"),
         (lambda: fastrl.full_kl(logits, logits, 0.7), r"full_kl\(\) .* temperature, group, vocab_start are keyword-only"),
         (lambda: fastrl.agg_loss(per_token, mask, "token-mean", 2), r"dp_size, batch_num_tokens, .* keyword-only"),
         (lambda: fastrl.rollout_correction(per_token, per_token, mask, "sequence"), r"level, mode, .* keyword-only"),
