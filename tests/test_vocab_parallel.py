@@ -579,15 +579,27 @@ def _check_verl(rank: int, world: int, group, seed: int) -> None:
 
 
 def _check_megatron(rank: int, world: int, group, seed: int) -> None:
-    """One rank of test_megatron_vocab_parallel_parity."""
-    from megatron.core import parallel_state, tensor_parallel
+    """One rank of test_megatron_vocab_parallel_parity: Megatron's tensor-parallel groups of
+    the whole world, then of 2 ranks each (two groups side by side, as with data parallelism)."""
+    from megatron.core import parallel_state
+
+    torch._dynamo.config.disable = True  # veRL compiles a helper inside its forward: run it eagerly (same math)
+    for tp_size in dict.fromkeys((world, 2)):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+        try:
+            _check_megatron_group(parallel_state, seed)
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
+def _check_megatron_group(parallel_state, seed: int) -> None:
+    from megatron.core import tensor_parallel
     from verl.utils.megatron import tensor_parallel as verl_tp
 
     import fastrl.integrations.verl as verl_integration
 
-    torch._dynamo.config.disable = True  # veRL compiles a helper inside its forward: run it eagerly (same math)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     tp = parallel_state.get_tensor_model_parallel_group()
+    rank, world = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
     torch.manual_seed(seed)  # every rank draws the same full tensors
     vocab = 1032  # Megatron's shards are equal: V / world each, in rank order
     start, stop = vocab * rank // world, vocab * (rank + 1) // world
@@ -639,18 +651,19 @@ def _check_megatron(rank: int, world: int, group, seed: int) -> None:
     assert _all_equal_across_ranks(patched[1], tp)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_megatron_vocab_parallel_parity(world, tmp_path):
+def test_megatron_vocab_parallel_parity(tmp_path):
     """fastrl's sharded log-probs and entropy beside Megatron-core's own
     vocab_parallel_cross_entropy and veRL's Megatron helpers, on Megatron's
-    tensor-parallel group of 2 and 4 gloo ranks: values and gradients all within
-    float32 bounds of the float64 truth; the veRL patch's vocab_parallel op runs
-    fastrl's there. (Megatron has no full-vocabulary KL to compare full_kl with:
+    tensor-parallel groups of 4 gloo ranks and of 2 (two groups of 2 among 4
+    ranks: one spawn, as megatron-core takes seconds to import in each rank):
+    values and gradients all within float32 bounds of the float64 truth; the veRL
+    patch's vocab_parallel op runs fastrl's there. (Megatron has no
+    full-vocabulary KL to compare full_kl with:
     test_sharded_logprobs_and_entropy_match_the_unsharded_reference holds it to
     the float64 spec.)"""
     pytest.importorskip("verl")
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (make setup installs it on Python 3.11)")
-    _spawn(_check_megatron, world, tmp_path)
+    _spawn(_check_megatron, 4, tmp_path)
 
 
 def test_verl_vocab_parallel_entropy_parity(tmp_path):
