@@ -100,19 +100,17 @@ def verl_vocab_parallel_entropy(group):
     try:
         from megatron.core import parallel_state
     except ImportError:
-        parallel_state = None
-    if parallel_state is not None:
-        if not parallel_state.model_parallel_is_initialized():
-            import torch.distributed as dist
-
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(group))
-    else:
         stand_in = types.ModuleType("megatron.core.parallel_state")
         stand_in.get_tensor_model_parallel_group = lambda: group
         core = types.ModuleType("megatron.core")
         core.parallel_state = stand_in
         sys.modules.update({"megatron": types.ModuleType("megatron"), "megatron.core": core,
                             "megatron.core.parallel_state": stand_in})  # fmt: skip
+    else:
+        if not parallel_state.model_parallel_is_initialized():
+            import torch.distributed as dist
+
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size(group))
     module, _ = import_peer("verl.utils.megatron.tensor_parallel")
     return None if module is None else module.vocab_parallel_entropy
 

@@ -118,12 +118,15 @@ def _rejects_bad_rows(device: torch.device) -> bool:
     return device.type == "cpu" and _validation.host_checks(device)
 
 
-def _reject_bad_rows(bad: torch.Tensor, rows: torch.Size) -> None:
+def _reject_bad_rows(bad: torch.Tensor, rows: torch.Size, message: str | None = None) -> None:
     """A row that is all -inf or has NaN or +inf (or, for per-row tensors without
     host checks, an invalid parameter) cannot be sampled: every backend marks it
-    (token -1, NaN log-probs), and on CPU that raises here."""
+    (token -1, NaN log-probs), and on CPU that raises here. ``message``: the error's
+    text after the rows, where it is not the sampler's."""
     if bool(bad.any()):
         where = torch.nonzero(bad.reshape(rows)).tolist()[:5]
+        if message is not None:
+            raise ValueError(f"rows {where}: {message}")
         raise ValueError(f"logits rows {where} are all -inf or contain NaN or +inf: there is nothing to sample from")
 
 
@@ -213,22 +216,24 @@ def _truncation_args(params: dict) -> tuple:
 # Replaying a kept set (truncated_logprobs(kept=...)): the softmax over exactly
 # the tokens the rollout's sampler kept. Their ids are sorted (descending, so the
 # -1 padding comes last) and each is taken once; their logits are gathered into
-# a row of their own, -inf after the last id, of width a multiple of
-# _KEPT_ROW_STEP, and the log-prob op (log-probs and gradient) runs on that row.
+# a row of their own, padded with -inf after the last id to a width that is a
+# multiple of _KEPT_ROW_STEP, and the log-prob op (log-probs and gradient) runs
+# on that row.
 # Its bits are a function of the kept set alone, not of the ids' order, of the
 # padding, or of the other rows: the Triton forward tiles every row of a width
 # that is a multiple of 2048, up to 65536, alike (2048-element tiles of 128
 # lanes in every dtype, kernels/_launch.tile_config), the CPU kernel reads a row
 # in 2048-element chunks from its start (csrc/softmax_stats.h), and an -inf
-# logit adds exactly nothing to either's sums. The gathered row is [..., W], W
-# the padded width of the batch's largest kept set: no [..., V] temporary; the
-# gradient scatters back into the logits' shape (torch.gather's backward).
+# logit adds exactly nothing to either's sums. Only the gathered values are
+# padded ([..., W], W the batch's largest K rounded up): the ids, the masks and
+# the sharded path's exchange stay [..., K]. No [..., V] temporary; the gradient
+# scatters back into the logits' shape (torch.gather's backward).
 _KEPT_ROW_STEP = 2048
 KEPT_MAX = 65536
 
 
 def _kept_support(kept: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids [..., W] int64: the kept ids sorted descending, then -1; valid [..., W]:
+    """(ids [..., K] int64: the kept ids sorted descending, then -1; valid [..., K]:
     the slots holding an id, each id once; bad [...]: rows with an id outside
     [-1, vocab), whose log-probs are NaN) of a checked ``kept`` [..., K]."""
     ids = torch.sort(kept.to(torch.int64), dim=-1, descending=True).values
@@ -239,8 +244,6 @@ def _kept_support(kept: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.T
     repeat = torch.zeros_like(ids, dtype=torch.bool)
     repeat[..., 1:] = ids[..., 1:] == ids[..., :-1]
     ids = torch.sort(ids.masked_fill(repeat, -1), dim=-1, descending=True).values
-    width = max(_KEPT_ROW_STEP, -(-ids.shape[-1] // _KEPT_ROW_STEP) * _KEPT_ROW_STEP)
-    ids = torch.nn.functional.pad(ids, (0, width - ids.shape[-1]), value=-1)
     valid = (ids >= 0) & (ids < vocab)
     return ids, valid, bad
 
@@ -248,11 +251,13 @@ def _kept_support(kept: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.T
 def _kept_logprobs(values: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, bad: torch.Tensor,
                    labels: torch.Tensor, temperature) -> torch.Tensor:
     """The log-prob of ``labels`` under softmax(values / T) over the ``valid`` slots (values
-    [..., W]: the kept tokens' logits, ``_kept_support``'s order); -inf for a label not among
+    [..., K]: the kept tokens' logits, ``_kept_support``'s order); -inf for a label not among
     them, NaN for a ``bad`` row. Differentiable w.r.t. ``values``."""
     from .logprobs import logprobs_from_logits
 
+    width = max(_KEPT_ROW_STEP, -(-values.shape[-1] // _KEPT_ROW_STEP) * _KEPT_ROW_STEP)
     values = torch.where(valid, values, float("-inf"))
+    values = torch.nn.functional.pad(values, (0, width - values.shape[-1]), value=float("-inf"))
     hit = valid & (ids == labels.unsqueeze(-1).to(torch.int64))
     found = hit.any(-1)
     # The label's slot (argmax: the first holding it), or slot 0 for a label not kept: its
@@ -285,10 +290,10 @@ def _check_kept(kept: object, logits: torch.Tensor, top_k, top_p, min_p) -> torc
     return kept
 
 
-def _check_kept_values(kept: torch.Tensor, vocab: int | None) -> None:
+def _check_kept_values(kept: torch.Tensor, vocab: int) -> None:
     """The ids' values, where checks read tensors (``_validation.host_checks``): in [0, vocab) or -1."""
     if kept.numel() and _validation.host_checks(kept.device):
-        bad = (kept < -1) if vocab is None else (kept < -1) | (kept >= vocab)
+        bad = (kept < -1) | (kept >= vocab)
         if bool(bad.any()):
             raise ValueError(f"kept ids must lie in [0, {vocab}) or be -1 (padding); found "
                              f"{kept[bad].flatten()[0].item()} ({int(bad.sum())} such ids)")  # fmt: skip
@@ -398,10 +403,9 @@ def _replay_kept(logits, labels, kept, temperature, top_k, top_p, min_p, group, 
         return _validation.check_temperature(temperature, rows, logits.device, reference.compute_dtype(logits))
 
     def rejecting_bad_rows(out):
-        if _rejects_bad_rows(logits.device) and bool(out.isnan().any()):
-            where = torch.nonzero(out.isnan()).tolist()[:5]
-            raise ValueError(f"rows {where}: the logits of the kept ids are all -inf (or the row keeps no id) or "
-                             "contain NaN or +inf: there is no distribution to renormalise")  # fmt: skip
+        if _rejects_bad_rows(logits.device):
+            _reject_bad_rows(out.isnan(), rows, "the logits of the kept ids are all -inf (or the row keeps no id) or "
+                                                "contain NaN or +inf: there is no distribution to renormalise")  # fmt: skip
         return out
 
     if group is None:
