@@ -65,6 +65,9 @@
 #                   (bench/gpu/sampler_profile.py)
 #   probe-split     whether a split row's launches repeat their workspace and
 #                   outputs bit for bit over identical calls (bench/gpu/split_probe.py)
+#   verl-engine     veRL's FSDP engine's prepare_model_outputs patched and not at
+#                   16384 x 151936 bf16 (python -m bench.verl_engine): time, logits
+#                   traffic counted from the operators, peak memory; $OUT/verl-engine.json
 #   demo            examples/grpo_tiny.py --compare on the GPU
 #   pack            $OUT/results.tgz: bench/results (JSON, plots) and the README
 #                   regenerated from them, to unpack over the checkout here
@@ -208,6 +211,7 @@ for stage in "$@"; do
                 "$(declare -f bench_merged); PY=$PY; bench_merged --op logprobs --shape $shape --plot bench/results/plots" ;;
         profile-sampler) run_stage profile-sampler 240 $PY bench/gpu/sampler_profile.py ;;
         probe-split) run_stage probe-split 120 $PY bench/gpu/split_probe.py ;;
+        verl-engine) run_stage verl-engine 150 $PY -m bench.verl_engine --results "$OUT/verl-engine.json" ;;
         demo) run_stage demo 300 $PY examples/grpo_tiny.py --compare --device cuda --plot "$OUT/reward_curve_cuda.png" ;;
         pack) run_stage pack 120 bash -c "$PY -m bench.report && tar -czf '$OUT/results.tgz' bench/results README.md" ;;
         *) echo "unknown stage: $stage" >&2; exit 2 ;;

@@ -11,6 +11,7 @@ run the fastrl op. ``patch(ops=[...])`` chooses; ``unpatch()`` restores veRL's.
 | ``policy_loss`` | ``core_algos.compute_policy_loss_vanilla`` and ``compute_policy_loss_gspo``, and their ``POLICY_LOSS_REGISTRY`` entries ``"vanilla"`` / ``"gspo"`` (what ``get_policy_loss_fn`` returns) | ``policy_loss`` |
 | ``fused_lm_head`` | ``verl.utils.experimental.torch_functional.FusedLinearForPPO.forward`` and ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (``use_fused_kernels``: the torch and Triton backends of the models' ``forward``) | ``linear_logprobs_and_entropy`` |
 | ``vocab_parallel`` | ``verl.utils.megatron.tensor_parallel.vocab_parallel_entropy(vocab_parallel_logits)`` and ``vocab_parallel_log_probs_from_logits(logits, labels)`` (the Megatron backend's tensor-parallel logits; only where megatron-core imports) | ``entropy_from_logits`` / ``logprobs_from_logits`` with ``group=`` Megatron's tensor-parallel group |
+| ``engine`` | ``verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func)`` (veRL's FSDP engine: a micro-batch's log-probs and entropy from the model's logits; only where peft, which that module imports, does) | ``logprobs_and_entropy`` / ``logprobs_from_logits``, with ``group=`` a vocabulary-sharded DTensor's mesh group |
 
 Each is replaced in its own module and in every loaded module that imported it by
 name (``verl.workers.utils.losses``, ``verl.workers.rollout.naive.naive_rollout``,
@@ -36,6 +37,24 @@ Conventions kept:
   shards being those of ``megatron.core.parallel_state``'s tensor-parallel group in
   rank order; neither writes into the logits (Megatron's cross-entropy subtracts the
   max from float32 logits in place).
+- The engine's ``prepare_model_outputs`` returns veRL's ``model_output``: ``log_probs``
+  and, with ``calculate_entropy``, ``entropy``, nested jagged over the micro-batch's
+  ``cu_seqlens``, packed (remove-padding, the static padding and Ulysses' gathered
+  and stripped by veRL's own ``_gather_and_unpad_packed``) or padded (the padded
+  logits are read whole and the valid positions kept: no ``torch.cat`` copy), in
+  veRL's dtypes (the log-probs as ``logprobs_from_logits`` above; the entropy in the
+  logits' dtype, float32 with ``entropy_from_logits_with_chunking``). It divides by
+  the temperatures inside the kernel (clamped at 1e-8 as veRL does, in float32:
+  veRL divides bf16 logits by the temperature rounded to bf16, and rounds the
+  quotient). ``entropy_checkpointing`` and the chunked entropy need nothing (fastrl
+  keeps three floats a row for the backward). The backward writes the gradient into
+  the logits' storage whether or not the entropy is computed: veRL's own
+  remove-padding path overwrites the model's logits already (temperature 1, no
+  entropy), and fastrl reads them once for both outputs; another autograd node that
+  saved them raises torch's in-place error instead of reading a gradient. Logits
+  that are a DTensor sharded on the vocabulary over one mesh dimension (FSDP2 with
+  tensor parallelism) are not gathered: each rank's shard goes to the sharded op,
+  its first column from the mesh coordinate and ``torch.chunk``'s split.
 - ``kl_penalty``, ``agg_loss`` and the policy losses return the dtype of veRL's
   arithmetic on the inputs, for every combination of dtypes: a float mask takes part
   (bf16 losses with a float32 mask give float32), and the seq-mean modes give at
@@ -71,7 +90,11 @@ other than 0 and 1 (veRL multiplies by it; told on CPU, and on CUDA only under
 log-probs, advantages or rollout weights that require grad (fastrl treats them as
 constants), a config that veRL's own function
 asserts on or whose ``global_batch_info`` has keys ``agg_loss`` does not take,
-``entropy_from_logits_with_chunking`` on logits that are not 2-D, and every call
+``entropy_from_logits_with_chunking`` on logits that are not 2-D, the engine's
+``calculate_sum_pi_squared`` (no fastrl op for it yet), ``use_fused_kernels`` (the
+model's fused head computes the log-probs: op ``fused_lm_head``), distillation
+(its loss reads the scaled logits), a ``pad_mode`` veRL does not take, and logits
+that are a DTensor sharded otherwise, and every call
 fastrl's argument checks reject (veRL then raises its own error, or computes).
 ``kl_penalty(..., "full")`` raises veRL's ``NotImplementedError``, with a pointer to
 ``fastrl.full_kl``: veRL passes per-token log-probs, which do not determine the
@@ -127,16 +150,22 @@ class _Unsupported(Exception):
 # ----------------------------------------------------------------- log-probs, entropy
 
 
+def _logprob_dtype(env: dict, logits: torch.Tensor) -> torch.dtype:
+    """What veRL's ``logprobs_from_logits`` returns: float32 on its flash-attn path
+    (importable and not disabled), else the logits' dtype (its log_softmax path);
+    ``env``: the globals of veRL's ``torch_functional`` module."""
+    flash = env.get("FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False) and (
+        os.environ.get("VERL_DISABLE_FLASH_ATTN_CE", "0") != "1"
+    )
+    return torch.float32 if flash else logits.dtype
+
+
 def _logprobs_from_logits(original):
     env = original.__globals__
 
     def logprobs_from_logits(logits, labels, inplace_backward=True):
         def compute():
-            flash = env.get("FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False) and (
-                os.environ.get("VERL_DISABLE_FLASH_ATTN_CE", "0") != "1"
-            )
-            out = fastrl.logprobs_from_logits(logits, labels, inplace_backward)
-            return out.to(torch.float32 if flash else logits.dtype)
+            return fastrl.logprobs_from_logits(logits, labels, inplace_backward).to(_logprob_dtype(env, logits))
 
         return delegate(_NAME, "logprobs_from_logits", original, (logits, labels, inplace_backward), {}, compute,
                         tensor_reason(logits=logits))  # fmt: skip
@@ -412,6 +441,128 @@ def _vocab_parallel_log_probs(original):
     return vocab_parallel_log_probs_from_logits
 
 
+# ------------------------------------------------------------------- the FSDP engine
+
+_FSDP_ENGINE = "verl.workers.engine.fsdp.transformer_impl"
+
+
+def _vocab_shard(logits):
+    """``(local shard, process group, vocab_start)`` of logits that are a DTensor
+    sharded on the vocabulary over one mesh dimension and replicated over the
+    others (FSDP2 with tensor parallelism), or a string saying why fastrl cannot
+    take them. A Shard placement splits as ``torch.chunk`` does, ceil(V / n)
+    columns a coordinate, the last ones shorter or empty; the start is taken
+    from the mesh coordinate, since a process group numbers its ranks in sorted
+    order, which a permuted mesh does not follow."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    ndim = logits.dim()
+    sharded = [d for d, p in enumerate(logits.placements) if isinstance(p, Shard)]
+    if len(sharded) != 1 or logits.placements[sharded[0]].dim % ndim != ndim - 1:
+        return "the logits are a DTensor not sharded on the vocabulary (the last dimension) alone"
+    if not all(isinstance(p, Replicate) for d, p in enumerate(logits.placements) if d != sharded[0]):
+        return "the logits are a DTensor with a partial placement"
+    mesh, mesh_dim = logits.device_mesh, sharded[0]
+    vocab, parts = logits.shape[-1], mesh.size(mesh_dim)
+    chunk = -(-vocab // parts)
+    vocab_start = min(mesh.get_local_rank(mesh_dim) * chunk, vocab)
+    local = logits.to_local()
+    if local.shape[-1] != min(chunk, vocab - vocab_start):
+        return "the logits are a DTensor whose shards are not torch.chunk's split of the vocabulary"
+    return local, mesh.get_group(mesh_dim), vocab_start
+
+
+def _engine_temperature(output_args: dict, key: str):
+    """The per-token (remove-padding) or per-sample temperature the engine divides
+    by, clamped as veRL clamps it; 1.0 where veRL skips the division."""
+    if output_args.get("temperature_is_one", False):
+        return 1.0
+    return output_args[key].clamp(min=1e-8)
+
+
+def _prepare_model_outputs(original):
+    """``FSDPEngineWithLMHead.prepare_model_outputs``: the log-probs and, with
+    ``calculate_entropy``, the entropy of a micro-batch from one read of the
+    logits, the per-sample temperature inside the kernel, and veRL's outputs
+    (nested jagged, in veRL's dtypes) from them."""
+    env = original.__globals__  # the engine's module: veRL's tensordict helpers, DTensor, verl_F
+    functional = vars(env["verl_F"])
+
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        args = (self, output, output_args, micro_batch, logits_processor_func)
+
+        def option(key, default=False):
+            return env["tu"].get_non_tensor_data(data=micro_batch, key=key, default=default)
+
+        no_padding = env["DatasetPadMode"].NO_PADDING
+        remove_padding, entropy_wanted = option("use_remove_padding", True), option("calculate_entropy")
+        logits = getattr(output, "logits", None)
+        reason = first_reason(
+            None if option("pad_mode", no_padding) == no_padding else "a pad_mode other than no_padding (veRL raises)",
+            "use_fused_kernels (the model's fused head computes the log-probs: fastrl's fused_lm_head op)"
+            if option("use_fused_kernels") else None,
+            "distillation (its loss reads the scaled logits)"
+            if option("distillation_use_topk") or option("distillation_only") else None,
+            "calculate_sum_pi_squared (fastrl has no sum-of-squared-probabilities op yet)"
+            if option("calculate_sum_pi_squared") else None,
+            tensor_reason(logits=logits),
+        )  # fmt: skip
+        if reason is None and (logits.dim() != 3 or (remove_padding and logits.shape[0] != 1)):
+            reason = "the logits are not [1, tokens, V] (remove-padding) or [batch, sequence, V]"
+        shard = None
+        if reason is None and isinstance(logits, env["DTensor"]):
+            shard = _vocab_shard(logits)
+            reason = shard if isinstance(shard, str) else None
+
+        def compute():
+            input_ids = micro_batch["input_ids"]
+            cu_seqlens = input_ids.offsets()
+            rows, group, vocab_start = shard if shard is not None else (logits, None, None)
+            if remove_padding:
+                rows = rows.squeeze(0)
+                labels = output_args["input_ids_rmpad_rolled"]
+                temperature = _engine_temperature(output_args, "temperature_rmpad")
+            else:
+                # [batch, sequence] labels over the padded layout: the packed ones at
+                # each sample's positions, ignore_index (log-prob 0, no gradient) after
+                valid = torch.arange(rows.shape[1], device=rows.device) < cu_seqlens.diff().unsqueeze(1)
+                labels = torch.full(valid.shape, -100, dtype=torch.long, device=rows.device)
+                labels[valid] = output_args["input_ids_rmpad_rolled"]
+                temperature = _engine_temperature(output_args, "temperature")
+                if isinstance(temperature, torch.Tensor):
+                    temperature = temperature.unsqueeze(-1)
+            # In-place backward whether or not the entropy is wanted: veRL's own
+            # remove-padding path already overwrites the model's logits (temperature 1,
+            # no entropy), and fastrl's one fused read leaves no second reader of them;
+            # any other autograd node that saved them raises (the version counter).
+            common = dict(temperature=temperature, group=group, vocab_start=vocab_start)
+            if entropy_wanted:
+                log_probs, entropy = fastrl.logprobs_and_entropy(rows, labels, inplace_backward=True, **common)
+            else:
+                log_probs, entropy = fastrl.logprobs_from_logits(rows, labels, True, **common), None
+            log_probs = log_probs.to(_logprob_dtype(functional, logits))
+            if entropy is not None:
+                # veRL's entropy_from_logits keeps the logits' dtype, its chunked one the default dtype
+                chunked = remove_padding and getattr(self.engine_config, "entropy_from_logits_with_chunking", False)
+                entropy = entropy.to(torch.get_default_dtype() if chunked else logits.dtype)
+
+            def jagged(values):  # veRL's layout: [batch, j] over the packed tokens
+                if remove_padding:
+                    values = self._gather_and_unpad_packed(values, output_args["pad_size"])
+                else:
+                    values = values[valid]
+                return torch.nested.nested_tensor_from_jagged(values, cu_seqlens)
+
+            model_output = {"log_probs": jagged(log_probs)}
+            if entropy is not None:
+                model_output["entropy"] = jagged(entropy)
+            return model_output
+
+        return delegate(_NAME, "FSDPEngineWithLMHead.prepare_model_outputs", original, args, {}, compute, reason)
+
+    return prepare_model_outputs
+
+
 FRAMEWORK = Framework(
     name=_NAME,
     display="veRL",
@@ -431,6 +582,8 @@ FRAMEWORK = Framework(
         Target("vocab_parallel", _TP, "vocab_parallel_entropy", _vocab_parallel_entropy, requires="megatron"),
         Target("vocab_parallel", _TP, "vocab_parallel_log_probs_from_logits", _vocab_parallel_log_probs,
                requires="megatron"),
+        Target("engine", _FSDP_ENGINE, "FSDPEngineWithLMHead.prepare_model_outputs", _prepare_model_outputs,
+               requires="peft"),
     ),
 )
 OPS = FRAMEWORK.ops
