@@ -106,14 +106,16 @@ PYBIND11_MODULE(_C, m) {
       [](std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab, const RowsTuple& rows,
          std::uintptr_t labels, int label_dtype, int64_t ignore_index, std::uintptr_t temps,
          double temp_scalar, std::uintptr_t out_logprob, std::uintptr_t out_entropy,
-         std::uintptr_t out_stats) {
+         std::uintptr_t out_stats, std::uintptr_t out_sum_pi_squared) {
         fastrl::logprobs_forward(logprobs_args(logits, dtype, n_rows, vocab, rows, labels,
                                                label_dtype, ignore_index, temps, temp_scalar),
-                                 mptr(out_logprob), mptr(out_entropy), mptr(out_stats));
+                                 mptr(out_logprob), mptr(out_entropy), mptr(out_stats),
+                                 mptr(out_sum_pi_squared));
       },
       py::arg("logits"), py::arg("dtype"), py::arg("n_rows"), py::arg("vocab"), py::arg("rows"),
       py::arg("labels"), py::arg("label_dtype"), py::arg("ignore_index"), py::arg("temps"),
       py::arg("temp_scalar"), py::arg("out_logprob"), py::arg("out_entropy"), py::arg("out_stats"),
+      py::arg("out_sum_pi_squared") = std::uintptr_t{0},
       py::call_guard<py::gil_scoped_release>());
 
   m.def(

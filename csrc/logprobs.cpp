@@ -5,6 +5,7 @@
 //   s   = sum_j exp(d_j),   w = sum_j exp(d_j) * d_j
 //   logprob = (x_label - m) * inv_t - log s
 //   entropy = -sum_j p_j log p_j = log s - w / s          (log p_j = d_j - log s)
+//   sum_pi_squared = sum_j p_j^2 = (n + q) / s^2           (s = n + t; q, n: softmax_stats.h)
 // Differences are taken on the raw logits before scaling, so large logits lose
 // no absolute accuracy when T != 1, and keeping w relative to the max avoids
 // cancelling two numbers of size |x| when the entropy is small.
@@ -74,12 +75,15 @@ void row_grad(const In* x, In* grad, int64_t vocab, Acc inv_t, Acc m, Acc log_s,
 }
 
 template <typename In, typename Acc>
-void forward_impl(const LogprobsArgs& a, void* out_logprob, void* out_entropy, void* out_stats) {
+void forward_impl(const LogprobsArgs& a, void* out_logprob, void* out_entropy, void* out_stats,
+                  void* out_sum_pi_squared) {
   const In* logits = static_cast<const In*>(a.logits);
   Acc* logprob = static_cast<Acc*>(out_logprob);
   Acc* entropy = static_cast<Acc*>(out_entropy);
   Acc* stats = static_cast<Acc*>(out_stats);
+  Acc* sum_pi_squared = static_cast<Acc*>(out_sum_pi_squared);
   const bool want_w = entropy != nullptr;
+  const bool want_q = sum_pi_squared != nullptr;
 #pragma omp parallel for schedule(static) if (a.n_rows * a.vocab > 32768)
   for (int64_t r = 0; r < a.n_rows; ++r) {
     const In* x = logits + a.rows.offset(r);
@@ -88,10 +92,11 @@ void forward_impl(const LogprobsArgs& a, void* out_logprob, void* out_entropy, v
       if (logprob) logprob[r] = quiet_nan<Acc>();
       if (entropy) entropy[r] = quiet_nan<Acc>();
       if (stats) stats[2 * r] = stats[2 * r + 1] = quiet_nan<Acc>();
+      if (sum_pi_squared) sum_pi_squared[r] = quiet_nan<Acc>();
       continue;
     }
     const Acc inv_t = Acc(1) / t;
-    const RowStats<Acc> st = row_stats<In, Acc>(x, a.vocab, inv_t, want_w);
+    const RowStats<Acc> st = row_stats<In, Acc>(x, a.vocab, inv_t, want_w, want_q);
     const double log_s_exact = st.log_s();  // from the double sums (softmax_stats.h)
     const Acc log_s = static_cast<Acc>(log_s_exact);
     if (stats) {
@@ -99,6 +104,7 @@ void forward_impl(const LogprobsArgs& a, void* out_logprob, void* out_entropy, v
       stats[2 * r + 1] = log_s;
     }
     if (entropy) entropy[r] = static_cast<Acc>(log_s_exact - st.w / st.s());
+    if (sum_pi_squared) sum_pi_squared[r] = static_cast<Acc>(st.sum_p_squared());  // from the double sums
     if (logprob) {
       const int64_t label = load_label(a.labels, a.label_dtype, r);
       if (label == a.ignore_index) {
@@ -149,12 +155,13 @@ void backward_impl(const LogprobsArgs& a, const void* stats_in, const void* entr
 }  // namespace
 
 void logprobs_forward(const LogprobsArgs& a, void* out_logprob, void* out_entropy,
-                      void* out_stats) {
+                      void* out_stats, void* out_sum_pi_squared) {
+  void* const spq = out_sum_pi_squared;
   switch (a.dtype) {
-    case kFloat32: return forward_impl<float, float>(a, out_logprob, out_entropy, out_stats);
-    case kFloat16: return forward_impl<F16, float>(a, out_logprob, out_entropy, out_stats);
-    case kBFloat16: return forward_impl<BF16, float>(a, out_logprob, out_entropy, out_stats);
-    case kFloat64: return forward_impl<double, double>(a, out_logprob, out_entropy, out_stats);
+    case kFloat32: return forward_impl<float, float>(a, out_logprob, out_entropy, out_stats, spq);
+    case kFloat16: return forward_impl<F16, float>(a, out_logprob, out_entropy, out_stats, spq);
+    case kBFloat16: return forward_impl<BF16, float>(a, out_logprob, out_entropy, out_stats, spq);
+    case kFloat64: return forward_impl<double, double>(a, out_logprob, out_entropy, out_stats, spq);
     default: fail("logprobs_forward: unsupported logits dtype code " + std::to_string(a.dtype));
   }
 }

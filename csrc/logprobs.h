@@ -25,11 +25,12 @@ struct LogprobsArgs {
   double temp_scalar;
 };
 
-// Writes per-row log-prob, entropy and stats (the pair max logit, log s that
-// the backward needs; [n_rows, 2]) into whichever output pointers are non-null,
-// all of the accumulation type.
+// Writes per-row log-prob, entropy, stats (the pair max logit, log s that
+// the backward needs; [n_rows, 2]) and sum_pi_squared (sum_j p_j^2 of
+// softmax(x / T)) into whichever output pointers are non-null, all of the
+// accumulation type.
 void logprobs_forward(const LogprobsArgs& args, void* out_logprob, void* out_entropy,
-                      void* out_stats);
+                      void* out_stats, void* out_sum_pi_squared);
 
 // Writes dL/dlogits (logits' dtype, rows laid out by grad_rows; may alias the
 // logits) from the saved stats / entropy and the incoming gradients. A null

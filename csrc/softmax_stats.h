@@ -23,6 +23,19 @@
 // by e^c = 0 drops the old sums outright. A NaN anywhere in the row makes s and
 // w NaN (a flag per row: a chunk of only NaN has no max and adds no term).
 // A row of only -inf gives s = 0.
+//
+// Asked for (want_q), the same read also gives q = sum e^{2 d_j} over the
+// terms below the max, so that sum_j e^{2 d_j} = n + q and sum_j p_j^2 =
+// (n + q) / (n + t)^2: a term at the max is exactly 1 squared too, so n is
+// shared. A peaked row's sum_j p_j^2 is about 1 and its tail q tiny (below
+// t^2), so q is kept apart from n for the reason t is. Each e^{d_j} is
+// squared and the squares summed as the terms are (8 at a time per lane in
+// float, then in doubles), in a pass of their own over each chunk (add_chunk:
+// asking for q leaves n, t and w their bits); a float square below the
+// normal range (e^{d_j} < 1e-19) loses bits, under 1e-38 of the n >= 1 it
+// joins. When the max rises by c the tail moves by a^2 = e^{2c} (q' = a^2
+// (n + q)); a = 0 drops it. A NaN in the row makes q NaN as well.
+//
 // Also here: each row's temperature, as every kernel on softmax rows reads it.
 #pragma once
 
@@ -67,10 +80,24 @@ template <typename Acc>
 struct RowStats {
   Acc m;
   double n, t, w;  // s = n + t, see the accuracy note above
+  double q;        // sum of e^{2d} below the max: sum e^{2d} = n + q (0 unless asked for)
   double s() const { return n + t; }
   // log s to the rounding of the terms: log(n + t) would lose a tiny t. A row
   // with no term at its max (all -inf: s = 0, or NaN) gives log t.
   double log_s() const { return n > 0 ? std::log(n) + std::log1p(t / n) : std::log(t); }
+  // sum_j p_j^2 = (n + q) / s^2 (with q asked for). Near 1 (one term at the max,
+  // a small tail) it is 1 - delta, delta = (t (2 + t) - q) / s^2 taken as such:
+  // q <= t^2, so the numerator does not cancel and a tiny delta keeps its digits
+  // up to the rounding of the result (the ratio would add a few ulps of 1).
+  // A row of only -inf gives 0 / 0 = NaN, a NaN row NaN.
+  double sum_p_squared() const {
+    const double s2 = (n + t) * (n + t);
+    if (n == 1) {
+      const double delta = (t * (2 + t) - q) / s2;
+      if (delta <= 0.25) return 1 - delta;
+    }
+    return (n + q) / s2;
+  }
 };
 
 // Moves s = sum e^d and w = sum e^d d (or any sum of e^d times a quantity that
@@ -85,9 +112,15 @@ FASTRL_INLINE void shift_sums(double c, double& s, double& w) {
 }
 
 // The same for a row's stats when its max rose: the terms at the old max join
-// the tail (t' = a (n + t), n' = 0).
-template <typename Acc>
+// the tail (t' = a (n + t), n' = 0), and with WITH_Q their squares the tail of
+// squares (q' = a^2 (n + q), a^2 = e^{2c}: it is 0 wherever a is, and keeps
+// the subnormal range of a^2 that a * a would round twice). a = 0 drops q.
+template <bool WITH_Q = false, typename Acc>
 FASTRL_INLINE void shift_row_stats(double c, RowStats<Acc>& st) {
+  if (WITH_Q) {
+    const double a2 = std::exp(2 * c);
+    st.q = a2 == 0 ? 0.0 : a2 * (st.n + st.q);
+  }
   double s = st.s();
   shift_sums(c, s, st.w);
   st.t = s;
@@ -109,10 +142,39 @@ constexpr int kLaneTerms = 8;
 constexpr int64_t kLaneBlock = kLanes * kLaneTerms;
 static_assert(kStatsChunk % kLaneBlock == 0, "a chunk is whole lane blocks");
 
+// The squares e^{2d} = (e^d)^2 of one chunk's terms into q, by lanes as
+// add_chunk adds the terms (COUNT: the terms at the max add 0, as to t).
+template <typename Acc, bool COUNT>
+FASTRL_INLINE void add_chunk_squares(const Acc* xs, int64_t n, Acc inv_t, RowStats<Acc>& st) {
+  double lane_q[kLanes] = {};
+  const Acc m = st.m;
+  for (int64_t block = 0; block < n; block += kLaneBlock) {
+#pragma omp simd
+    for (int j = 0; j < kLanes; ++j) {
+      Acc block_q = 0;
+      for (int k = 0; k < kLaneTerms; ++k) {
+        const Acc d = (xs[block + k * kLanes + j] - m) * inv_t;
+        const Acc e = exp_approx(d);
+        block_q += COUNT && d == 0 ? Acc(0) : e * e;
+      }
+      lane_q[j] += block_q;
+    }
+  }
+  for (int j = 0; j < kLanes; ++j) st.q += lane_q[j];
+}
+
 // One chunk's terms at the running max m: adds to t (and to n the terms at
-// the max when COUNT: d == 0 exactly; they would be the 1s that swallow t).
+// the max when COUNT: d == 0 exactly; they would be the 1s that swallow t),
+// and with WITH_Q their squares to q (add_chunk_squares).
 // n is a multiple of kLaneBlock (row_stats pads with -inf, whose term is 0).
-template <typename Acc, bool WITH_W, bool COUNT>
+//
+// The squares take a loop of their own over the chunk (in L1; a second exp per
+// term), so that n, t and w keep their bits with q and q its bits with or
+// without w: GCC contracts a product and a sum into an FMA or not by the code
+// around them. Summed in the one loop, e * e + q was fused only where w was
+// computed too (AVX2, float), and in the scalar float64 loop (a libm exp per
+// term) w's e * d + w was fused in other places once q was there.
+template <typename Acc, bool WITH_W, bool COUNT, bool WITH_Q = false>
 FASTRL_INLINE void add_chunk(const Acc* xs, int64_t n, Acc inv_t, RowStats<Acc>& st) {
   double lane_n[kLanes] = {}, lane_t[kLanes] = {}, lane_w[kLanes] = {};
   const Acc m = st.m;
@@ -141,11 +203,14 @@ FASTRL_INLINE void add_chunk(const Acc* xs, int64_t n, Acc inv_t, RowStats<Acc>&
     st.t += lane_t[j];
     st.w += lane_w[j];
   }
+  if constexpr (WITH_Q) add_chunk_squares<Acc, COUNT>(xs, n, inv_t, st);
 }
 
-template <typename In, typename Acc>
+// WITH_Q: also q (RowStats::q), in an instantiation of its own, so that the
+// code without it is the code that ran before q existed.
+template <typename In, typename Acc, bool WITH_Q = false>
 FASTRL_INLINE RowStats<Acc> row_stats_body(const In* x, int64_t vocab, Acc inv_t, bool want_w) {
-  RowStats<Acc> st{neg_inf<Acc>(), 0, 0, 0};
+  RowStats<Acc> st{neg_inf<Acc>(), 0, 0, 0, 0};
   bool nan = false;
   alignas(64) Acc xs[kStatsChunk];
   for (int64_t start = 0; start < vocab; start += kStatsChunk) {
@@ -162,25 +227,34 @@ FASTRL_INLINE RowStats<Acc> row_stats_body(const In* x, int64_t vocab, Acc inv_t
     for (int64_t i = n; i < padded; ++i) xs[i] = neg_inf<Acc>();
     nan |= chunk_nan != 0;
     Acc c;
-    if (raise_max(st.m, chunk_max, inv_t, c)) shift_row_stats(c, st);
+    if (raise_max(st.m, chunk_max, inv_t, c)) shift_row_stats<WITH_Q>(c, st);
     if (st.m == neg_inf<Acc>()) continue;  // every logit so far is -inf (or NaN, flagged)
     const bool reaches_max = chunk_max == st.m;
     if (want_w) {
-      reaches_max ? add_chunk<Acc, true, true>(xs, padded, inv_t, st)
-                  : add_chunk<Acc, true, false>(xs, padded, inv_t, st);
+      reaches_max ? add_chunk<Acc, true, true, WITH_Q>(xs, padded, inv_t, st)
+                  : add_chunk<Acc, true, false, WITH_Q>(xs, padded, inv_t, st);
     } else {
-      reaches_max ? add_chunk<Acc, false, true>(xs, padded, inv_t, st)
-                  : add_chunk<Acc, false, false>(xs, padded, inv_t, st);
+      reaches_max ? add_chunk<Acc, false, true, WITH_Q>(xs, padded, inv_t, st)
+                  : add_chunk<Acc, false, false, WITH_Q>(xs, padded, inv_t, st);
     }
   }
-  if (nan) st.t = st.w = std::numeric_limits<double>::quiet_NaN();
+  if (nan) {
+    st.t = st.w = std::numeric_limits<double>::quiet_NaN();
+    if (WITH_Q) st.q = st.t;
+  }
   return st;
 }
 
+// want_q: also q (RowStats::q; 0 otherwise). n, t and w have the same bits
+// either way.
 template <typename In, typename Acc>
-RowStats<Acc> row_stats(const In* x, int64_t vocab, Acc inv_t, bool want_w) {
+RowStats<Acc> row_stats(const In* x, int64_t vocab, Acc inv_t, bool want_w, bool want_q = false) {
   RowStats<Acc> st;
-  isa_dispatch([&]() FASTRL_ISA_BODY { st = row_stats_body<In, Acc>(x, vocab, inv_t, want_w); });
+  if (want_q) {
+    isa_dispatch([&]() FASTRL_ISA_BODY { st = row_stats_body<In, Acc, true>(x, vocab, inv_t, want_w); });
+  } else {
+    isa_dispatch([&]() FASTRL_ISA_BODY { st = row_stats_body<In, Acc>(x, vocab, inv_t, want_w); });
+  }
   return st;
 }
 

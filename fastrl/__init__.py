@@ -1,7 +1,8 @@
 """fastrl: fused kernels for RL post-training of language models.
 
 Ops (see each module's docstring for the exact math):
-    logprobs_from_logits, logprobs_and_entropy, entropy_from_logits   (fastrl.logprobs)
+    logprobs_from_logits, logprobs_and_entropy, entropy_from_logits,
+    sum_pi_squared                                                     (fastrl.logprobs)
     sample, truncated_logprobs                                         (fastrl.sampling)
     policy_loss, policy_loss_from_logits, agg_loss, rollout_correction (fastrl.policy)
     kl_penalty, full_kl                                                (fastrl.kl)
@@ -15,7 +16,7 @@ holds the PyTorch specification of every op.
 from ._backend import BACKENDS, use_backend
 from .kl import full_kl, kl_penalty
 from .linear import linear_logprobs_and_entropy, policy_loss_from_hidden
-from .logprobs import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
+from .logprobs import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits, sum_pi_squared
 from .policy import agg_loss, policy_loss, policy_loss_from_logits, rollout_correction
 from .sampling import SampleOutput, sample, truncated_logprobs
 
@@ -37,6 +38,7 @@ __all__ = [
     "policy_loss_from_logits",
     "rollout_correction",
     "sample",
+    "sum_pi_squared",
     "truncated_logprobs",
     "use_backend",
 ]

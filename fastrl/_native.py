@@ -90,21 +90,27 @@ def logprobs_forward(
     *,
     with_entropy: bool,
     with_stats: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The contract of ``fastrl.kernels.logprobs.logprobs_forward``, on the C++
-    kernels; per-row temperatures come as a contiguous ``[N]`` tensor of the
-    accumulation dtype."""
+    kernels: (log-prob of the label [N], entropy [N], stats [N, 2], sum of the
+    squared probabilities sum_j p_j^2 of softmax(logits / T) [N]), each in the
+    accumulation dtype and None when not asked for (sum_pi_squared: NaN for a
+    row of only -inf or with a NaN). Per-row temperatures come as a contiguous
+    ``[N]`` tensor of the accumulation dtype."""
     n_rows = row_count(logits)
     acc = compute_dtype(logits)
     new = lambda: torch.empty(n_rows, dtype=acc, device=logits.device)  # noqa: E731
     logprob = new() if labels is not None else None
     entropy = new() if with_entropy else None
     stats = torch.empty(n_rows, 2, dtype=acc, device=logits.device) if with_stats else None
+    sum_pi_squared = new() if with_sum_pi_squared else None
     native_module().logprobs_forward(
         **_logits(logits, labels, ignore_index, temperature),
         out_logprob=_ptr(logprob), out_entropy=_ptr(entropy), out_stats=_ptr(stats),
+        out_sum_pi_squared=_ptr(sum_pi_squared),
     )  # fmt: skip
-    return logprob, entropy, stats
+    return logprob, entropy, stats, sum_pi_squared
 
 
 def logprobs_backward(

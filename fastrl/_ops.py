@@ -145,26 +145,31 @@ def _no_output(*args, **kwargs) -> None:
 # --- log-probs and entropy ---------------------------------------------------------------------
 
 
-def _logprobs_forward(logits, labels, temperature_rows, temperature, ignore_index, with_entropy, with_stats, backend):
-    logprob, entropy, stats = launchers(backend, "logprobs").logprobs_forward(
+def _logprobs_forward(logits, labels, temperature_rows, temperature, ignore_index, with_entropy, with_stats,
+                      with_sum_pi_squared, backend):  # fmt: skip
+    outputs = launchers(backend, "logprobs").logprobs_forward(
         logits, labels, row_param(temperature_rows, temperature), ignore_index,
-        with_entropy=with_entropy, with_stats=with_stats,
+        with_entropy=with_entropy, with_stats=with_stats, with_sum_pi_squared=with_sum_pi_squared,
     )  # fmt: skip
     acc = compute_dtype(logits)
-    return _or_empty(logprob, logits, acc), _or_empty(entropy, logits, acc), _or_empty(stats, logits, acc)
+    return tuple(_or_empty(t, logits, acc) for t in outputs)
 
 
-def _logprobs_forward_fake(logits, labels, temperature_rows, temperature, ignore_index, with_entropy, with_stats, backend):
+def _logprobs_forward_fake(logits, labels, temperature_rows, temperature, ignore_index, with_entropy, with_stats,
+                           with_sum_pi_squared, backend):  # fmt: skip
     return (
         _per_row_fake(logits, wanted=labels is not None),
         _per_row_fake(logits, wanted=with_entropy),
         _per_row_fake(logits, 2, with_stats),
+        _per_row_fake(logits, wanted=with_sum_pi_squared),
     )
 
 
+# sum_pi_squared: sum_j p_j^2 of each row (veRL's optimal-token baseline), from the same read.
 logprobs_forward = _define(
     "logprobs_forward(Tensor logits, Tensor? labels, " + _TEMPERATURE + ", int ignore_index, bool with_entropy, "
-    "bool with_stats, str backend) -> (Tensor logprob, Tensor entropy, Tensor stats)",
+    "bool with_stats, bool with_sum_pi_squared, str backend) "
+    "-> (Tensor logprob, Tensor entropy, Tensor stats, Tensor sum_pi_squared)",
     _logprobs_forward, _logprobs_forward_fake,
 )  # fmt: skip
 

@@ -345,9 +345,9 @@ def _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index, wit
                 with_entropy, backend,
             )  # fmt: skip
             continue
-        lp, ent, st = _ops.logprobs_forward(
+        lp, ent, st, _ = _ops.logprobs_forward(
             row_view(logits), None if labels is None else labels[t0:t1], None if temps is None else temps[t0:t1],
-            temp_scalar, ignore_index, with_entropy, with_stats, backend,
+            temp_scalar, ignore_index, with_entropy, with_stats, False, backend,
         )  # fmt: skip
         if labels is not None:
             logprob[t0:t1] = lp
@@ -356,8 +356,8 @@ def _forward(hidden, weight, bias, labels, temps, temp_scalar, ignore_index, wit
         if with_stats:
             stats[t0:t1] = st
     if not whole:
-        logprob, all_entropy, stats = sharded.combine_across_ranks(local, labels, temps, temp_scalar,
-                                                                          ignore_index, shard)  # fmt: skip
+        logprob, all_entropy, stats, _ = sharded.combine_across_ranks(local, labels, temps, temp_scalar,
+                                                                             ignore_index, shard)  # fmt: skip
         entropy = all_entropy if with_entropy else entropy
     return logprob, entropy, stats, (logits, slope) if n_tokens else (None, None)
 
@@ -624,8 +624,8 @@ def _logprobs_of(head: _Head, labels, ignore_index, with_entropy, chunk_bytes, c
         hidden = _distributed.summed_gradient_over_ranks(head.hidden.to(head.acc), shard.group)
         logits = reference.lm_head_logits(hidden, head.weight, head.bias, logit_scale=head.logit_scale,
                                           softcap=head.softcap)  # fmt: skip
-        logprob, entropy = sharded.logprobs_of_shard(logits, head.labels, head.temps, head.temp_scalar,
-                                                            ignore_index, with_entropy, shard, "reference")  # fmt: skip
+        logprob, entropy, _ = sharded.logprobs_of_shard(logits, head.labels, head.temps, head.temp_scalar,
+                                                               ignore_index, with_entropy, shard, "reference")  # fmt: skip
         return logprob.view(head.token_shape), entropy.view(head.token_shape) if with_entropy else None
     if head.backend == "reference" or labels.numel() == 0:
         return _reference(head, labels, ignore_index, with_entropy)
@@ -675,9 +675,9 @@ def _forward_with_gradients(head: _Head, ignore_index, with_entropy, rows, token
         t1 = min(t0 + rows, n_tokens)
         pick = lambda t: None if t is None else t[t0:t1]  # noqa: E731
         logits, slope = _chunk_logits(hidden[t0:t1], weight, bias_acc, head.logit_scale, head.softcap, slab, buffer)
-        lp, ent, stats = _ops.logprobs_forward(
+        lp, ent, stats, _ = _ops.logprobs_forward(
             row_view(logits), head.labels[t0:t1], pick(head.temps), head.temp_scalar, ignore_index, with_entropy, True,
-            head.backend,
+            False, head.backend,
         )  # fmt: skip
         logprob[t0:t1] = lp
         if with_entropy:

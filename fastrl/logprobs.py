@@ -32,82 +32,102 @@ import torch
 from . import _ops, _validation, reference
 from ._backend import select_backend
 from ._rows import can_overwrite, row_view
-from ._sharded.logprobs import logprobs_and_entropy_sharded
+from ._sharded.logprobs import logprobs_and_entropy_sharded, sum_pi_squared_grad
 
-__all__ = ["logprobs_from_logits", "logprobs_and_entropy", "entropy_from_logits"]
+__all__ = ["logprobs_from_logits", "logprobs_and_entropy", "entropy_from_logits", "sum_pi_squared"]
 
 
 class _LogprobsEntropy(torch.autograd.Function):
-    """Outputs, in order: logprob (if labels are given), entropy (if asked for)."""
+    """Outputs, in order: logprob (if labels are given), entropy (if asked for),
+    sum_pi_squared (if asked for)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, temperature, ignore_index, with_entropy, inplace_backward, backend):
+    def forward(ctx, logits, labels, temperature, ignore_index, with_entropy, with_sum_pi_squared, inplace_backward,
+                backend):  # fmt: skip
         rows = row_view(logits)
         temps, temp_scalar = _ops.split_row_param(temperature)
-        logprob, entropy, stats = _ops.logprobs_forward(
-            rows, labels, temps, temp_scalar, ignore_index, with_entropy, True, backend
+        logprob, entropy, stats, sum_pi_squared = _ops.logprobs_forward(
+            rows, labels, temps, temp_scalar, ignore_index, with_entropy, True, with_sum_pi_squared, backend
         )
         # The logits themselves, not the rows view made here: a write over them is
         # then reported by torch's own "modified by an inplace operation" check.
-        ctx.save_for_backward(logits, labels, temps, stats, entropy if with_entropy else None)
+        ctx.save_for_backward(logits, labels, temps, stats, entropy if with_entropy else None,
+                              sum_pi_squared if with_sum_pi_squared else None)  # fmt: skip
         ctx.temp_scalar, ctx.ignore_index, ctx.backend = temp_scalar, ignore_index, backend
         ctx.inplace_backward = inplace_backward and can_overwrite(logits, rows)
         ctx.logits_shape = logits.shape
-        ctx.has_labels, ctx.with_entropy = labels is not None, with_entropy
+        ctx.has_labels, ctx.with_entropy, ctx.with_sum_pi_squared = labels is not None, with_entropy, with_sum_pi_squared
         ctx.set_materialize_grads(False)
-        return tuple(t for t, wanted in ((logprob, ctx.has_labels), (entropy, with_entropy)) if wanted)
+        wanted = ((logprob, ctx.has_labels), (entropy, with_entropy), (sum_pi_squared, with_sum_pi_squared))
+        return tuple(t for t, want in wanted if want)
 
     @staticmethod
     def backward(ctx, *grads):
         _ops.refuse_double_backward()
-        logits, labels, temps, stats, entropy = ctx.saved_tensors
+        logits, labels, temps, stats, entropy, sum_pi_squared = ctx.saved_tensors
         rows = row_view(logits)
         grads = list(grads)
         grad_logprob = grads.pop(0) if ctx.has_labels else None
         grad_entropy = grads.pop(0) if ctx.with_entropy else None
-        if grad_logprob is None and grad_entropy is None:
-            return (None,) * 7
+        grad_sum_pi_squared = grads.pop(0) if ctx.with_sum_pi_squared else None
+        if grad_logprob is None and grad_entropy is None and grad_sum_pi_squared is None:
+            return (None,) * 8
         acc = stats.dtype
         if grad_logprob is not None:
             grad_logprob = grad_logprob.to(acc).contiguous()
         if grad_entropy is not None:
             grad_entropy = grad_entropy.to(acc).contiguous()
+        # Sum_pi_squared's term is computed in torch (an [N, V] temporary: a gradient
+        # through it is the rare case), before the kernel may write over the logits.
+        extra = None
+        if grad_sum_pi_squared is not None:
+            extra = sum_pi_squared_grad(rows, temps, ctx.temp_scalar, stats, sum_pi_squared, grad_sum_pi_squared)
         grad_rows = rows if ctx.inplace_backward else torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
-        _ops.logprobs_backward(
-            rows, labels, temps, ctx.temp_scalar, ctx.ignore_index, stats, entropy, grad_logprob, grad_entropy,
-            grad_rows, 0, -1, ctx.backend,
-        )  # fmt: skip
+        if grad_logprob is not None or grad_entropy is not None:
+            _ops.logprobs_backward(
+                rows, labels, temps, ctx.temp_scalar, ctx.ignore_index, stats, entropy, grad_logprob, grad_entropy,
+                grad_rows, 0, -1, ctx.backend,
+            )  # fmt: skip
+            if extra is not None:
+                grad_rows.copy_(grad_rows.to(acc) + extra)
+        else:
+            grad_rows.copy_(extra)
         if ctx.inplace_backward and not torch.compiler.is_compiling():
             # The kernel wrote through a raw pointer: tell autograd, so that any node
             # that saved the logits fails loudly instead of reading the gradient.
             # (A compiled graph sees the write from the operator's schema.)
             torch.autograd.graph.increment_version(rows)
-        return grad_rows.reshape(ctx.logits_shape), None, None, None, None, None, None
+        return grad_rows.reshape(ctx.logits_shape), *(None,) * 7
 
 
 def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy, group=None, vocab_start=None,
-         agree_options=None):  # fmt: skip
-    """Validates, picks the backend and runs the op. Returns (logprob, entropy),
-    either None when not asked for, shaped like ``logits.shape[:-1]``. With a
-    ``group`` the logits are this rank's vocabulary shard (fastrl._sharded.logprobs),
-    and ``agree_options`` the caller's options the ranks must also agree on."""
+         agree_options=None, with_sum_pi_squared=False):  # fmt: skip
+    """Validates, picks the backend and runs the op. Returns (logprob, entropy,
+    sum_pi_squared), each None when not asked for, shaped like
+    ``logits.shape[:-1]``. With a ``group`` the logits are this rank's vocabulary
+    shard (fastrl._sharded.logprobs), and ``agree_options`` the caller's options
+    the ranks must also agree on."""
     if group is None and vocab_start is not None:
         raise ValueError("vocab_start is for vocabulary-sharded logits: pass the group= they are sharded over")
     _validation.check_bool(inplace_backward, "inplace_backward")
+    _validation.check_bool(with_sum_pi_squared, "sum_pi_squared")
     if group is not None:
         return logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with_entropy, group, vocab_start,
-                                            agree_options or {}, inplace_backward)  # fmt: skip
+                                            agree_options or {}, inplace_backward, with_sum_pi_squared)  # fmt: skip
     temperature = _validation.check_logprobs_arguments(logits, labels, temperature, ignore_index)
     token_shape = logits.shape[:-1]
     acc = reference.compute_dtype(logits)
 
     backend = select_backend(logits.device)
     if backend == "reference" or logits.numel() == 0:
+        options = {"temperature": temperature}
+        sum_pi_squared = reference.sum_pi_squared(logits, **options) if with_sum_pi_squared else None
         if labels is None:
-            return None, reference.entropy_from_logits(logits, temperature=temperature)
+            return None, reference.entropy_from_logits(logits, **options) if with_entropy else None, sum_pi_squared
         if not with_entropy:
-            return reference.logprobs_from_logits(logits, labels, temperature=temperature, ignore_index=ignore_index), None
-        return reference.logprobs_and_entropy(logits, labels, temperature=temperature, ignore_index=ignore_index)
+            logprob = reference.logprobs_from_logits(logits, labels, ignore_index=ignore_index, **options)
+            return logprob, None, sum_pi_squared
+        return *reference.logprobs_and_entropy(logits, labels, ignore_index=ignore_index, **options), sum_pi_squared
 
     temperature = _validation.flat_per_row(temperature, token_shape, acc)
     flat_labels = labels.reshape(-1).contiguous() if labels is not None else None
@@ -115,20 +135,23 @@ def _run(logits, labels, temperature, ignore_index, inplace_backward, with_entro
     if torch.is_grad_enabled() and logits.requires_grad:
         outputs = list(
             _LogprobsEntropy.apply(
-                logits, flat_labels, temperature, ignore_index, with_entropy, inplace_backward, backend
+                logits, flat_labels, temperature, ignore_index, with_entropy, with_sum_pi_squared, inplace_backward,
+                backend,
             )
         )
         logprob = outputs.pop(0) if labels is not None else None
         entropy = outputs.pop(0) if with_entropy else None
+        sum_pi_squared = outputs.pop(0) if with_sum_pi_squared else None
     else:
-        logprob, entropy, _ = _ops.logprobs_forward(
+        logprob, entropy, _, sum_pi_squared = _ops.logprobs_forward(
             row_view(logits), flat_labels, *_ops.split_row_param(temperature), ignore_index, with_entropy, False,
-            backend,
+            with_sum_pi_squared, backend,
         )  # fmt: skip
         logprob = logprob if labels is not None else None
         entropy = entropy if with_entropy else None
+        sum_pi_squared = sum_pi_squared if with_sum_pi_squared else None
     reshape = lambda t: None if t is None else t.view(token_shape)  # noqa: E731
-    return reshape(logprob), reshape(entropy)
+    return reshape(logprob), reshape(entropy), reshape(sum_pi_squared)
 
 
 def _check_inplace_backward(value: object) -> None:
@@ -194,7 +217,7 @@ def logprobs_from_logits(
             the sizes of the lower ranks' shards summed).
     """
     _check_inplace_backward(inplace_backward)
-    logprob, _ = _run(logits, labels, temperature, ignore_index, inplace_backward, False, group, vocab_start)
+    logprob, _, _ = _run(logits, labels, temperature, ignore_index, inplace_backward, False, group, vocab_start)
     return logprob
 
 
@@ -211,13 +234,17 @@ def logprobs_and_entropy(
     ignore_index: int = -100,
     group: object = None,
     vocab_start: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """``(logprobs, entropy)`` of the same distribution, from one read of the
     logits. Arguments as :func:`logprobs_from_logits` (``group`` /
     ``vocab_start`` too); the entropy is defined on ``ignore_index`` rows too.
     The entropy's gradient term is skipped in the backward when the entropy is
-    not used in the loss."""
-    return _run(logits, labels, temperature, ignore_index, inplace_backward, True, group, vocab_start)
+    not used in the loss. ``sum_pi_squared=True`` returns ``(logprobs, entropy,
+    sum_pi_squared)``, the third from the same read (:func:`sum_pi_squared`)."""
+    logprob, entropy, result = _run(logits, labels, temperature, ignore_index, inplace_backward, True, group,
+                                    vocab_start, with_sum_pi_squared=sum_pi_squared)  # fmt: skip
+    return (logprob, entropy, result) if sum_pi_squared else (logprob, entropy)
 
 
 @_validation.keyword_only_options(
@@ -233,5 +260,22 @@ def entropy_from_logits(
 ) -> torch.Tensor:
     """Entropy of ``softmax(logits / temperature)`` per row, float32,
     differentiable; ``group`` / ``vocab_start`` as :func:`logprobs_from_logits`."""
-    _, entropy = _run(logits, None, temperature, -100, False, True, group, vocab_start)
+    _, entropy, _ = _run(logits, None, temperature, -100, False, True, group, vocab_start)
     return entropy
+
+
+def sum_pi_squared(
+    logits: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    group: object = None,
+    vocab_start: int | None = None,
+) -> torch.Tensor:
+    """``sum_v softmax(logits / temperature)_v ** 2`` per row, float32, from one
+    read of the logits: veRL's ``calculate_sum_pi_squared_from_logits`` (Σπ², for
+    its optimal-token baseline) with the temperature inside; ``group`` /
+    ``vocab_start`` as :func:`logprobs_from_logits`. Differentiable (the gradient,
+    2 p (p - Σπ²) / T, is computed with an [N, V] temporary). A row of only
+    -inf gives NaN."""
+    _, _, result = _run(logits, None, temperature, -100, False, False, group, vocab_start, with_sum_pi_squared=True)
+    return result

@@ -356,8 +356,8 @@ def policy_loss_from_logits(
     _validation.check_bool(with_entropy, "with_entropy")
     if group is None:  # (a sharded call checks the logits on every rank together, before its collectives)
         _validation.check_logits(logits)
-    log_probs, entropy = _logprobs_run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy,
-                                       group, vocab_start, options_to_agree(options))  # fmt: skip
+    log_probs, entropy, _ = _logprobs_run(logits, labels, temperature, ignore_index, inplace_backward, with_entropy,
+                                          group, vocab_start, options_to_agree(options))  # fmt: skip
     _validation.check_per_token(old_log_probs, "old_log_probs")
     check_current_policy(logits, "logits", old_log_probs)
     return policy_loss(log_probs, old_log_probs, advantages, response_mask, entropy=entropy, **options)

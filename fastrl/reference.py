@@ -105,6 +105,16 @@ def logprobs_and_entropy(
     return _logprobs_of_scaled(z, labels, ignore_index), _entropy_of_scaled(z)
 
 
+def sum_pi_squared(logits: torch.Tensor, *, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """sum_v p(v)^2 of softmax(logits / T) per row (veRL's Σπ², for its
+    optimal-token baseline), as exp(logsumexp(2 d) - 2 logsumexp(d)): d <= 0 with
+    its max at 0, so both sums are at least 1 and a peaked row's value just below
+    1 keeps its deficit. -inf logits (p = 0) add nothing; a row of only -inf
+    gives NaN (as its log-probs)."""
+    d = scaled_logits(logits, temperature)
+    return torch.exp(_log_sum_exp_of_scaled(2 * d)[0] - 2 * _log_sum_exp_of_scaled(d)[0])
+
+
 # ---- fused LM head ---------------------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ Forward, one read of the row (``reduce.softmax_stats`` gives m, s = n + t and w;
 log s is ``reduce.log_sum(n, t)``):
     logprob = (x[label] - m) / T - log s    (0 for ignore_index, NaN for a label outside [0, V))
     entropy = log s - w / s
+    sum_pi_squared = sum_j p_j^2 = (n + q) / s^2    (q: softmax_stats' WITH_Q, when asked for)
 and, when a gradient will be needed, the row's (m, log s) are saved.
 
 Backward, one read and one write, with g = dL/dlogprob and h = dL/dentropy:
@@ -69,15 +70,21 @@ def _register_cap(caps: dict[int, int], num_warps: int, logits: torch.Tensor) ->
 @triton.jit
 def _logprobs_fwd_kernel(
     logits_ptr, inner, outer_stride, inner_stride, labels_ptr, temps_ptr, temp_scalar, ignore_index,
-    logprob_ptr, entropy_ptr, stats_ptr, V,
+    logprob_ptr, entropy_ptr, stats_ptr, sum_pi_squared_ptr, V,
     HAS_LABELS: tl.constexpr, PER_ROW_TEMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-    WITH_STATS: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
-    ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr,
+    WITH_STATS: tl.constexpr, WITH_SUM_PI_SQUARED: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr,
+    VEC: tl.constexpr, ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
     inv_t = row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
-    m, n, t, w = softmax_stats(row_ptr, V, inv_t, WITH_ENTROPY, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE, ACC)
+    if WITH_SUM_PI_SQUARED:
+        m, n, t, w, q = softmax_stats(row_ptr, V, inv_t, WITH_ENTROPY, REPS, LANES, VEC, ALIGNED,
+                                      MAX_IN_STORAGE_TYPE, ACC, WITH_Q=True)  # fmt: skip
+        s = n + t
+        tl.store(sum_pi_squared_ptr + row, ((n + q) / (s * s)).to(ACC))
+    else:
+        m, n, t, w = softmax_stats(row_ptr, V, inv_t, WITH_ENTROPY, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE, ACC)
     log_s_exact = log_sum(n, t)  # float64, as n, t and w are (reduce.py)
     log_s = log_s_exact.to(ACC)
     if WITH_STATS:
@@ -173,25 +180,28 @@ def logprobs_forward(
     *,
     with_entropy: bool,
     with_stats: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(log-prob of the label [N], entropy [N], stats [N, 2]) of the N rows of
-    ``logits`` [N, V] or [outer, inner, V] (unit stride in V, any leading
-    strides: ``row_layout``), stats being each row's (max logit, log s) that the
-    backward needs; an output not asked for is None."""
+    with_sum_pi_squared: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(log-prob of the label [N], entropy [N], stats [N, 2], sum of the squared
+    probabilities [N]) of the N rows of ``logits`` [N, V] or [outer, inner, V]
+    (unit stride in V, any leading strides: ``row_layout``), stats being each
+    row's (max logit, log s) that the backward needs; an output not asked for is None."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
     acc, acc_tl = acc_dtypes(logits)
     new = lambda: torch.empty(n_rows, dtype=acc, device=logits.device)  # noqa: E731
     logprob = new() if labels is not None else None
     entropy = new() if with_entropy else None
     stats = torch.empty(n_rows, 2, dtype=acc, device=logits.device) if with_stats else None
+    sum_pi_squared = new() if with_sum_pi_squared else None
     temps, temp_scalar, per_row = temperature_args(temperature)
     _logprobs_fwd_kernel[(n_rows,)](
         logits, *row_layout(logits), labels, temps, temp_scalar, ignore_index,
-        logprob, entropy, stats, vocab,
+        logprob, entropy, stats, sum_pi_squared, vocab,
         HAS_LABELS=labels is not None, PER_ROW_TEMP=per_row, WITH_ENTROPY=with_entropy,
-        WITH_STATS=with_stats, ACC=acc_tl, **tile_config(logits), **CONTRACTED,
+        WITH_STATS=with_stats, WITH_SUM_PI_SQUARED=with_sum_pi_squared, ACC=acc_tl, **tile_config(logits),
+        **CONTRACTED,
     )  # fmt: skip
-    return logprob, entropy, stats
+    return logprob, entropy, stats, sum_pi_squared
 
 
 def logprobs_backward(

@@ -61,9 +61,14 @@ def row_start(base_ptr, row, inner, outer_stride, inner_stride):
 def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr,
                   VEC: tl.constexpr, ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr,
                   ACC: tl.constexpr, FOLD_TILES: tl.constexpr = False, HISTOGRAM: tl.constexpr = None,
-                  BINS: tl.constexpr = 1, SUB_MAX: tl.constexpr = False):  # fmt: skip
+                  BINS: tl.constexpr = 1, SUB_MAX: tl.constexpr = False, WITH_Q: tl.constexpr = False):  # fmt: skip
     """(m, n, t, w) of the row as defined above (n, t, w in float64; s = n + t);
     w is 0 unless WITH_W.
+
+    WITH_Q (not with FOLD_TILES, HISTOGRAM or SUB_MAX): also q, the tail of the
+    squared terms, sum e_j^2 over the terms below the max (float64), so that
+    sum_j p_j^2 = (n + q) / (n + t)^2: a term at the max is exactly 1 squared
+    too, and q is kept apart from n as t is (a peaked row's sum is about 1).
 
     SUB_MAX (not with HISTOGRAM): softmax_stats also returns the max of each
     of the row's LANES x VEC sub-lanes (the elements at one place of a lane's
@@ -93,12 +98,14 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
     REPS * VEC terms per tile, one float32 add per tile into its running sums,
     and float64 only in the merge."""
     tl.static_assert(not (FOLD_TILES and WITH_W), "FOLD_TILES folds m, n and t only")
+    tl.static_assert(not (WITH_Q and (FOLD_TILES or SUB_MAX or HISTOGRAM is not None)), "WITH_Q: the plain loop")
     neg_inf = float("-inf")
     k = exp2_scale(inv_t)
     m = tl.full([LANES], neg_inf, ACC)
     n = tl.zeros([LANES], ACC)  # terms at the lane's max: an exact integer count
     t = tl.zeros([LANES], ACC)
     w = tl.zeros([LANES], ACC)
+    q = tl.zeros([LANES], ACC)
     lane_offs, rep_offs = tile_offsets(REPS, LANES, VEC)
     tile = REPS * LANES * VEC
     # Tiles are counted from the row's first element, never from an address: which
@@ -115,6 +122,8 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
         x = lane_tile(tl.load((row_ptr + start + lane_offs) + rep_offs), LANES, VEC)
         if FOLD_TILES:
             m, n, t = fold_lanes(m, n, t, *tile_lane_stats(x, k, MAX_IN_STORAGE_TYPE), k)
+        elif WITH_Q:
+            m, n, t, w, q = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE, q, True)
         else:
             m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
         if HISTOGRAM is not None:
@@ -126,14 +135,20 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
         x = lane_tile(tl.load(row_ptr + offs, mask=offs < V, other=neg_inf), LANES, VEC)
         if FOLD_TILES:
             m, n, t = fold_lanes(m, n, t, *tile_lane_stats(x, k, MAX_IN_STORAGE_TYPE), k)
+        elif WITH_Q:
+            m, n, t, w, q = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE, q, True)
         else:
             m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
         if HISTOGRAM is not None:
             counts += HISTOGRAM(x, lane_tile(offs < V, LANES, VEC))
         if SUB_MAX:
             sub = tl.maximum(sub, tl.max(x.to(ACC), axis=0))
+    if WITH_Q:
+        q = merge_square_lanes(m, n, q, k)  # (from the lanes' own m and n: before merge_lanes)
     m, n, t, w = merge_lanes(m, n, t, w, k)
-    if HISTOGRAM is not None:
+    if WITH_Q:
+        return m, n, t, w, q
+    elif HISTOGRAM is not None:
         return m, n, t, w, counts
     elif SUB_MAX:
         return m, n, t, w, sub
@@ -178,9 +193,11 @@ def fold_lanes(m, n, t, m2, n2, t2, k):
 
 
 @triton.jit
-def accumulate_tile(x, m, n, t, w, k, WITH_W: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr):
+def accumulate_tile(x, m, n, t, w, k, WITH_W: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, q=None,
+                    WITH_Q: tl.constexpr = False):  # fmt: skip
     """Each lane's (m, n, t, w) after its elements of one tile x [REPS, LANES, VEC]
-    (softmax_stats), all inside the lane's thread."""
+    (softmax_stats), all inside the lane's thread; and q, the tail of the squared
+    terms, with WITH_Q (it moves by a^2 where t moves by a)."""
     neg_inf = float("-inf")
     ACC = m.dtype
     tile_max = lane_max(x, ACC, MAX_IN_STORAGE_TYPE)
@@ -211,9 +228,14 @@ def accumulate_tile(x, m, n, t, w, k, WITH_W: tl.constexpr, MAX_IN_STORAGE_TYPE:
         w += tl.sum(tl.sum(e * tl.maximum(d2, -3.4028234663852886e38), axis=2), axis=0)
     # When the max rose, the terms at the old max join the tail.
     grew = m_new > m
+    if WITH_Q:
+        q = tl.where(grew, (a * a) * (n + q), q) + tl.sum(tl.sum(tail * tail, axis=2), axis=0)
     t = tl.where(grew, a * (n + t), t) + tile_tail
     n = tl.where(grew, 0.0, n) + tile_count
-    return m_new, n, t, w
+    if WITH_Q:
+        return m_new, n, t, w, q
+    else:
+        return m_new, n, t, w
 
 
 @triton.jit
@@ -319,6 +341,21 @@ def merge_lanes(m, n, t, w, k):
     w_lane = tl.where(a == 0, 0.0, a * (w.to(tl.float64) + c2.to(tl.float64) * s64))
     w_row = tl.sum(w_lane, axis=0) * 0.6931471805599453
     return row_max, n_row, t_row, w_row
+
+
+@triton.jit
+def merge_square_lanes(m, n, q, k):
+    """The row's q (softmax_stats' WITH_Q) from the per-lane m, n and q, as
+    merge_lanes merges t: a lane at the row max keeps its tail of squares apart
+    from its count; any other lane's squared terms, scaled by a^2 = 2^(2 (m_l - M) k),
+    join the tail (0 for a lane with nothing finite; NaN stays NaN)."""
+    neg_inf = float("-inf")
+    row_max = tl.max(m, axis=0)
+    ref = tl.where(row_max == neg_inf, 0.0, row_max)
+    c2 = tl.where(m == neg_inf, 0.0, (m - ref) * k).to(tl.float64)
+    a2 = tl.where(m == neg_inf, 0.0, tl.exp2(2.0 * c2))
+    q64 = q.to(tl.float64)
+    return tl.sum(tl.where(m == row_max, q64, a2 * (n.to(tl.float64) + q64)), axis=0)
 
 
 @triton.jit

@@ -139,7 +139,7 @@ def _opcheck_cases(device: str, backend: str) -> dict:
     temps = torch.rand(4, device=dev) + 0.5
     grad = lambda: torch.empty_like(logits)  # noqa: E731
     ones = torch.ones(4, device=dev)
-    _, entropy, stats = _ops.logprobs_forward(logits, labels, None, 0.7, -100, True, True, backend)
+    _, entropy, stats, _ = _ops.logprobs_forward(logits, labels, None, 0.7, -100, True, True, False, backend)
     truncation = (temps, 0.0, None, 10, None, 0.9, torch.full((4,), 0.01, device=dev), 0.0)
     _, truncated_stats = _ops.truncated_forward(logits, labels, *truncation, True, backend)
     kl, kl_stats = _ops.full_kl_forward(logits, logits.flip(1), temps, 0.0, True, backend)

@@ -358,6 +358,16 @@ def test_verl_entropy(verl):
             "entropy_from_logits_with_chunking", rtol=_entropy_tolerance(inputs["logits"]))  # fmt: skip
 
 
+def test_verl_sum_pi_squared(verl):
+    """calculate_sum_pi_squared_from_logits: veRL's exp(logsumexp(2x) - 2 logsumexp(x))
+    in float32 errs by its log-sum-exps' rounding, each within _entropy_tolerance's
+    4 log2(V) u max|2x| (times the weights' size, as there): that bound, doubled."""
+    inputs = {"logits": _logits()}
+    _parity(verl.integration, lambda: verl.F.calculate_sum_pi_squared_from_logits, lambda fn, logits: fn(logits),
+            inputs, ["logits"], "calculate_sum_pi_squared_from_logits",
+            rtol=4 * _entropy_tolerance(inputs["logits"]))  # fmt: skip
+
+
 def test_verl_bf16_dtypes_kept(verl):
     """veRL's log_softmax path returns the logits' dtype: bf16 in, bf16 out. fastrl's
     values are the exact ones rounded to bf16 (veRL sums the entropy in bf16, which is
@@ -417,9 +427,11 @@ def test_verl_policy_loss_through_registry(verl, loss, mode, global_info):
 
 
 def _loadable_verl_ops(integration) -> list[str]:
-    """veRL's ops that patch() of every op patches here: all but the Megatron
-    backend's, which needs megatron-core (tested in test_vocab_parallel)."""
-    return [op for op in integration.OPS if op != "vocab_parallel" or importlib.util.find_spec("megatron")]
+    """veRL's ops that patch() of every op patches here: all but those whose
+    module needs a package not installed (megatron-core for the Megatron backend's,
+    tested in test_vocab_parallel; peft for the FSDP engine's)."""
+    needs = {"vocab_parallel": "megatron", "engine": "peft"}
+    return [op for op in integration.OPS if op not in needs or importlib.util.find_spec(needs[op])]
 
 
 def test_verl_actor_loss_path(verl):
@@ -1159,7 +1171,7 @@ def _verl_program(verl):
         core, F = verl.core, verl.F
         return (
             F.logprobs_from_logits(logits * 1.0, labels, True), F.entropy_from_logits(logits),
-            F.entropy_from_logits_with_chunking(logits.flatten(0, 1), 8),
+            F.entropy_from_logits_with_chunking(logits.flatten(0, 1), 8), F.calculate_sum_pi_squared_from_logits(logits),
             core.kl_penalty(log_prob, old_log_prob, "low_var_kl"), core.agg_loss(log_prob, mask, "seq-mean-token-mean"),
             core.get_policy_loss_fn("vanilla")(old_log_prob, log_prob, advantages, mask, "token-mean", config),
             core.get_policy_loss_fn("gspo")(old_log_prob, log_prob, advantages, mask, "seq-mean-token-mean", config),
@@ -1200,8 +1212,8 @@ def _openrlhf_program(openrlhf):
 @pytest.mark.parametrize("dynamic,fullgraph", [(True, False), (False, True)], ids=["dynamic", "fullgraph"])
 @pytest.mark.parametrize("name", ["verl", "trl", "openrlhf"])
 def test_patched_functions_compile(request, monkeypatch, name, dynamic, fullgraph):
-    """Every function a framework's patch replaces, called once in one program under
-    torch.compile: dynamic=True without fullgraph (veRL's own wrapping; veRL's policy
+    """Every function a framework's patch replaces (veRL's FSDP engine method aside:
+    veRL never compiles it), called once in one program under torch.compile: dynamic=True without fullgraph (veRL's own wrapping; veRL's policy
     losses then break the graph at their float metrics, as veRL's own do, and the
     frames resumed after a break hold symbolic ints and floats), and fullgraph=True
     (no graph break; TRL's own functions break there, asking transformers whether

@@ -220,6 +220,68 @@ def test_finfo_min_masking_and_extreme_rows(device, backend, dtype):
     assert torch.isfinite(loss), "the policy loss with an entropy term stays finite"
 
 
+@pytest.mark.parametrize("temperature", ["0.3", "1.0", "per-row"])
+@pytest.mark.parametrize("vocab", [1, 7, 4097, 32000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_sum_pi_squared_matches_float64_reference(device, backend, dtype, vocab, temperature):
+    """sum_pi_squared alone and as logprobs_and_entropy's third output (the same
+    bits, and the log-probs and entropy the bits they have without it), against
+    the float64 reference within DESIGN.md's output tolerance; its gradient with
+    the other two outputs' (float32 logits: the Σπ² term is added in float32 to
+    the kernel's gradient, within _grad_bound of the float64 one)."""
+    lead = LEAD_SHAPES[vocab]
+    std = 10.0 if temperature in ("0.3", "per-row") else 1.0
+    logits = make_logits(lead, vocab, dtype, std=std, device=device)
+    labels = make_labels(logits)
+    temp = _temperature(temperature, lead, device)
+    weights = [torch.randn(lead, device=device) for _ in range(3)]
+    x64 = logits.detach().double().requires_grad_(True)
+    t64 = temp.double() if isinstance(temp, torch.Tensor) else temp
+    truths = (*reference.logprobs_and_entropy(x64, labels, temperature=t64), reference.sum_pi_squared(x64, temperature=t64))
+    sum(((t * w.double()).sum() for t, w in zip(truths, weights, strict=True))).backward()
+
+    x = logits.clone().requires_grad_(True)
+    with fastrl.use_backend(backend):
+        outputs = fastrl.logprobs_and_entropy(x, labels, temperature=temp, sum_pi_squared=True)
+        sum(((t * w).sum() for t, w in zip(outputs, weights, strict=True))).backward()
+        alone = fastrl.sum_pi_squared(logits, temperature=temp)
+        without = fastrl.logprobs_and_entropy(logits, labels, temperature=temp)
+    lp, ent, sq = outputs
+    assert sq.dtype == torch.float32 and sq.shape == lead
+    assert torch.equal(alone, sq.detach()), "sum_pi_squared alone and as the third output: the same bits"
+    assert torch.equal(without[0], lp.detach()) and torch.equal(without[1], ent.detach()), "bits of the others kept"
+    assert_close_to_reference(sq, truths[2].detach(), output_tolerance(vocab), what="sum_pi_squared")
+    if dtype == torch.float32:
+        rtol, atol = _grad_bound(x64.grad, dtype)
+        if backend == "reference":
+            rtol, atol = 4 * rtol, 4 * atol  # (as test_values_and_gradients_match_float64_reference)
+        assert_close_to_reference(x.grad, x64.grad, rtol, atol, what="grad")
+
+
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_sum_pi_squared_of_extreme_rows(device, backend):
+    """A peaked row (Σπ² rounds to 1 in float32), a row masked with finfo.min and
+    -inf, logits of size 1e4, a row of only -inf and a row with a NaN (both NaN,
+    as their log-probs); a gradient through Σπ² alone stays finite on the rest."""
+    logits = torch.randn(6, 3000, device=device)
+    logits[0, 17] += 60.0
+    logits[1, ::2] = torch.finfo(torch.float32).min
+    logits[1, 1::4] = float("-inf")
+    logits[2] *= 1e4
+    logits[3] = float("-inf")
+    logits[4, 2999] = float("nan")
+    truth = reference.sum_pi_squared(logits.double(), temperature=0.6)
+    x = logits.clone().requires_grad_(True)
+    with fastrl.use_backend(backend):
+        sq = fastrl.sum_pi_squared(x, temperature=0.6)
+        sq[[0, 1, 2, 5]].sum().backward()
+    assert sq[3].isnan() and sq[4].isnan()
+    keep = [0, 1, 2, 5]
+    assert_close_to_reference(sq[keep], truth[keep], 1e-5, what="sum_pi_squared")
+    assert torch.isfinite(x.grad[keep]).all()
+
+
 @pytest.mark.parametrize("device,backend", BACKENDS)
 def test_nan_anywhere_in_a_row_gives_nan(device, backend):
     """A NaN logit makes its row's log-prob, entropy and gradient NaN wherever it
@@ -644,7 +706,7 @@ def test_kernel_marks_out_of_range_labels_nan(device, backend):
     kernels = launchers(backend, "logprobs")
     logits = torch.randn(4, 64, device=device)
     labels = torch.tensor([3, 64, -5, -100], device=device)
-    lp, ent, stats = kernels.logprobs_forward(logits, labels, 1.0, -100, with_entropy=True, with_stats=True)
+    lp, ent, stats, _ = kernels.logprobs_forward(logits, labels, 1.0, -100, with_entropy=True, with_stats=True)
     assert torch.isfinite(lp[0]) and lp[1].isnan() and lp[2].isnan() and lp[3] == 0
     assert torch.isfinite(ent).all()
     grad = torch.empty_like(logits)
@@ -918,7 +980,7 @@ def test_keyword_only_options_passed_positionally_name_the_keywords():
     calls = [
         (lambda: fastrl.logprobs_and_entropy(logits, labels, True, 0.7),  # TRL's (..., entropy_requires_grad, T)
          r"logprobs_and_entropy\(\) takes 2 positional arguments \(logits, labels\) but 4 were given; temperature, "
-         r"inplace_backward, ignore_index, group, vocab_start are keyword-only.*selective_log_softmax_and_entropy"),
+         r"inplace_backward, ignore_index, group, vocab_start, sum_pi_squared are keyword-only.*selective_log_softmax_and_entropy"),
         (lambda: fastrl.entropy_from_logits(logits, 128),  # TRL's (logits, chunk_size)
          r"temperature, group, vocab_start are keyword-only: pass them by name.*chunk size"),
         (lambda: fastrl.sample(logits, 0.7), r"sample\(\) takes 1 positional argument \(logits\) but 2 were given; "

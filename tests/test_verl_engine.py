@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -175,6 +176,58 @@ def test_engine_outputs_match_verl(remove_padding, entropy, temperature, dtype):
     assert patched.in_place, "the patched engine writes the logits' gradient into their storage"
 
 
+@pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no-entropy"])
+@pytest.mark.parametrize("remove_padding", [True, False], ids=["rmpad", "padded"])
+def test_engine_sum_pi_squared_in_the_same_pass(remove_padding, entropy):
+    """calculate_sum_pi_squared (veRL's optimal-token baseline): Σπ² from the same
+    read of the logits, veRL's layout and dtype, within _assert_matches_verl's
+    output bound of veRL's own pass (whose terms are at most 1: the bound there
+    covers it); and the gradient of the outputs veRL differentiates."""
+    micro_batch = _micro_batch([5, 11, 1, 8], torch.tensor([0.6, 1.0, 1.3, 0.9]), use_remove_padding=remove_padding,
+                               calculate_entropy=entropy, calculate_sum_pi_squared=True)  # fmt: skip
+    head = _head(torch.float32)
+    head["weights"]["sum_pi_squared"] = torch.zeros(64)  # (veRL uses it without a gradient)
+    patched, unpatched = _patched_and_not(micro_batch, head)
+    assert "sum_pi_squared" in patched.output
+    _assert_matches_verl(patched, unpatched, _UNIT[torch.float32])
+
+
+def test_engine_dtypes_under_cuda_autocast(monkeypatch):
+    """veRL's engines run prepare_model_outputs inside torch.autocast, and on CUDA
+    autocast runs its softmax, log_softmax and logsumexp in float32: veRL's
+    log-probs, entropy and Σπ² of bf16 logits are float32 there (on CPU they stay
+    bf16). The patched engine follows, here with CPU autocast standing in for
+    CUDA's (_AUTOCAST_FLOAT32), and gives bf16 outside autocast."""
+    batch = _micro_batch([5, 3], torch.tensor([0.7, 1.0]), calculate_entropy=True, calculate_sum_pi_squared=True)
+    head = _head(torch.bfloat16)
+    head["weights"]["sum_pi_squared"] = torch.zeros(64, dtype=torch.bfloat16)
+    verl_integration.patch()
+    plain = _step(batch, head)
+    monkeypatch.setattr(verl_integration, "_AUTOCAST_FLOAT32", ("cuda", "cpu"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = _step(batch, head)
+    assert not integrations.fallbacks, dict(integrations.fallbacks)
+    keys = ("log_probs", "entropy", "sum_pi_squared")
+    assert [plain.output[k].values().dtype for k in keys] == [torch.bfloat16] * 3
+    assert [autocast.output[k].values().dtype for k in keys] == [torch.float32] * 3
+
+
+def test_engine_short_padded_logits_fall_back():
+    """Padded logits with fewer positions than the longest sample: veRL's own
+    method reads other rows for the missing ones or, as here, raises; the patch
+    runs veRL's (said so), not a guess of its own."""
+    batch = _micro_batch([5, 9], torch.tensor([0.7, 1.0]), use_remove_padding=False, calculate_entropy=True)
+    built = engine_bench.engine()
+    _, output_args = built.prepare_model_inputs(batch)
+    logits = SimpleNamespace(logits=torch.randn(2, 8, VOCAB))
+    with pytest.raises(RuntimeError) as verl_error:
+        built.prepare_model_outputs(logits, output_args, batch, None)
+    verl_integration.patch()
+    with pytest.warns(integrations.FallbackWarning, match="do not cover every sample"):
+        with pytest.raises(RuntimeError, match=re.escape(str(verl_error.value))):
+            engine_bench.engine().prepare_model_outputs(logits, output_args, batch, None)
+
+
 @pytest.mark.parametrize("options", [{"chunked": True}, {"pad_bucket": 16}], ids=["chunked-entropy", "static-pad"])
 def test_engine_options_match_verl(options):
     """The chunked entropy (veRL returns it in the default dtype) and the static
@@ -249,7 +302,7 @@ def _fused_output(micro_batch):
     return SimpleNamespace(log_probs=-torch.rand(1, tokens), entropy=torch.rand(1, tokens), logits=None)
 
 
-@pytest.mark.parametrize("option", ["calculate_sum_pi_squared", "use_fused_kernels", "distillation_use_topk"])
+@pytest.mark.parametrize("option", ["use_fused_kernels", "distillation_use_topk"])
 def test_engine_options_fastrl_does_not_take_fall_back(option):
     """The options fastrl does not reproduce run veRL's own method, counted and
     announced once: the same outputs as veRL's (its method then calls the patched
@@ -265,7 +318,7 @@ def test_engine_options_fastrl_does_not_take_fall_back(option):
     processor = lambda student_logits, data: {"distillation_losses": student_logits.sum(-1)}  # noqa: E731
     expected = built.prepare_model_outputs(output, output_args, micro_batch, processor)
     verl_integration.patch()
-    with pytest.warns(integrations.FallbackWarning, match=option.split("_", 1)[-1] if option != "distillation_use_topk"
+    with pytest.warns(integrations.FallbackWarning, match="fused_kernels" if option == "use_fused_kernels"
                       else "distillation"):  # fmt: skip
         actual = engine_bench.engine().prepare_model_outputs(output, output_args, micro_batch, processor)
     assert len(integrations.fallbacks) == 1, dict(integrations.fallbacks)

@@ -109,6 +109,10 @@ def _check_logits_ops(rank: int, world: int, group, seed: int) -> None:
         ref_lp, ref_ent = reference.logprobs_and_entropy(x64, labels, temperature=temperature)
         ((ref_lp * w_lp.double()).sum() + (ref_ent * w_ent.double()).sum()).backward()
         ref_grad = x64.grad[:, start:stop]
+        x64 = logits.double().requires_grad_()
+        ref_sq = reference.sum_pi_squared(x64, temperature=temperature)
+        (ref_sq * w_lp.double()).sum().backward()
+        ref_sq_grad = x64.grad[:, start:stop]
         for backend in backends:
             results = []
             for _ in range(2):  # run to run
@@ -143,6 +147,15 @@ def _check_logits_ops(rank: int, world: int, group, seed: int) -> None:
                                                       group=group)  # fmt: skip
             assert_close_to_reference(only_lp, ref_lp, tol, what=f"logprobs_from_logits {what}")
             assert_close_to_reference(only_ent, ref_ent, tol, what=f"entropy_from_logits {what}")
+            # Σπ²: the ranks' sums of squares combined (the sharded combine), and its gradient (as above)
+            x = logits[:, start:stop].clone().requires_grad_()
+            with fastrl.use_backend(backend):
+                sq = fastrl.sum_pi_squared(x, temperature=temperature.float(), group=group)
+                (sq * w_lp).sum().backward()
+            assert _all_equal_across_ranks(sq.detach(), group), what
+            assert_close_to_reference(sq, ref_sq.detach(), tol, what=f"sum_pi_squared {what}")
+            atol = rtol * float(ref_sq_grad.abs().max()) + 1e-30
+            assert_close_to_reference(x.grad, ref_sq_grad, rtol, atol, what=f"sum_pi_squared grad {what}")
 
     # full_kl on the shards: the whole vocabulary's KL and each shard's slice of its gradient (as test_kl).
     logits = make_logits((5,), vocab, torch.float32, std=3.0)
@@ -194,8 +207,10 @@ def _check_logits_ops(rank: int, world: int, group, seed: int) -> None:
     ref_kl = reference.full_kl(logits.double(), torch.zeros(5, vocab, dtype=torch.float64))
     for backend in backends:
         with fastrl.use_backend(backend):
-            lp, ent = fastrl.logprobs_and_entropy(logits[:, start:stop], labels, group=group)
+            lp, ent, sq = fastrl.logprobs_and_entropy(logits[:, start:stop], labels, group=group, sum_pi_squared=True)
             kl = fastrl.full_kl(logits[:, start:stop], torch.zeros(5, stop - start), group=group)
+        assert_close_to_reference(sq, reference.sum_pi_squared(logits.double()), 1e-5,
+                                  what=f"special rows sum_pi_squared {backend}")  # fmt: skip
         assert_close_to_reference(lp, ref_lp, 1e-5, what=f"special rows logprob {backend}")
         assert_close_to_reference(ent, ref_ent, 1e-5, what=f"special rows entropy {backend}")
         assert_close_to_reference(kl, ref_kl, 1e-5, what=f"special rows full_kl {backend}")

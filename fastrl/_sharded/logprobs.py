@@ -48,12 +48,13 @@ from .._distributed import ENTROPY, LABELED, Shard, agree, gather_ranks, label_r
 from .._rows import can_overwrite, row_view
 
 
-def local_stats(rows, labels, temps, temp_scalar, shard: Shard, with_entropy, backend):
+def local_stats(rows, labels, temps, temp_scalar, shard: Shard, with_entropy, backend, with_sum_pi_squared=False):
     """[N, 4] in the compute dtype: (m_r, L_r, H_r or 0, x_y or NaN) of this
-    shard (module docstring); x_y is the raw label logit where the label is local."""
+    shard (module docstring); x_y is the raw label logit where the label is local.
+    With ``with_sum_pi_squared``, [N, 5]: Q_r = log sum exp(2 (x - m_r) / T) last."""
     acc = reference.compute_dtype(rows)
     outer, inner, _ = rows.shape
-    stats = torch.empty(outer * inner, 4, dtype=acc, device=rows.device)
+    stats = torch.empty(outer * inner, 5 if with_sum_pi_squared else 4, dtype=acc, device=rows.device)
     if backend == "reference":
         x = rows.reshape(outer * inner, rows.shape[-1]).to(acc)
         m = x.amax(dim=-1)
@@ -62,10 +63,15 @@ def local_stats(rows, labels, temps, temp_scalar, shard: Shard, with_entropy, ba
         stats[:, 0] = m
         stats[:, 1] = torch.where(torch.isneginf(m), -torch.inf, reference._log_sum_exp_of_scaled(d)[0])
         stats[:, 2] = reference._entropy_of_scaled(d) if with_entropy else 0.0
+        if with_sum_pi_squared:
+            stats[:, 4] = reference._log_sum_exp_of_scaled(2 * d)[0]
     else:
-        _, entropy, local = _ops.logprobs_forward(rows, None, temps, temp_scalar, -100, with_entropy, True, backend)
+        _, entropy, local, sum_pi_squared = _ops.logprobs_forward(rows, None, temps, temp_scalar, -100, with_entropy,
+                                                                  True, with_sum_pi_squared, backend)  # fmt: skip
         stats[:, :2] = local
         stats[:, 2] = entropy if with_entropy else 0.0
+        if with_sum_pi_squared:
+            stats[:, 4] = torch.log(sum_pi_squared) + 2 * local[:, 1]  # Σπ²_r s_r² = sum exp(2 (x - m_r) / T)
     stats[:, 3] = torch.nan
     if labels is not None:
         offset = labels.long() - shard.start
@@ -77,13 +83,13 @@ def local_stats(rows, labels, temps, temp_scalar, shard: Shard, with_entropy, ba
 
 
 def combine_across_ranks(local, labels, temps, temp_scalar, ignore_index, shard: Shard):
-    """(logprob or None, entropy, (M, log S) [N, 2]) in the compute dtype of
-    ``local`` (this rank's [N, 4] ``local_stats``), from every rank's, gathered
-    and combined in float64 in rank order: the same on every rank (module
-    docstring)."""
+    """(logprob or None, entropy, (M, log S) [N, 2], sum_pi_squared or None) in the
+    compute dtype of ``local`` (this rank's [N, 4] or [N, 5] ``local_stats``), from
+    every rank's, gathered and combined in float64 in rank order: the same on every
+    rank (module docstring)."""
     acc = local.dtype
     g = gather_ranks(local, shard).double()
-    m, big_l, h, label_logit = g.unbind(-1)  # each [world, N]
+    m, big_l, h, label_logit = g[..., :4].unbind(-1)  # each [world, N]
     t = temps.double() if temps is not None else temp_scalar
     top = m.amax(dim=0)
     # A shard whose row is all -inf adds nothing: its kernel gives m = L = -inf (one with NaN among its
@@ -118,64 +124,98 @@ def combine_across_ranks(local, labels, temps, temp_scalar, ignore_index, shard:
             owner = torch.where((labels >= start) & (labels < start + size), rank, owner)
         x_y = label_logit.gather(0, owner.unsqueeze(0)).squeeze(0)
         logprob = torch.where(keep, (x_y - top) / t - log_s, 0.0).to(acc)
+    sum_pi_squared = None
+    if local.shape[-1] == 5:
+        # sum_j p_j^2 = sum_r exp(Q_r + 2 (m_r - M) / T) / S^2, the ranks' sums moved to M as l_r is
+        log_q = torch.logsumexp(torch.where(empty, -torch.inf, g[..., 4] + 2 * shift), dim=0)
+        sum_pi_squared = torch.where(nan_row, torch.nan, torch.exp(log_q - 2 * log_s)).to(acc)
     stats = torch.stack([top, log_s], dim=-1).to(acc)
-    return logprob, entropy.to(acc), stats
+    return logprob, entropy.to(acc), stats, sum_pi_squared
 
 
 class _ShardedLogprobs(torch.autograd.Function):
-    """Outputs: logprob [N] (empty without labels), entropy [N] (empty unless asked for)."""
+    """Outputs: logprob [N] (empty without labels), entropy [N] (empty unless asked
+    for), sum_pi_squared [N] (empty unless asked for)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard, backend, inplace_backward):
+    def forward(ctx, logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard, backend, inplace_backward,
+                with_sum_pi_squared):  # fmt: skip
         rows = row_view(logits)
-        local = local_stats(rows, labels, temps, temp_scalar, shard, with_entropy, backend)
-        logprob, entropy, stats = combine_across_ranks(local, labels, temps, temp_scalar, ignore_index, shard)
-        ctx.save_for_backward(logits, labels, temps, stats, entropy if with_entropy else None)
+        local = local_stats(rows, labels, temps, temp_scalar, shard, with_entropy, backend, with_sum_pi_squared)
+        logprob, entropy, stats, sum_pi_squared = combine_across_ranks(local, labels, temps, temp_scalar,
+                                                                       ignore_index, shard)  # fmt: skip
+        ctx.save_for_backward(logits, labels, temps, stats, entropy if with_entropy else None, sum_pi_squared)
         ctx.temp_scalar, ctx.ignore_index, ctx.shard, ctx.backend = temp_scalar, ignore_index, shard, backend
         ctx.with_entropy = with_entropy
         # (as logprobs._LogprobsEntropy; the reference backend's gradient is always a fresh tensor)
         ctx.inplace_backward = inplace_backward and backend != "reference" and can_overwrite(logits, rows)
         ctx.set_materialize_grads(False)
         empty = logits.new_empty(0, dtype=stats.dtype)
-        return (empty if logprob is None else logprob), (entropy if with_entropy else empty)
+        return ((empty if logprob is None else logprob), (entropy if with_entropy else empty),
+                (empty if sum_pi_squared is None else sum_pi_squared))  # fmt: skip
 
     @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy):
+    def backward(ctx, grad_logprob, grad_entropy, grad_sum_pi_squared):
         """This shard's dL/dlogits from the global statistics: no collective."""
         _ops.refuse_double_backward()
-        logits, labels, temps, stats, entropy = ctx.saved_tensors
+        logits, labels, temps, stats, entropy, sum_pi_squared = ctx.saved_tensors
         if labels is None:
             grad_logprob = None
         if not ctx.with_entropy:
             grad_entropy = None
-        if grad_logprob is None and grad_entropy is None:
-            return (None,) * 9
+        if sum_pi_squared is None:
+            grad_sum_pi_squared = None
+        if grad_logprob is None and grad_entropy is None and grad_sum_pi_squared is None:
+            return (None,) * 10
         acc = stats.dtype
         grad_logprob = None if grad_logprob is None else grad_logprob.to(acc).contiguous()
         grad_entropy = None if grad_entropy is None else grad_entropy.to(acc).contiguous()
         rows = row_view(logits)
-        if ctx.backend == "reference":
+        # (as logprobs._LogprobsEntropy: computed before the kernel may write over the logits)
+        extra = None
+        if grad_sum_pi_squared is not None:
+            extra = sum_pi_squared_grad(rows, temps, ctx.temp_scalar, stats, sum_pi_squared, grad_sum_pi_squared)
+        if grad_logprob is None and grad_entropy is None:
+            grad = extra.to(rows.dtype)
+        elif ctx.backend == "reference":
             grad = _reference_backward(rows.reshape(-1, rows.shape[-1]), labels, temps, ctx.temp_scalar,
                                        ctx.ignore_index, stats, entropy, grad_logprob, grad_entropy, ctx.shard)  # fmt: skip
+            if extra is not None:
+                grad = (grad.to(acc) + extra.reshape(grad.shape)).to(rows.dtype)
         else:
             grad = rows if ctx.inplace_backward else torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
             _ops.logprobs_backward(
                 rows, labels, temps, ctx.temp_scalar, ctx.ignore_index, stats, entropy, grad_logprob, grad_entropy,
                 grad, ctx.shard.start, ctx.shard.vocab, ctx.backend,
             )  # fmt: skip
+            if extra is not None:
+                grad.copy_(grad.to(acc) + extra)
             if ctx.inplace_backward and not torch.compiler.is_compiling():
                 torch.autograd.graph.increment_version(rows)  # (as logprobs._LogprobsEntropy)
-        return grad.reshape(logits.shape), *(None,) * 8
+        return grad.reshape(logits.shape), *(None,) * 9
 
 
 def logprobs_of_shard(logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard: Shard, backend,
-                      inplace_backward=False):  # fmt: skip
-    """(logprob [N] or empty, entropy [N] or empty) of this rank's [N, V_r]
-    ``logits`` on checked, agreed arguments; differentiable (no collective
-    backward; the gradient written over the logits with ``inplace_backward``
-    where logprobs_from_logits would)."""
+                      inplace_backward=False, with_sum_pi_squared=False):  # fmt: skip
+    """(logprob [N] or empty, entropy [N] or empty, sum_pi_squared [N] or empty)
+    of this rank's [N, V_r] ``logits`` on checked, agreed arguments;
+    differentiable (no collective backward; the gradient written over the logits
+    with ``inplace_backward`` where logprobs_from_logits would)."""
     return _ShardedLogprobs.apply(logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard, backend,
-                                  inplace_backward)  # fmt: skip
+                                  inplace_backward, with_sum_pi_squared)  # fmt: skip
+
+
+def sum_pi_squared_grad(rows, temps, temp_scalar, stats, sum_pi_squared, grad):
+    """d(sum_j p_j^2)/dx times the incoming ``grad``, 2 p_j (p_j - Σπ²) / T, for the
+    rows ``rows`` ([outer, inner, V] or [N, V]; a shard's columns too: p from the
+    rows' global (m, log s) ``stats``), in the stats' dtype, shaped like ``rows``
+    (an [N, V] temporary: plain torch). p = 0 (a -inf logit) adds nothing."""
+    acc = stats.dtype
+    x = rows.reshape(-1, rows.shape[-1]).to(acc)
+    t = temps.unsqueeze(-1) if temps is not None else temp_scalar
+    p = torch.exp((x - stats[:, :1]) / t - stats[:, 1:])
+    g = grad.to(acc).reshape(-1, 1)
+    return (2 * g * p * (p - sum_pi_squared.reshape(-1, 1).to(acc)) / t).reshape(rows.shape)
 
 
 def _reference_backward(rows, labels, temps, temp_scalar, ignore_index, stats, entropy, grad_logprob, grad_entropy,
@@ -200,17 +240,18 @@ def _reference_backward(rows, labels, temps, temp_scalar, ignore_index, stats, e
 
 
 def logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with_entropy, group, vocab_start,
-                                 agree_options, inplace_backward):  # fmt: skip
-    """The sharded form of ``logprobs._run``: (logprob or None, entropy or None),
-    shaped like ``logits.shape[:-1]``; ``agree_options``: the caller's options
-    (a dict) the ranks must agree on too."""
+                                 agree_options, inplace_backward, with_sum_pi_squared=False):  # fmt: skip
+    """The sharded form of ``logprobs._run``: (logprob or None, entropy or None,
+    sum_pi_squared or None), shaped like ``logits.shape[:-1]``; ``agree_options``:
+    the caller's options (a dict) the ranks must agree on too."""
     checked = {}
 
     def check():
         # (The labels' values: checked against the whole vocabulary by the agreement.)
         temperature_ = _validation.check_logprobs_arguments(logits, labels, temperature, ignore_index, sharded=True)
         checked["temperature"] = temperature_
-        return logits_layout(logits, temperature=temperature_, ignore_index=ignore_index, **agree_options)
+        return logits_layout(logits, temperature=temperature_, ignore_index=ignore_index,
+                             sum_pi_squared=with_sum_pi_squared, **agree_options)  # fmt: skip
 
     outputs = (LABELED if labels is not None else 0) | (ENTROPY if with_entropy else 0)
     shard = agree(group, check, vocab_start, outputs, label_range(labels, ignore_index),
@@ -222,7 +263,9 @@ def logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with
     backend = select_backend(logits.device)
     if token_shape.numel() == 0:
         backend = "reference"
-    logprob, entropy = logprobs_of_shard(logits, flat_labels, temps, temp_scalar, ignore_index, with_entropy, shard,
-                                         backend, inplace_backward)  # fmt: skip
-    reshape = lambda t: t.view(token_shape)  # noqa: E731
-    return (reshape(logprob) if labels is not None else None), (reshape(entropy) if with_entropy else None)
+    logprob, entropy, sum_pi_squared = logprobs_of_shard(logits, flat_labels, temps, temp_scalar, ignore_index,
+                                                         with_entropy, shard, backend, inplace_backward,
+                                                         with_sum_pi_squared)  # fmt: skip
+    reshape = lambda t, wanted: t.view(token_shape) if wanted else None  # noqa: E731
+    return reshape(logprob, labels is not None), reshape(entropy, with_entropy), reshape(sum_pi_squared,
+                                                                                         with_sum_pi_squared)

@@ -6,11 +6,12 @@ run the fastrl op. ``patch(ops=[...])`` chooses; ``unpatch()`` restores veRL's.
 | --- | --- | --- |
 | ``logprobs`` | ``verl.utils.torch_functional.logprobs_from_logits(logits, labels, inplace_backward=True)`` | ``logprobs_from_logits`` |
 | ``entropy`` | ``verl.utils.torch_functional.entropy_from_logits(logits)``, ``entropy_from_logits_with_chunking(logits, chunk_size=2048)`` | ``entropy_from_logits`` |
+| ``sum_pi_squared`` | ``verl.utils.torch_functional.calculate_sum_pi_squared_from_logits(logits)`` (Σπ², the optimal-token baseline's) | ``sum_pi_squared`` |
 | ``kl`` | ``verl.trainer.ppo.core_algos.kl_penalty(logprob, ref_logprob, kl_penalty)`` | ``kl_penalty`` |
 | ``agg_loss`` | ``verl.trainer.ppo.core_algos.agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size, loss_scale_factor)`` | ``agg_loss`` |
 | ``policy_loss`` | ``core_algos.compute_policy_loss_vanilla`` and ``compute_policy_loss_gspo``, and their ``POLICY_LOSS_REGISTRY`` entries ``"vanilla"`` / ``"gspo"`` (what ``get_policy_loss_fn`` returns) | ``policy_loss`` |
 | ``fused_lm_head`` | ``verl.utils.experimental.torch_functional.FusedLinearForPPO.forward`` and ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (``use_fused_kernels``: the torch and Triton backends of the models' ``forward``) | ``linear_logprobs_and_entropy`` |
-| ``vocab_parallel`` | ``verl.utils.megatron.tensor_parallel.vocab_parallel_entropy(vocab_parallel_logits)`` and ``vocab_parallel_log_probs_from_logits(logits, labels)`` (the Megatron backend's tensor-parallel logits; only where megatron-core imports) | ``entropy_from_logits`` / ``logprobs_from_logits`` with ``group=`` Megatron's tensor-parallel group |
+| ``vocab_parallel`` | ``verl.utils.megatron.tensor_parallel.vocab_parallel_entropy(vocab_parallel_logits)``, ``vocab_parallel_log_probs_from_logits(logits, labels)`` and ``vocab_parallel_sum_pi_squared(vocab_parallel_logits)`` (the Megatron backend's tensor-parallel logits; only where megatron-core imports) | ``entropy_from_logits`` / ``logprobs_from_logits`` / ``sum_pi_squared`` with ``group=`` Megatron's tensor-parallel group |
 | ``engine`` | ``verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func)`` (veRL's FSDP engine: a micro-batch's log-probs and entropy from the model's logits; only where peft, which that module imports, does) | ``logprobs_and_entropy`` / ``logprobs_from_logits``, with ``group=`` a vocabulary-sharded DTensor's mesh group |
 
 Each is replaced in its own module and in every loaded module that imported it by
@@ -30,15 +31,20 @@ Conventions kept:
   veRL passes ``False`` where it reuses the logits (for the entropy). Labels equal to
   -100 give 0, as flash-attn's cross-entropy does.
 - ``entropy_from_logits`` returns the logits' dtype, ``entropy_from_logits_with_chunking``
-  the default dtype (float32), as veRL does; the chunking is not needed (fastrl never
+  the default dtype (float32), as veRL does (16-bit logits under CUDA autocast, where
+  veRL's engines call them: float32, as autocast runs veRL's softmax, log_softmax and
+  logsumexp in float32 there; the log-probs and Σπ² likewise); the chunking is not needed (fastrl never
   allocates an ``[N, V]`` temporary) and ``chunk_size`` is ignored.
 - ``vocab_parallel_entropy`` returns the logits' dtype and
   ``vocab_parallel_log_probs_from_logits`` float32, as veRL's and Megatron's do, the
   shards being those of ``megatron.core.parallel_state``'s tensor-parallel group in
   rank order; neither writes into the logits (Megatron's cross-entropy subtracts the
   max from float32 logits in place).
+- ``calculate_sum_pi_squared_from_logits`` and ``vocab_parallel_sum_pi_squared``
+  return the logits' dtype, as veRL's.
 - The engine's ``prepare_model_outputs`` returns veRL's ``model_output``: ``log_probs``
-  and, with ``calculate_entropy``, ``entropy``, nested jagged over the micro-batch's
+  and, with ``calculate_entropy``, ``entropy``, with ``calculate_sum_pi_squared``,
+  ``sum_pi_squared`` (the logits' dtype), all from the one pass, nested jagged over the micro-batch's
   ``cu_seqlens``, packed (remove-padding, the static padding and Ulysses' gathered
   and stripped by veRL's own ``_gather_and_unpad_packed``) or padded (the padded
   logits are read whole and the valid positions kept: no ``torch.cat`` copy), in
@@ -91,8 +97,8 @@ log-probs, advantages or rollout weights that require grad (fastrl treats them a
 constants), a config that veRL's own function
 asserts on or whose ``global_batch_info`` has keys ``agg_loss`` does not take,
 ``entropy_from_logits_with_chunking`` on logits that are not 2-D, the engine's
-``calculate_sum_pi_squared`` (no fastrl op for it yet), ``use_fused_kernels`` (the
-model's fused head computes the log-probs: op ``fused_lm_head``), distillation
+``use_fused_kernels`` (the model's fused head computes the log-probs: op
+``fused_lm_head``; veRL raises there with ``calculate_sum_pi_squared``), distillation
 (its loss reads the scaled logits), a ``pad_mode`` veRL does not take, and logits
 that are a DTensor sharded otherwise, and every call
 fastrl's argument checks reject (veRL then raises its own error, or computes).
@@ -150,14 +156,29 @@ class _Unsupported(Exception):
 # ----------------------------------------------------------------- log-probs, entropy
 
 
+# The device types whose autocast runs softmax, log_softmax, logsumexp and sum in
+# float32 (CUDA's float32 list; CPU autocast has no such entries for them).
+_AUTOCAST_FLOAT32 = ("cuda",)
+
+
+def _softmax_dtype(logits: torch.Tensor) -> torch.dtype:
+    """The dtype veRL's softmax / log_softmax / logsumexp chains give on these
+    logits: float32 for 16-bit logits under CUDA autocast (veRL's engines run
+    ``prepare_model_outputs`` inside ``torch.autocast``), else the logits' dtype."""
+    if (logits.dtype in (torch.float16, torch.bfloat16) and logits.device.type in _AUTOCAST_FLOAT32
+            and torch.is_autocast_enabled(logits.device.type)):  # fmt: skip
+        return torch.float32
+    return logits.dtype
+
+
 def _logprob_dtype(env: dict, logits: torch.Tensor) -> torch.dtype:
     """What veRL's ``logprobs_from_logits`` returns: float32 on its flash-attn path
-    (importable and not disabled), else the logits' dtype (its log_softmax path);
-    ``env``: the globals of veRL's ``torch_functional`` module."""
+    (importable and not disabled), else what its log_softmax path gives
+    (``_softmax_dtype``); ``env``: the globals of veRL's ``torch_functional`` module."""
     flash = env.get("FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False) and (
         os.environ.get("VERL_DISABLE_FLASH_ATTN_CE", "0") != "1"
     )
-    return torch.float32 if flash else logits.dtype
+    return torch.float32 if flash else _softmax_dtype(logits)
 
 
 def _logprobs_from_logits(original):
@@ -175,7 +196,7 @@ def _logprobs_from_logits(original):
 
 def _entropy_from_logits(original):
     def entropy_from_logits(logits):
-        compute = lambda: fastrl.entropy_from_logits(logits).to(logits.dtype)  # noqa: E731
+        compute = lambda: fastrl.entropy_from_logits(logits).to(_softmax_dtype(logits))  # noqa: E731
         return delegate(_NAME, "entropy_from_logits", original, (logits,), {}, compute, tensor_reason(logits=logits))
 
     return entropy_from_logits
@@ -192,6 +213,18 @@ def _entropy_from_logits_with_chunking(original):
         return delegate(_NAME, "entropy_from_logits_with_chunking", original, (logits, chunk_size), {}, compute, reason)
 
     return entropy_from_logits_with_chunking
+
+
+def _sum_pi_squared(original):
+    """``calculate_sum_pi_squared_from_logits`` (veRL's Σπ² for its optimal-token
+    baseline): in the logits' dtype, as veRL's."""
+
+    def calculate_sum_pi_squared_from_logits(logits):
+        compute = lambda: fastrl.sum_pi_squared(logits).to(_softmax_dtype(logits))  # noqa: E731
+        return delegate(_NAME, "calculate_sum_pi_squared_from_logits", original, (logits,), {}, compute,
+                        tensor_reason(logits=logits))  # fmt: skip
+
+    return calculate_sum_pi_squared_from_logits
 
 
 # -------------------------------------------------------------------------- KL, agg
@@ -427,6 +460,23 @@ def _vocab_parallel_entropy(original):
     return vocab_parallel_entropy
 
 
+def _vocab_parallel_sum_pi_squared(original):
+    """``vocab_parallel_sum_pi_squared`` (veRL's Megatron backend): Σπ² of the
+    whole vocabulary from this rank's shard, in the logits' dtype; never writes
+    into the logits (veRL's promises that too)."""
+
+    def vocab_parallel_sum_pi_squared(vocab_parallel_logits):
+        def compute():
+            result = fastrl.sum_pi_squared(vocab_parallel_logits, group=_tensor_parallel_group())
+            return result.to(vocab_parallel_logits.dtype)
+
+        reason = tensor_reason(vocab_parallel_logits=vocab_parallel_logits)
+        return delegate(_NAME, "vocab_parallel_sum_pi_squared", original, (vocab_parallel_logits,), {}, compute,
+                        reason)  # fmt: skip
+
+    return vocab_parallel_sum_pi_squared
+
+
 def _vocab_parallel_log_probs(original):
     """``vocab_parallel_log_probs_from_logits`` (Megatron-core's
     ``-vocab_parallel_cross_entropy``): float32 log-probs of the labels."""
@@ -496,6 +546,7 @@ def _prepare_model_outputs(original):
 
         no_padding = env["DatasetPadMode"].NO_PADDING
         remove_padding, entropy_wanted = option("use_remove_padding", True), option("calculate_entropy")
+        sum_pi_squared_wanted = option("calculate_sum_pi_squared")
         logits = getattr(output, "logits", None)
         reason = first_reason(
             None if option("pad_mode", no_padding) == no_padding else "a pad_mode other than no_padding (veRL raises)",
@@ -503,12 +554,14 @@ def _prepare_model_outputs(original):
             if option("use_fused_kernels") else None,
             "distillation (its loss reads the scaled logits)"
             if option("distillation_use_topk") or option("distillation_only") else None,
-            "calculate_sum_pi_squared (fastrl has no sum-of-squared-probabilities op yet)"
-            if option("calculate_sum_pi_squared") else None,
             tensor_reason(logits=logits),
         )  # fmt: skip
         if reason is None and (logits.dim() != 3 or (remove_padding and logits.shape[0] != 1)):
             reason = "the logits are not [1, tokens, V] (remove-padding) or [batch, sequence, V]"
+        if reason is None and not remove_padding:
+            lengths = micro_batch["input_ids"].offsets().diff()
+            if logits.shape[0] != len(lengths) or logits.shape[1] < int(lengths.max()):  # (veRL synced on it too)
+                reason = "the padded logits do not cover every sample (veRL reads other rows for the missing ones)"
         shard = None
         if reason is None and isinstance(logits, env["DTensor"]):
             shard = _vocab_shard(logits)
@@ -536,15 +589,20 @@ def _prepare_model_outputs(original):
             # no entropy), and fastrl's one fused read leaves no second reader of them;
             # any other autograd node that saved them raises (the version counter).
             common = dict(temperature=temperature, group=group, vocab_start=vocab_start)
-            if entropy_wanted:
+            entropy = sum_pi_squared = None
+            if sum_pi_squared_wanted:
+                log_probs, entropy, sum_pi_squared = fastrl.logprobs_and_entropy(
+                    rows, labels, inplace_backward=True, sum_pi_squared=True, **common
+                )
+            elif entropy_wanted:
                 log_probs, entropy = fastrl.logprobs_and_entropy(rows, labels, inplace_backward=True, **common)
             else:
-                log_probs, entropy = fastrl.logprobs_from_logits(rows, labels, True, **common), None
+                log_probs = fastrl.logprobs_from_logits(rows, labels, True, **common)
             log_probs = log_probs.to(_logprob_dtype(functional, logits))
-            if entropy is not None:
+            if entropy_wanted:
                 # veRL's entropy_from_logits keeps the logits' dtype, its chunked one the default dtype
                 chunked = remove_padding and getattr(self.engine_config, "entropy_from_logits_with_chunking", False)
-                entropy = entropy.to(torch.get_default_dtype() if chunked else logits.dtype)
+                entropy = entropy.to(torch.get_default_dtype() if chunked else _softmax_dtype(logits))
 
             def jagged(values):  # veRL's layout: [batch, j] over the packed tokens
                 if remove_padding:
@@ -554,8 +612,10 @@ def _prepare_model_outputs(original):
                 return torch.nested.nested_tensor_from_jagged(values, cu_seqlens)
 
             model_output = {"log_probs": jagged(log_probs)}
-            if entropy is not None:
+            if entropy_wanted:
                 model_output["entropy"] = jagged(entropy)
+            if sum_pi_squared_wanted:
+                model_output["sum_pi_squared"] = jagged(sum_pi_squared.to(_softmax_dtype(logits)))
             return model_output
 
         return delegate(_NAME, "FSDPEngineWithLMHead.prepare_model_outputs", original, args, {}, compute, reason)
@@ -573,6 +633,7 @@ FRAMEWORK = Framework(
         Target("logprobs", _F, "logprobs_from_logits", _logprobs_from_logits),
         Target("entropy", _F, "entropy_from_logits", _entropy_from_logits),
         Target("entropy", _F, "entropy_from_logits_with_chunking", _entropy_from_logits_with_chunking),
+        Target("sum_pi_squared", _F, "calculate_sum_pi_squared_from_logits", _sum_pi_squared),
         Target("kl", _CORE, "kl_penalty", _kl_penalty),
         Target("agg_loss", _CORE, "agg_loss", _agg_loss),
         Target("policy_loss", _CORE, "compute_policy_loss_vanilla", lambda f: _policy_loss(f, gspo=False), _REGISTRY),
@@ -581,6 +642,8 @@ FRAMEWORK = Framework(
         Target("fused_lm_head", _LINEAR_CE, "linear_cross_entropy", _linear_cross_entropy),
         Target("vocab_parallel", _TP, "vocab_parallel_entropy", _vocab_parallel_entropy, requires="megatron"),
         Target("vocab_parallel", _TP, "vocab_parallel_log_probs_from_logits", _vocab_parallel_log_probs,
+               requires="megatron"),
+        Target("vocab_parallel", _TP, "vocab_parallel_sum_pi_squared", _vocab_parallel_sum_pi_squared,
                requires="megatron"),
         Target("engine", _FSDP_ENGINE, "FSDPEngineWithLMHead.prepare_model_outputs", _prepare_model_outputs,
                requires="peft"),

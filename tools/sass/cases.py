@@ -75,7 +75,7 @@ def _logprobs(n: int, v: int, dtype: torch.dtype, entropy: bool, backward: bool)
         logits, labels = meta(n, v, dtype=dtype), meta(n, dtype=I64)
         name = "logprobs+entropy" if entropy else "logprobs"
         with role(f"{name} fwd"):
-            _, ent, stats = logprobs.logprobs_forward(
+            _, ent, stats, _ = logprobs.logprobs_forward(
                 logits, labels, 1.0, -100, with_entropy=entropy, with_stats=backward
             )
         if backward:
@@ -313,7 +313,7 @@ def coverage() -> None:
         labels = meta(n, dtype=I64)
         temps = meta(n, dtype=F32)
         for temperature, with_entropy in ((1.0, True), (temps, False), (temps, True)):
-            _, entropy, stats = logprobs.logprobs_forward(
+            _, entropy, stats, _ = logprobs.logprobs_forward(
                 x, labels, temperature, -100, with_entropy=with_entropy, with_stats=True
             )
             grad = meta(n)
@@ -334,6 +334,7 @@ def coverage() -> None:
                 )
         logprobs.logprobs_forward(x, None, 1.0, -100, with_entropy=True, with_stats=False)
         logprobs.logprobs_forward(x, None, 1.0, -100, with_entropy=True, with_stats=True)
+        logprobs.logprobs_forward(x, labels, temps, -100, with_entropy=True, with_stats=True, with_sum_pi_squared=True)
         for params in (
             {"temperature": 0.7, "top_k": 50, "top_p": 0.9, "min_p": 0.0},
             {"temperature": temps, "top_k": meta(n, dtype=I64), "top_p": temps, "min_p": temps},
