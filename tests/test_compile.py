@@ -152,7 +152,7 @@ def _opcheck_cases(device: str, backend: str) -> dict:
     _, _, row_weights = _ops.policy_finalize(policy_stats, 0, 1.0, count, 0.0, None, None, 9.0, 0.1, 0.0, torch.float32, backend)  # fmt: skip
     _, correction_stats = _ops.rollout_correction_forward(old, lp, mask, False, True, 0.0, 2.0, 0.5, backend)
     return {
-        "logprobs_forward": (logits, labels, temps, 0.0, -100, True, True, backend),
+        "logprobs_forward": (logits, labels, temps, 0.0, -100, True, True, True, backend),
         "logprobs_backward": (logits, labels, None, 0.7, -100, stats, entropy, ones, ones, grad(), 0, -1, backend),
         "sample_forward": (logits, *truncation, None, 11, torch.zeros(1, dtype=torch.int64, device=dev), 0, backend),
         "truncated_forward": (logits, labels, *truncation, True, backend),
