@@ -34,7 +34,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import device_name, environment, generator, time_fn
+from . import device_name, dtype_name, environment, generator, time_fn
 
 # veRL's engine module; imported on first use (veRL, transformers and peft take seconds).
 ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
@@ -162,7 +162,7 @@ def measure(tokens: int, vocab: int, dtype: torch.dtype, device: torch.device, r
 def _row(name, temperature, pass_name, timing, traffic, tokens, vocab, dtype) -> dict:
     return {
         "impl": name, "temperature": temperature, "pass": pass_name, "tokens": tokens, "vocab": vocab,
-        "dtype": str(dtype).replace("torch.", ""), "median_ms": timing.median_s * 1e3,
+        "dtype": dtype_name(dtype), "median_ms": timing.median_s * 1e3,
         "peak_extra_mb": None if timing.peak_extra_bytes is None else timing.peak_extra_bytes / 2**20,
         "logits_read_gb": None if traffic is None else traffic.read / 1e9,
         "logits_written_gb": None if traffic is None else traffic.written / 1e9,

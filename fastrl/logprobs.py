@@ -82,16 +82,16 @@ class _LogprobsEntropy(torch.autograd.Function):
         extra = None
         if grad_sum_pi_squared is not None:
             extra = sum_pi_squared_grad(rows, temps, ctx.temp_scalar, stats, sum_pi_squared, grad_sum_pi_squared)
-        grad_rows = rows if ctx.inplace_backward else torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
-        if grad_logprob is not None or grad_entropy is not None:
+        if grad_logprob is None and grad_entropy is None:  # Σπ²'s term alone: no kernel
+            grad_rows = rows.copy_(extra) if ctx.inplace_backward else extra.to(rows.dtype)
+        else:
+            grad_rows = rows if ctx.inplace_backward else torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
             _ops.logprobs_backward(
                 rows, labels, temps, ctx.temp_scalar, ctx.ignore_index, stats, entropy, grad_logprob, grad_entropy,
                 grad_rows, 0, -1, ctx.backend,
             )  # fmt: skip
             if extra is not None:
                 grad_rows.copy_(grad_rows.to(acc) + extra)
-        else:
-            grad_rows.copy_(extra)
         if ctx.inplace_backward and not torch.compiler.is_compiling():
             # The kernel wrote through a raw pointer: tell autograd, so that any node
             # that saved the logits fails loudly instead of reading the gradient.
