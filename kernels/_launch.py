@@ -30,7 +30,7 @@ _MAX_BLOCK_V = 8192
 # logprobs+entropy fwd fp32 V = 32000 91% -> 94%).
 _SHORT_ROW = 65536
 # Elements each thread of the forward handles per iteration (REPS x VEC: REPS
-# 128-bit loads on aligned rows, 16 one-element loads on others).
+# 128-bit loads on rows of whole 16-byte lines, 16 one-element loads on others).
 _THREAD_ELEMS = 16
 # Warps per row of the forward: with no reduction across threads in its loop, a
 # CTA's warps need not be many; at 8 a CTA's merge and partial tile after the
@@ -66,37 +66,41 @@ def tile_config(*rows: torch.Tensor, num_warps: int | None = None) -> dict:
     """The forward's tile (reduce.tile_offsets) over the rows of one or more
     [.., V] tensors read together (same dtype), and its num_warps.
 
-    When every row of every tensor starts on a 16-byte boundary and holds whole
-    16-byte lines (ALIGNED), a lane holds VEC contiguous elements (one 128-bit
-    load), REPS times a tile. Otherwise (V = 50257 bf16: the rows of a contiguous
-    batch start at every even byte) a lane holds one element, REPS = 16 times a
-    tile, LANES apart: its loads are scalar but coalesced across a warp, and its
-    sums stay inside its thread. The two partitions sum a row in different
-    orders, so which one a row gets must not depend on its batch: tiles count
-    from each row's first element, and rows of a length that is not whole lines
-    are never ALIGNED, not even a row alone that happens to start on a boundary
-    (row 32 of a contiguous [33, 4099] bf16 batch, alone, took the aligned
-    partition and differed from its batch by an ulp), nor the same rows sliced
-    out of a wider, padded buffer. A row's result then depends on V, the dtype
-    and the launch only, except for rows of whole lines that a view starts off
-    a boundary. Short rows get fewer lanes. ``num_warps`` overrides the warps (and so the
-    lanes) of a kernel that does more than the forward. MAX_IN_STORAGE_TYPE:
-    reduce.lane_max may take the max in the logits' own type (compiled, not
-    interpreted: a CPU tensor runs in Triton's interpreter)."""
+    The partition of a row is a function of V, the dtype and the launch alone,
+    never of an address, so that a row gives the same bits wherever it sits:
+    alone, in a batch, sliced out of a wider buffer or in a view that starts
+    anywhere. Rows of whole 16-byte lines (V a multiple of 8 in 16-bit types, of
+    4 in float32) give a lane VEC contiguous elements, REPS times a tile; when
+    every row of every tensor also starts on a 16-byte boundary (ALIGNED, the
+    common case) the kernels tell the compiler so and each VEC is one 128-bit
+    load, otherwise (a view off a boundary, rare) the same elements are loaded
+    in narrower pieces. Rows that are not whole lines (V = 50257 bf16: the rows
+    of a contiguous batch start at every even byte) give a lane one element,
+    REPS = 16 times a tile, LANES apart: scalar loads, coalesced across a warp,
+    and sums inside the thread. (Row 32 of a contiguous [33, 4099] bf16 batch,
+    alone, once took the 128-bit partition because it happened to start on a
+    boundary, and differed from its batch by an ulp: issue 39.) Tiles count
+    from each row's first element. Short rows get fewer lanes. ``num_warps``
+    overrides the warps (and so the lanes) of a kernel that does more than the
+    forward. MAX_IN_STORAGE_TYPE: reduce.lane_max may take the max in the
+    logits' own type (compiled, not interpreted: a CPU tensor runs in Triton's
+    interpreter)."""
     first = rows[0]
     whole_lines = first.shape[-1] * first.element_size() % 16 == 0
     aligned = whole_lines and all(rows_aligned(t) for t in rows)
-    return dict(_tile_config(first.shape[-1], first.element_size(), aligned, first.device.type != "cpu", num_warps))
+    return dict(_tile_config(first.shape[-1], first.element_size(), whole_lines, aligned, first.device.type != "cpu",
+                             num_warps))  # fmt: skip
 
 
 @functools.cache
-def _tile_config(vocab: int, element_size: int, aligned: bool, compiled: bool, num_warps: int | None) -> dict:
+def _tile_config(vocab: int, element_size: int, whole_lines: bool, aligned: bool, compiled: bool,
+                 num_warps: int | None) -> dict:  # fmt: skip
     """tile_config's meta-parameters, a function of these alone: worked out once
     for each (a launch's host time is what a small batch waits for)."""
     block, warps = launch_config(vocab)
     if num_warps is None:
         num_warps = min(warps, _FORWARD_MAX_WARPS if vocab > _SHORT_ROW else _FORWARD_MAX_WARPS // 2)
-    vec = 16 // element_size if aligned else 1
+    vec = 16 // element_size if whole_lines else 1
     lanes = max(1, min(32 * num_warps, block // vec))
     reps = max(1, min(_THREAD_ELEMS // vec, triton.next_power_of_2(vocab) // (lanes * vec)))
     return {"REPS": reps, "LANES": lanes, "VEC": vec, "ALIGNED": aligned,

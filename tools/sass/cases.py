@@ -367,6 +367,12 @@ def coverage() -> None:
         sampling.sample_forward(x, **params, seed=meta(n, dtype=I64), offset=meta(1, dtype=I64), window=other)
         sampling.truncated_forward(x, labels, **params, with_stats=True, window=other)
         sampling.sample_forward(one, **split_params, seed=meta(1, dtype=I64), offset=meta(1, dtype=I64), window=other)
+        # rows of whole 16-byte lines in a view that starts 6 bytes off a boundary: the
+        # aligned rows' partition, loaded in narrower pieces (kernels._launch.tile_config)
+        shifted = meta(n, v + 8, dtype=dtype)[:, 3 : 3 + v]
+        logprobs.logprobs_forward(shifted, labels, 1.0, -100, with_entropy=True, with_stats=True)
+        kl.full_kl_forward(shifted, x, 1.0, with_stats=True)
+        sampling.sample_forward(shifted, temperature=0.7, top_k=50, top_p=1.0, min_p=0.0, seed=0, offset=0)
         for temperature in (1.0, temps):
             full, full_stats = kl.full_kl_forward(x, x, temperature, with_stats=True)
             kl.full_kl_backward(x, x, temperature, full_stats, full, meta(n), meta(n, v, dtype=dtype))
