@@ -102,7 +102,11 @@ def _check(filters: dict):
         expected = reference.truncated_logprobs(x.double(), out.tokens, temperature=TEMPERATURE, **filters)
         if not bool(torch.isfinite(expected).all()):
             return float("inf")
-        return float(((out.logprobs.double() - expected).abs() / (1 + expected.abs())).max())
+        # and the processed distribution's entropy, -sum q log q over the kept set
+        logq = reference.truncated_log_distribution(x.double(), temperature=TEMPERATURE, **filters)
+        entropy = -torch.where(logq == float("-inf"), 0.0, logq.exp() * logq).sum(-1)
+        return max(float(((out.logprobs.double() - expected).abs() / (1 + expected.abs())).max()),
+                   float(((out.entropy.double() - entropy).abs() / (1 + entropy)).max()))  # fmt: skip
 
     return check
 

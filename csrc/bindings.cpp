@@ -142,15 +142,15 @@ PYBIND11_MODULE(_C, m) {
       "sample_forward",
       [](const TruncationTuple& truncation, std::uintptr_t seeds, int64_t seed, bool per_row_seeds,
          std::uintptr_t offset_ptr, int64_t offset, std::uintptr_t tokens, std::uintptr_t logprobs,
-         std::uintptr_t raw_logprobs) {
+         std::uintptr_t raw_logprobs, std::uintptr_t entropy) {
         const fastrl::RandomArgs rng{reinterpret_cast<const int64_t*>(seeds), seed, per_row_seeds,
                                      reinterpret_cast<const int64_t*>(offset_ptr), offset};
         fastrl::sample_forward(truncation_args(truncation), rng, static_cast<int64_t*>(mptr(tokens)),
-                               mptr(logprobs), mptr(raw_logprobs));
+                               mptr(logprobs), mptr(raw_logprobs), mptr(entropy));
       },
       py::arg("truncation"), py::arg("seeds"), py::arg("seed"), py::arg("per_row_seeds"),
       py::arg("offset_ptr"), py::arg("offset"), py::arg("tokens"), py::arg("logprobs"),
-      py::arg("raw_logprobs"),
+      py::arg("raw_logprobs"), py::arg("entropy"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(

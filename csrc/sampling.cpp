@@ -204,6 +204,8 @@ struct Selection {
   bool bad = false, greedy = false;
   int64_t argmax = -1, n_max = 0;
   Acc m = 0, inv_t = 0, log_s = 0, log_s_kept = 0, log_min_p = 0;
+  // The processed distribution's entropy, -sum_kept q log q (0 for a greedy row).
+  Acc entropy = 0;
   KeyOf<Acc> threshold = 0;  // kept: key >= threshold and (x - m) / T >= log_min_p
 };
 
@@ -296,6 +298,13 @@ void gather_candidates(const In* x, int64_t vocab, int64_t lowest, Acc m, Select
   mark_unsampleable(sel, has_nan);
 }
 
+// A kept token's term of u = sum_j e_j (-d_j), e_j = exp(d_j): 0 where e_j is
+// (a -inf logit kept when nothing filters, d = -inf: never 0 * inf).
+template <typename Acc>
+FASTRL_INLINE double kept_spread(Acc e, Acc d) {
+  return e > 0 ? -double(e) * double(d) : 0.0;
+}
+
 template <typename In, typename Acc>
 Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm, Candidates<Acc>& cand) {
   using Key = KeyOf<Acc>;
@@ -344,9 +353,15 @@ Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm,
     cand.filter([&](int64_t j) { return (load_as<Acc>(x, cand.index[j]) - st.m) * sel.inv_t >= sel.log_min_p; });
   // In double, as row_stats sums s: a float sum stops growing once the terms
   // fall below half an ulp of it (1 + 20000 terms of 2^-25 stays 1, not 1.0006).
-  double s_kept = 0;
-  for (int64_t j = 0; j < cand.n; ++j) s_kept += cand.weight[j];
+  // With q_j = e_j / s_kept, the entropy -sum q_j log q_j = log s_kept + u / s_kept,
+  // u = sum_j e_j (-d_j) >= 0 (d_j <= 0 below the row's max, which is kept).
+  double s_kept = 0, u = 0;
+  for (int64_t j = 0; j < cand.n; ++j) {
+    s_kept += cand.weight[j];
+    u += kept_spread(cand.weight[j], (load_as<Acc>(x, cand.index[j]) - st.m) * sel.inv_t);
+  }
   sel.log_s_kept = static_cast<Acc>(std::log(s_kept));
+  sel.entropy = static_cast<Acc>(std::log(s_kept) + u / s_kept);
   return sel;
 }
 
@@ -395,16 +410,16 @@ void for_each_selected_row(const TruncationArgs& a, Fn fn) {
 
 template <typename In, typename Acc>
 void sample_impl(const TruncationArgs& a, const RandomArgs& rng, int64_t* tokens, Acc* logprobs,
-                 Acc* raw_logprobs) {
+                 Acc* raw_logprobs, Acc* entropy) {
   const uint64_t offset = uint64_t(rng.offset_ptr ? *rng.offset_ptr : rng.offset);
   for_each_selected_row<In, Acc>(a, [&](int64_t r, const In* x, const Selection<Acc>& sel,
                                         const Candidates<Acc>& cand) {
     if (sel.bad) {
       tokens[r] = -1;
-      logprobs[r] = raw_logprobs[r] = quiet_nan<Acc>();
+      logprobs[r] = raw_logprobs[r] = entropy[r] = quiet_nan<Acc>();
     } else if (sel.greedy) {  // T -> 0: a point mass on the first argmax
       tokens[r] = sel.argmax;
-      logprobs[r] = 0;
+      logprobs[r] = entropy[r] = 0;
       raw_logprobs[r] = -std::log(Acc(sel.n_max));
     } else {
       const uint64_t seed = uint64_t(rng.per_row_seeds ? rng.seeds[r] : rng.seed);
@@ -414,6 +429,7 @@ void sample_impl(const TruncationArgs& a, const RandomArgs& rng, int64_t* tokens
       tokens[r] = tok;
       logprobs[r] = d - sel.log_s_kept;
       raw_logprobs[r] = d - sel.log_s;
+      entropy[r] = sel.entropy;
     }
   });
 }
@@ -493,14 +509,14 @@ void shard_pass_impl(const TruncationArgs& a, const RandomArgs* rng, int64_t col
   for (int64_t r = 0; r < a.n_rows; ++r) {
     const In* x = static_cast<const In*>(a.logits) + a.rows.offset(r);
     const RowParams<Acc> prm = row_params<Acc>(a, r);
-    double* out = sums + 4 * r;
+    double* out = sums + 5 * r;
     int64_t* pick = picks + 2 * r;
     Selection<Acc> sel;
     sel.m = given[2 * r];
     sel.threshold = order_key(given[2 * r + 1]);
     sel.inv_t = prm.t > 0 ? Acc(1) / prm.t : Acc(1);
     sel.log_min_p = prm.min_p > 0 ? std::log(prm.min_p) : neg_inf<Acc>();
-    out[0] = out[1] = out[2] = out[3] = quiet_nan<double>();
+    out[0] = out[1] = out[2] = out[3] = out[4] = quiet_nan<double>();
     pick[0] = pick[1] = -1;
     if (!(sel.m > neg_inf<Acc>() && sel.m < std::numeric_limits<Acc>::infinity()) || !prm.valid()) continue;
     int64_t first_max = -1;
@@ -513,7 +529,7 @@ void shard_pass_impl(const TruncationArgs& a, const RandomArgs* rng, int64_t col
       }
       pick[1] = first_max < 0 ? -1 : column_base + first_max;
       out[0] = double(n_max);
-      out[1] = out[2] = out[3] = 0;
+      out[1] = out[2] = out[3] = out[4] = 0;
       continue;
     }
     const bool racing = rng != nullptr;
@@ -521,7 +537,7 @@ void shard_pass_impl(const TruncationArgs& a, const RandomArgs* rng, int64_t col
     const uint32_t k0 = uint32_t(seed), k1 = uint32_t(seed >> 32);
     const uint32_t salt = racing && !rng->per_row_seeds ? uint32_t(r) : 0u;
     // In double, as select_row sums its masses.
-    double s = 0, s_kept = 0;
+    double s = 0, s_kept = 0, u = 0;
     Acc best = neg_inf<Acc>(), d_best = neg_inf<Acc>();
     int64_t winner = -1;
     for (int64_t i = 0; i < a.vocab; ++i) {
@@ -532,6 +548,7 @@ void shard_pass_impl(const TruncationArgs& a, const RandomArgs* rng, int64_t col
       if (v == sel.m && first_max < 0) first_max = i;
       if (!is_kept(sel, v)) continue;
       s_kept += e;
+      u += kept_spread(e, d);
       if (!racing) continue;
       const Words4 w = philox4x32_10(uint32_t(column_base + i), salt, uint32_t(offset), uint32_t(offset >> 32), k0, k1);
       const Acc score = d - std::log(Acc(exponential_variate(w.w[0], w.w[1])));
@@ -543,6 +560,7 @@ void shard_pass_impl(const TruncationArgs& a, const RandomArgs* rng, int64_t col
     }
     out[0] = s;
     out[1] = s_kept;
+    out[4] = u;
     pick[1] = first_max < 0 ? -1 : column_base + first_max;
     if (racing) {
       out[2] = best;
@@ -593,10 +611,10 @@ void digit_histogram_impl(const TruncationArgs& a, const int64_t* prefix, int sh
 }  // namespace
 
 void sample_forward(const TruncationArgs& a, const RandomArgs& rng, int64_t* tokens, void* logprobs,
-                    void* raw_logprobs) {
+                    void* raw_logprobs, void* entropy) {
   FASTRL_DISPATCH_LOGITS(a.dtype, "sample_forward",
                          (sample_impl<In, Acc>(a, rng, tokens, static_cast<Acc*>(logprobs),
-                                               static_cast<Acc*>(raw_logprobs))))
+                                               static_cast<Acc*>(raw_logprobs), static_cast<Acc*>(entropy))))
 }
 
 void truncated_logprobs_forward(const TruncationArgs& a, const void* labels, int label_dtype,

@@ -42,11 +42,12 @@ struct RandomArgs {
 };
 
 // tokens [n_rows] int64 (-1 for a row that is all -inf, has NaN or +inf, or
-// has an invalid parameter; its log-probs are NaN), logprobs under the processed
-// distribution and raw_logprobs under log_softmax(logits / T), both of the
+// has an invalid parameter; its log-probs and entropy are NaN), logprobs under
+// the processed distribution, raw_logprobs under log_softmax(logits / T), and
+// entropy, the processed distribution's (0 for a greedy row), all of the
 // accumulation type.
 void sample_forward(const TruncationArgs& args, const RandomArgs& rng, int64_t* tokens,
-                    void* logprobs, void* raw_logprobs);
+                    void* logprobs, void* raw_logprobs, void* entropy);
 
 // Log-prob of labels under the processed distribution (-inf outside the kept
 // set; NaN for a bad row), and per-row stats [n_rows, 3] (max logit, log of
@@ -71,12 +72,13 @@ void truncated_logprobs_backward(const TruncationArgs& args, const void* labels,
 // tokens are x >= tau with (x - m) / T >= log(min_p); top_k and top_p are not
 // read. The shard's columns are the global indices column_base + j, which are
 // also the Philox counters, so the race is the unsharded one. Writes, per row:
-//   sums [n_rows, 4] float64: s = sum_j e_j over the shard, s_kept over its kept
+//   sums [n_rows, 5] float64: s = sum_j e_j over the shard, s_kept over its kept
 //     tokens (e_j = exp((x_j - m) / T)); then with rng the best race score
 //     d_j - log E_j of its kept tokens (-inf: none) and that token's d_j, or
 //     with labels d of the label where the shard holds it (-inf when not kept,
-//     NaN when another shard holds it) and 0. Greedy rows: s = the number of
-//     logits equal to m, the rest 0.
+//     NaN when another shard holds it) and 0; then u = sum_j e_j (-d_j) over its
+//     kept tokens (the processed entropy is log S_kept + U / S_kept over the
+//     ranks' sums). Greedy rows: s = the number of logits equal to m, the rest 0.
 //   picks [n_rows, 2] int64: the race winner and the first logit equal to m,
 //     as global indices, -1 for none.
 // A row whose m is not finite or whose parameters are invalid is left to the

@@ -169,11 +169,13 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset):
     tokens = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(n_rows, dtype=acc, device=logits.device)
     raw = torch.empty(n_rows, dtype=acc, device=logits.device)
+    entropy = torch.empty(n_rows, dtype=acc, device=logits.device)
     native_module().sample_forward(
         truncation=_truncation(logits, temperature, top_k, top_p, min_p), **_random(seed, offset),
         tokens=tokens.data_ptr(), logprobs=logprobs.data_ptr(), raw_logprobs=raw.data_ptr(),
+        entropy=entropy.data_ptr(),
     )  # fmt: skip
-    return tokens, logprobs, raw
+    return tokens, logprobs, raw, entropy
 
 
 def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_stats):
@@ -213,7 +215,7 @@ def shard_digit_histogram(logits, prefix, shift, given=None, *, temperature=1.0,
 def sample_shard_pass(logits, given, *, temperature, min_p, column_base, seed=None, offset=0, labels=None):
     """The contract of ``fastrl.kernels.sampling.sample_shard_pass``, on the C++ kernels."""
     n_rows = row_count(logits)
-    sums = torch.empty(n_rows, 4, dtype=torch.float64, device=logits.device)
+    sums = torch.empty(n_rows, 5, dtype=torch.float64, device=logits.device)
     picks = torch.empty(n_rows, 2, dtype=torch.int64, device=logits.device)
     native_module().sample_shard_pass(
         truncation=_truncation(logits, temperature, 0, 1.0, min_p), racing=labels is None,

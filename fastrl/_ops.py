@@ -210,12 +210,12 @@ def _sample_forward(logits, *args):
 
 
 def _sample_forward_fake(logits, *args):
-    return _per_row_fake(logits).to(torch.int64), _per_row_fake(logits), _per_row_fake(logits)
+    return _per_row_fake(logits).to(torch.int64), _per_row_fake(logits), _per_row_fake(logits), _per_row_fake(logits)
 
 
 sample_forward = _define(
     "sample_forward(Tensor logits, " + _TRUNCATION + ", Tensor? seed_rows, int seed, Tensor? offset_tensor, "
-    "int offset, str backend) -> (Tensor tokens, Tensor logprobs, Tensor raw_logprobs)",
+    "int offset, str backend) -> (Tensor tokens, Tensor logprobs, Tensor raw_logprobs, Tensor entropy)",
     _sample_forward, _sample_forward_fake,
 )  # fmt: skip
 
@@ -267,7 +267,7 @@ def _sample_shard_pass(logits, given, temperature_rows, temperature, min_p_rows,
 
 def _sample_shard_pass_fake(logits, *args):
     n_rows = math.prod(logits.shape[:-1])
-    return _new(logits, n_rows, 4, dtype=torch.float64), _new(logits, n_rows, 2, dtype=torch.int64)
+    return _new(logits, n_rows, 5, dtype=torch.float64), _new(logits, n_rows, 2, dtype=torch.int64)
 
 
 def _shard_digit_histogram(logits, prefix, shift, given, temperature_rows, temperature, unit_scale, backend):

@@ -373,8 +373,10 @@ def sample(
     seed: int | torch.Tensor = 0,
     offset: int | torch.Tensor = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens, logprobs, raw_logprobs): one draw per row from the processed
-    distribution of :func:`truncated_log_distribution`.
+    """(tokens, logprobs, raw_logprobs, entropy): one draw per row from the
+    processed distribution of :func:`truncated_log_distribution`, and that
+    distribution's entropy -sum_v q(v) log q(v) over its kept tokens (0 for a
+    greedy row's point mass).
 
     The draw is an exponential race: token = argmax_v log q(v) - log E_v over
     the kept set, E_v ~ Exp(1) independent, which picks v with probability q(v).
@@ -382,7 +384,8 @@ def sample(
     (v, salt, offset low, offset high), salt = the row index for one batch-wide
     seed and 0 for per-row seeds (so a row with its own seed draws the same
     token wherever it sits in a batch). Greedy rows (T == 0) take the first argmax.
-    A row with nothing to sample (``_unsampleable``) gets token -1 and NaN log-probs.
+    A row with nothing to sample (``_unsampleable``) gets token -1, NaN log-probs
+    and a NaN entropy.
     """
     logq = truncated_log_distribution(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     rows, vocab, dev = logits.shape[:-1], logits.shape[-1], logits.device
@@ -402,7 +405,10 @@ def sample(
     t = _per_row(temperature, rows, compute_dtype(logits), dev).squeeze(-1)
     tokens = torch.where(t == 0, logits.argmax(dim=-1), tokens)
     logprobs = logq.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # NaN on a bad row, whatever its token
-    return tokens.masked_fill(_unsampleable(logits), -1), logprobs, raw_logprobs(logits, tokens, temperature)
+    # (a token outside the kept set, logq = -inf, adds 0, never 0 * -inf; NaN rows stay NaN)
+    entropy = -torch.where(logq == -math.inf, 0.0, logq.exp() * logq).sum(-1) + 0.0  # (+ 0.0: no -0.0)
+    bad = _unsampleable(logits)
+    return tokens.masked_fill(bad, -1), logprobs, raw_logprobs(logits, tokens, temperature), entropy
 
 
 # ---- KL and policy loss ---------------------------------------------------------------------

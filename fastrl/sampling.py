@@ -44,11 +44,15 @@ __all__ = ["SampleOutput", "sample", "truncated_logprobs"]
 
 class SampleOutput(NamedTuple):
     """One draw per row: the token, its log-prob under the processed
-    distribution (the PPO "old" log-prob) and under the full softmax(logits / T)."""
+    distribution (the PPO "old" log-prob) and under the full softmax(logits / T),
+    and the entropy of the processed distribution it was drawn from."""
 
     tokens: torch.Tensor  # int64 [...]; -1 marks a bad row on CUDA
     logprobs: torch.Tensor  # fp32 [...]
     raw_logprobs: torch.Tensor  # fp32 [...]
+    # fp32 [...]: -sum q log q over the kept tokens (after temperature, top-k, top-p
+    # and min-p); 0 for a greedy row, NaN for a bad one
+    entropy: torch.Tensor
 
 
 def _truncation(logits, temperature, top_k, top_p, min_p) -> dict:
@@ -152,7 +156,8 @@ def sample(
 ) -> SampleOutput:
     """Draw one token per row of ``logits [..., V]`` from the processed
     distribution (module docstring), returning it with its processed and raw
-    log-probs (float32; float64 for float64 logits).
+    log-probs and the processed distribution's entropy (float32; float64 for
+    float64 logits), all from the same reads of the row.
 
     ``temperature``, ``top_k``, ``top_p``, ``min_p``: Python scalars or per-row
     tensors broadcastable to ``logits.shape[:-1]``. ``seed``: an int, an int64
@@ -177,10 +182,10 @@ def sample(
             params = _truncation(logits, temperature, top_k, top_p, min_p)
             return (params, *_seed_and_offset(seed, offset, rows, logits.device))
 
-        tokens, logprobs, raw = sample_sharded(logits, check, group, vocab_start)
+        out = sample_sharded(logits, check, group, vocab_start)
         if _rejects_bad_rows(logits.device):
-            _reject_bad_rows(tokens < 0, rows)
-        return SampleOutput(tokens.view(rows), logprobs.view(rows), raw.view(rows))
+            _reject_bad_rows(out[0] < 0, rows)
+        return SampleOutput(*(t.view(rows) for t in out))
     _no_vocab_start(vocab_start)
     _validation.check_logits(logits)
     params = _truncation(logits, temperature, top_k, top_p, min_p)
@@ -189,18 +194,18 @@ def sample(
     if logits.numel() == 0:
         acc = reference.compute_dtype(logits)
         empty = lambda dt: torch.empty(rows, dtype=dt, device=logits.device)  # noqa: E731
-        return SampleOutput(empty(torch.int64), empty(acc), empty(acc))
+        return SampleOutput(empty(torch.int64), empty(acc), empty(acc), empty(acc))
     if backend == "reference":
         args = _reference_args(logits, {**params, "seed": seed})
-        tokens, logprobs, raw = reference.sample(logits, **args, offset=offset)
+        out = reference.sample(logits, **args, offset=offset)
     else:
-        tokens, logprobs, raw = _ops.sample_forward(
+        out = _ops.sample_forward(
             row_view(logits), *_truncation_args(params), *_ops.split_row_param(seed), *_ops.split_row_param(offset),
             backend,
         )  # fmt: skip
     if _rejects_bad_rows(logits.device):
-        _reject_bad_rows(tokens < 0, rows)
-    return SampleOutput(tokens.view(rows), logprobs.view(rows), raw.view(rows))
+        _reject_bad_rows(out[0] < 0, rows)
+    return SampleOutput(*(t.view(rows) for t in out))
 
 
 def _no_vocab_start(vocab_start) -> None:

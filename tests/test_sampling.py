@@ -137,6 +137,50 @@ def test_same_tokens_as_the_reference_sampler(device, backend):
     assert torch.equal(out.tokens, expected[0])
     torch.testing.assert_close(out.logprobs, expected[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.raw_logprobs, expected[2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.entropy, expected[3], rtol=1e-5, atol=1e-5)
+
+
+def _processed_entropy(x, **filters) -> torch.Tensor:
+    """The float64 entropy -sum q log q of the processed distribution of rows ``x``
+    (fastrl.reference's spec, in float64)."""
+    logq = reference.truncated_log_distribution(x.double(), **filters)
+    return -torch.where(logq == float("-inf"), 0.0, logq.exp() * logq).sum(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_entropy_of_the_processed_distribution(device, backend, dtype):
+    """SampleOutput.entropy is the entropy of the distribution each token was
+    drawn from (after temperature, top-k, top-p and min-p), against the float64
+    spec: per-row parameters with a greedy row (0), top-k 1 (0 exactly), a tie
+    at the max under top-k 1 (log 2), a peaked row (entropy ~ 1e-11: compared
+    absolutely), a row with masked (-inf) logits and no filter (they add
+    nothing, never 0 * inf), and min-p. Bound: DESIGN.md's float32 output bound,
+    1e-5 relative and absolute (the kernels' terms e (-d) carry about
+    (2 |d| + 5) ulps each, under 1e-6 of the sum; float32 fixed-point units of
+    2^-42 a term add under V 2^-42); float64 to 1e-12."""
+    g = torch.Generator().manual_seed(torch.randint(2**31, ()).item())
+    x = torch.randn(10, 700, generator=g, dtype=torch.float64) * 2
+    x[4, 3] = x[4].max() + 40  # peaked
+    x[5, 11] = x[5, 12] = x[5].max() + 1  # a tie at the max
+    x[6, 350:] = float("-inf")  # masked vocabulary
+    x = x.to(dtype).to(device)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    filters = dict(
+        temperature=torch.tensor([0.7, 0.0, 1.0, 1.3, 1.0, 1.0, 1.0, 0.5, 2.0, 0.9], dtype=acc, device=device),
+        top_k=torch.tensor([50, 0, 1, 0, 0, 1, 0, 20, 0, 300], device=device),
+        top_p=torch.tensor([1.0, 0.9, 1.0, 0.8, 1.0, 1.0, 1.0, 0.95, 0.5, 0.9], dtype=acc, device=device),
+        min_p=torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.01], dtype=acc, device=device),
+    )
+    with fastrl.use_backend(backend):
+        out = fastrl.sample(x, **filters, seed=5)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert_close_to_reference(out.entropy, _processed_entropy(x, **filters), tol, what="entropy")
+    assert out.entropy.dtype == acc
+    assert out.entropy[1] == 0 and out.entropy[2] == 0, "a point mass (greedy, top-k 1) has entropy 0"
+    torch.testing.assert_close(out.entropy[5].double(), torch.tensor(math.log(2), dtype=torch.float64),
+                               rtol=1e-6, atol=0)  # fmt: skip
+    assert (out.entropy >= 0).all()
 
 
 @pytest.mark.parametrize("device,backend", BACKENDS)
@@ -179,6 +223,7 @@ def test_per_row_parameters_and_seeds(device, backend):
             )  # fmt: skip
             assert alone.tokens[0] == out.tokens[r], f"row {r}"
             assert alone.logprobs[0] == out.logprobs[r] and alone.raw_logprobs[0] == out.raw_logprobs[r]
+            assert alone.entropy[0] == out.entropy[r]
         shuffled = torch.tensor([4, 0, 5, 2, 3, 1])
         again = fastrl.sample(
             x[shuffled], temperature=temperature[shuffled], top_k=top_k[shuffled], top_p=top_p[shuffled],
@@ -189,7 +234,8 @@ def test_per_row_parameters_and_seeds(device, backend):
         x.double(), temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
     )
     assert bool((logq.gather(-1, out.tokens[:, None]) > float("-inf")).all()), "a draw outside its row's kept set"
-    assert out.tokens[2] == x[2].argmax() and out.logprobs[2] == 0, "T = 0 is greedy"
+    assert torch.equal(again.entropy, out.entropy[shuffled])
+    assert out.tokens[2] == x[2].argmax() and out.logprobs[2] == 0 and out.entropy[2] == 0, "T = 0 is greedy"
 
 
 @pytest.mark.parametrize("device,backend", BACKENDS)
@@ -376,7 +422,7 @@ def _triton_sample(x, window, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
     """fastrl.sample's Triton launches (kernels/sampling/, sample_forward) on
     rows ``x`` [N, V] with scalar parameters (as the API passes them, None
     filters off), taking the row histogram ``window`` names: (tokens,
-    log-probs, raw log-probs)."""
+    log-probs, raw log-probs, entropy)."""
     from fastrl.kernels import sampling as kernels
 
     return kernels.sample_forward(x, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
@@ -422,7 +468,7 @@ def test_top_p_lists_the_digits_above_its_mass_floor(device, backend, window, mo
 
     lists = _last_workspace(monkeypatch)
     x = (torch.randn(4, 32768, dtype=torch.float64) * 3).to(torch.bfloat16)
-    tokens, logprobs, _ = _triton_sample(x.to(device), window, temperature=0.7, seed=5, top_p=0.9)
+    tokens, logprobs, _, _ = _triton_sample(x.to(device), window, temperature=0.7, seed=5, top_p=0.9)
     listed = lists["counters"].cpu()
     # every row compacts (a counter of 0 is a row whose list is the row)
     assert (listed > 0).all() and (listed <= kernels.list_capacity(x.shape[-1])).all(), listed
@@ -460,11 +506,11 @@ def test_window_and_top_digit_histograms_give_the_same_bits(device, backend, mon
         kw = dict(temperature=1.0) | filters
         results = {}
         for window in (False, True):
-            tokens, logprobs, raw = _triton_sample(x, window, **kw, seed=99, offset=3)
+            tokens, logprobs, raw, entropy = _triton_sample(x, window, **kw, seed=99, offset=3)
             # (the truncated forward shares the selection: two filters suffice)
             both = "min_p" in kw or kw.get("top_k") == 50
             truncated = _triton_truncated(x, labels, window, **kw) if both else None
-            results[window] = (tokens, logprobs, raw, truncated)
+            results[window] = (tokens, logprobs, raw, entropy, truncated)
             if window and filters == dict(top_k=50):
                 # the window lists the candidates of the first three rows; the
                 # crossing row's 0.04 logits fit in its first bin (1/16 of a
@@ -521,10 +567,10 @@ def test_each_route_to_the_list_gives_the_bits_of_the_split_rows(device, backend
         results = {}
         for split in (False, True):
             monkeypatch.setattr(kernels, "_sm_count", lambda device: 10**6 if split else 0)
-            tokens, logprobs, raw = _triton_sample(x, None, temperature=temperature, **filters, seed=7)
+            tokens, logprobs, raw, entropy = _triton_sample(x, None, temperature=temperature, **filters, seed=7)
             counters = lists["counters"].cpu().clone()
             truncated = _triton_truncated(x, labels, None, temperature=temperature, **filters)
-            results[split] = (tokens, logprobs, raw, truncated)
+            results[split] = (tokens, logprobs, raw, entropy, truncated)
             if not split and "top_k" in filters:
                 # row 0 compacted from its floor; row 1's tie overflowed the list
                 assert 0 < counters[0] <= capacity and counters[1] > capacity, counters
@@ -612,12 +658,12 @@ def test_split_rows_give_the_bits_of_one_program_a_row(device, backend, dtype, v
     def outputs(split):
         monkeypatch.setattr(kernels, "_sm_count", lambda device: 10**6 if split else 0)
         assert bool(kernels._split_parts(x, 7, kernels._launch_config(x))[0]) == split
-        tokens, logprobs, raw = kernels.sample_forward(x, **params, seed=11, offset=5, window=window)
+        tokens, logprobs, raw, entropy = kernels.sample_forward(x, **params, seed=11, offset=5, window=window)
         truncated, stats = kernels.truncated_forward(x, tokens.clamp(min=0), **params, with_stats=True, window=window)
-        return tokens, logprobs, raw, truncated, stats
+        return tokens, logprobs, raw, entropy, truncated, stats
 
     one, split = outputs(False), outputs(True)
-    for name, a, b in zip(("tokens", "logprobs", "raw", "truncated", "stats"), one, split):
+    for name, a, b in zip(("tokens", "logprobs", "raw", "entropy", "truncated", "stats"), one, split):
         bits = torch.int64 if a.element_size() == 8 else torch.int32
         assert torch.equal(a.view(bits), b.view(bits)), (name, a, b)
     assert one[0][2] == -1 and (one[0][[0, 1, 3, 4, 5, 6]] >= 0).all()
@@ -693,10 +739,11 @@ def test_rows_spanning_tiles_with_hard_keys_match_the_reference(device, backend,
                     dict(temperature=1.3, top_k=3000)):  # fmt: skip
         kw = dict(temperature=1.0) | filters
         expected = reference.sample(x, **kw, seed=1234, offset=7)
-        tokens, logprobs, raw = _triton_sample(x, window, **kw, seed=1234, offset=7)
+        tokens, logprobs, raw, entropy = _triton_sample(x, window, **kw, seed=1234, offset=7)
         assert torch.equal(tokens, expected[0]), (filters, tokens, expected[0])
         torch.testing.assert_close(logprobs, expected[1], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(raw, expected[2], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(entropy, expected[3], rtol=1e-5, atol=1e-5)
         if kw["temperature"] > 0:
             labels = expected[0]
             truncated = _triton_truncated(x, labels, window, **kw)
@@ -968,11 +1015,12 @@ def test_kernels_mark_rows_with_invalid_parameters(device, backend):
     x = torch.randn(3, 30, device=device)
     top_p = torch.tensor([0.9, -1.0, 0.9], device=device)
     temperature = torch.tensor([1.0, 1.0, 1e-40], device=device)
-    tokens, logprobs, raw = launchers(backend, "sampling").sample_forward(
+    tokens, logprobs, raw, entropy = launchers(backend, "sampling").sample_forward(
         x, temperature=temperature, top_k=0, top_p=top_p, min_p=0.0, seed=1, offset=0
     )
     assert tokens.tolist()[1:] == [-1, -1] and 0 <= tokens[0] < 30
     assert logprobs[1:].isnan().all() and raw[1:].isnan().all() and torch.isfinite(logprobs[0])
+    assert entropy[1:].isnan().all() and torch.isfinite(entropy[0])
     out, _ = launchers(backend, "sampling").truncated_forward(
         x, x.argmax(dim=-1), temperature=temperature, top_k=0, top_p=top_p, min_p=0.0, with_stats=False
     )
@@ -1102,11 +1150,12 @@ def test_full_vocabulary_rows_on_the_gpu_are_exact_and_repeatable(filters, windo
     terms' share is under 2e-6 of the sum; 1e-5 leaves room for the exp and log)."""
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(4, 151936, generator=gen) * 3).bfloat16().cuda()
-    tokens, logprobs, _ = _triton_sample(x, window, temperature=0.7, seed=0, **filters)
+    tokens, logprobs, _, entropy = _triton_sample(x, window, temperature=0.7, seed=0, **filters)
     again = [_triton_sample(x, window, temperature=0.7, seed=0, **filters) for _ in range(5)]
     scored = _triton_truncated(x, tokens, window, temperature=0.7, **filters)
-    for other_tokens, other_logprobs, _ in again:
+    for other_tokens, other_logprobs, _, other_entropy in again:
         assert torch.equal(other_tokens, tokens) and torch.equal(other_logprobs, logprobs)
+        assert torch.equal(other_entropy, entropy)
     assert torch.equal(scored, logprobs)
     expected = reference.truncated_logprobs(x.double().cpu(), tokens.cpu(), temperature=0.7, **filters)
     err = ((logprobs.double().cpu() - expected).abs() / (1 + expected.abs())).max().item()

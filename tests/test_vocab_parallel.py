@@ -741,6 +741,10 @@ def _check_sampling(rank: int, world: int, group, seed: int) -> None:
                 raw_truth = reference.raw_logprobs(x.double(), out.tokens, kw64.get("temperature", 1.0))
                 assert_close_to_reference(out.logprobs, truth, 1e-5, what=f"logprobs {what}")
                 assert_close_to_reference(out.raw_logprobs, raw_truth, 1e-5, what=f"raw {what}")
+                # the processed distribution's entropy, -sum q log q over the kept set (test_sampling's bound)
+                logq = reference.truncated_log_distribution(x.double(), **kw64)
+                entropy_truth = -torch.where(logq == float("-inf"), 0.0, logq.exp() * logq).sum(-1)
+                assert_close_to_reference(out.entropy, entropy_truth, 1e-5, what=f"entropy {what}")
                 # truncated_logprobs: the sampled tokens' log-probs (the same kept set, so the rollout's), others'
                 # -inf outside it, and the gradient within the float64 autograd's of the unsharded spec.
                 labels = torch.where(torch.rand(n_rows) < 0.5, out.tokens, torch.randint(vocab, (n_rows,)))
@@ -836,10 +840,11 @@ def _check_sampling(rank: int, world: int, group, seed: int) -> None:
                              lambda: fastrl.truncated_logprobs(nan_row, out.tokens, group=group))  # fmt: skip
     # No tokens: empty results, the truncated log-probs still differentiable (a zero gradient).
     empty = shard[:0].unsqueeze(1).expand(0, 3, shard.shape[-1]).clone().requires_grad_()
-    tokens, logprobs, raw = fastrl.sample(empty, seed=1, group=group)
+    tokens, logprobs, raw, entropy = fastrl.sample(empty, seed=1, group=group)
     lp = fastrl.truncated_logprobs(empty, torch.zeros(0, 3, dtype=torch.int64), top_k=3, group=group)
     lp.sum().backward()
-    assert tokens.shape == logprobs.shape == raw.shape == lp.shape == (0, 3) and empty.grad.shape == empty.shape
+    assert tokens.shape == logprobs.shape == raw.shape == entropy.shape == lp.shape == (0, 3)
+    assert empty.grad.shape == empty.shape
 
     # A vocabulary of 3 * 2^20 (the masses' fixed point scales with V: at a fixed 2^-42 their sum overflowed
     # int64 past 2^21 tokens, and top-p kept the wrong set): every token is kept at top-p 0.9.

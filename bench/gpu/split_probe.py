@@ -39,7 +39,7 @@ def _capture(window: bool, x: torch.Tensor, filters: dict):
 
     sampling._workspace = keep
     try:
-        tokens, logprobs, _ = sampling.sample_forward(x, temperature=0.7, top_k=0, top_p=filters.get("top_p", 1.0),
+        tokens, logprobs, _, _ = sampling.sample_forward(x, temperature=0.7, top_k=0, top_p=filters.get("top_p", 1.0),
                                                       min_p=0.0, seed=0, offset=0, window=window)  # fmt: skip
     finally:
         sampling._workspace = workspace

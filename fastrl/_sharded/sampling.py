@@ -24,11 +24,12 @@ from .._rows import row_view
 #      mass(key >= u) >= p * mass(top-k set), masses in fixed point (e * 2^(62 - bits of V) rounded to
 #      an int64, so that V of them cannot overflow: exact sums in any order) with their counts, one
 #      all-reduce a round;
-#   4. the shard pass (kernel): the shard's masses s and s_kept (float64), and the exponential race
-#      over its kept tokens with the global index as Philox counter, so each rank's best score is the
-#      unsharded race's over those tokens (the same d = (x - M) / T, the same variates); one all-gather
-#      of 48 bytes a row, and every rank takes the best score (ties: the lowest index) and sums the
-#      masses in rank order.
+#   4. the shard pass (kernel): the shard's masses s and s_kept and its kept tokens' u = sum e (-d)
+#      (float64), and the exponential race over its kept tokens with the global index as Philox
+#      counter, so each rank's best score is the unsharded race's over those tokens (the same
+#      d = (x - M) / T, the same variates); one all-gather of 56 bytes a row, and every rank takes
+#      the best score (ties: the lowest index) and sums the masses in rank order (the processed
+#      entropy is log S_kept + U / S_kept).
 #
 # The sampled token equals the unsharded sampler's unless a top-p boundary falls within the masses'
 # rounding (half a unit a token: 2^-45 relative at V = 151936, against float64 sums unsharded);
@@ -193,10 +194,12 @@ def _reference_shard_pass(rows, given, temps, temp_scalar, min_p, shard: Shard, 
     e = torch.exp(d).double()
     at_max = x == m
     columns = torch.arange(vocab, device=x.device) + shard.start
-    sums = torch.zeros(n_rows, 4, dtype=torch.float64, device=x.device)
+    sums = torch.zeros(n_rows, 5, dtype=torch.float64, device=x.device)
     picks = torch.full((n_rows, 2), -1, dtype=torch.int64, device=x.device)
     sums[:, 0] = torch.where(greedy.squeeze(-1), at_max.sum(-1).double(), e.sum(-1))
     sums[:, 1] = torch.where(greedy.squeeze(-1), 0.0, torch.where(kept, e, 0.0).sum(-1))
+    # (a kept -inf logit, d = -inf, has e = 0 and adds 0, never 0 * inf)
+    sums[:, 4] = torch.where(greedy.squeeze(-1), 0.0, torch.where(kept & (e > 0), -e * d.double(), 0.0).sum(-1))
     picks[:, 1] = torch.where(at_max.any(-1), columns[at_max.to(torch.int8).argmax(-1)], -1)
     if labels is None:
         if isinstance(seed, torch.Tensor):
@@ -227,7 +230,7 @@ def _reference_shard_pass(rows, given, temps, temp_scalar, min_p, shard: Shard, 
 
 
 def _shard_pass(rows, given, params, shard: Shard, backend, seed=None, offset=0, labels=None):
-    """This shard's (sums [N, 4] float64, picks [N, 2] int64) (csrc/sampling.h, sample_shard_pass)."""
+    """This shard's (sums [N, 5] float64, picks [N, 2] int64) (csrc/sampling.h, sample_shard_pass)."""
     temps, temp_scalar = _ops.split_row_param(params["temperature"])
     min_p_rows, min_p = _ops.split_row_param(params["min_p"])
     if backend == "reference":
@@ -266,15 +269,16 @@ def _kept_threshold(rows, params, shard: Shard, top_k_on: bool, top_p_on: bool, 
 
 
 def _combine_shard_passes(sums, picks, shard: Shard):
-    """Every rank's shard pass, gathered once ([world, N, 6] float64) and combined in rank order:
-    (token or the first max [N] int64, d of it, s [N], s_kept [N] float64, label d [N] float64,
-    first max [N] int64)."""
+    """Every rank's shard pass, gathered once ([world, N, 7] float64) and combined in rank order:
+    (token or the first max [N] int64, d of it, s [N], s_kept [N], u [N] float64, label d [N]
+    float64, first max [N] int64)."""
     gathered = gather_ranks(torch.cat([sums, picks.double()], -1), shard)
-    s, s_kept, score, d_win, winner, first = gathered.unbind(-1)
-    total, total_kept = s[0].clone(), s_kept[0].clone()
+    s, s_kept, score, d_win, spread, winner, first = gathered.unbind(-1)
+    total, total_kept, total_spread = s[0].clone(), s_kept[0].clone(), spread[0].clone()
     for r in range(1, s.shape[0]):  # rank order: the same bits on every rank
         total += s[r]
         total_kept += s_kept[r]
+        total_spread += spread[r]
     first_max = torch.where(first >= 0, first, torch.inf).amin(0)
     best = score.amax(0)
     won = (score == best) & (winner >= 0)
@@ -288,7 +292,7 @@ def _combine_shard_passes(sums, picks, shard: Shard):
     label_d = torch.where(torch.isnan(score), -torch.inf, score).amax(0)
     label_d = torch.where(torch.isnan(score).all(0), torch.nan, label_d)
     first_max = torch.where(torch.isinf(first_max), -1, first_max).long()
-    return torch.where(torch.isinf(token), -1, token).long(), d, total, total_kept, label_d, first_max
+    return torch.where(torch.isinf(token), -1, token).long(), d, total, total_kept, total_spread, label_d, first_max
 
 
 def _filters_on(params) -> tuple[bool, bool]:
@@ -300,7 +304,7 @@ def _filters_on(params) -> tuple[bool, bool]:
 
 
 def sample_sharded(logits, check, group, vocab_start):
-    """The sharded form of ``sampling.sample``: (tokens, logprobs, raw_logprobs) [N] of this rank's
+    """The sharded form of ``sampling.sample``: (tokens, logprobs, raw_logprobs, entropy) [N] of this rank's
     vocabulary shard ``logits [..., V_r]``, the same on every rank; ``check()`` returns the checked
     (params, seed, offset) as sampling.sample holds them. The seed and offset change from call to
     call, so an agreed configuration leaves them out (fastrl._distributed): ranks whose seeds then
@@ -320,15 +324,17 @@ def sample_sharded(logits, check, group, vocab_start):
     acc = reference.compute_dtype(logits)
     if n_rows == 0:
         empty = lambda dt: torch.empty(n_rows, dtype=dt, device=logits.device)  # noqa: E731
-        return empty(torch.int64), empty(acc), empty(acc)
+        return empty(torch.int64), empty(acc), empty(acc), empty(acc)
     backend = select_backend(logits.device)
     given, bad = _kept_threshold(rows, params, shard, *_filters_on(params), backend)
     sums, picks = _shard_pass(rows, given, params, shard, backend, seed=seed, offset=offset)
-    token, d, total, total_kept, _, _ = _combine_shard_passes(sums, picks, shard)
+    token, d, total, total_kept, total_spread, _, _ = _combine_shard_passes(sums, picks, shard)
     greedy = reference._per_row(params["temperature"], (n_rows,), acc, logits.device)[:, 0] == 0
     logprob = torch.where(greedy, 0.0, d.to(acc) - torch.log(total_kept).to(acc))
     raw = torch.where(greedy, -torch.log(total).to(acc), d.to(acc) - torch.log(total).to(acc))
-    return token.masked_fill(bad, -1), logprob.masked_fill(bad, torch.nan), raw.masked_fill(bad, torch.nan)
+    entropy = torch.where(greedy, 0.0, (torch.log(total_kept) + total_spread / total_kept).to(acc))
+    nan = torch.nan
+    return token.masked_fill(bad, -1), logprob.masked_fill(bad, nan), raw.masked_fill(bad, nan), entropy.masked_fill(bad, nan)
 
 
 class _ShardedTruncated(torch.autograd.Function):
@@ -338,7 +344,7 @@ class _ShardedTruncated(torch.autograd.Function):
         n_rows = labels.shape[0]
         given, bad = _kept_threshold(rows, params, shard, *_filters_on(params), backend)
         sums, picks = _shard_pass(rows, given, params, shard, backend, labels=labels)
-        _, _, _, total_kept, label_d, first_max = _combine_shard_passes(sums, picks, shard)
+        _, _, _, total_kept, _, label_d, first_max = _combine_shard_passes(sums, picks, shard)
         acc = given.dtype
         greedy = reference._per_row(params["temperature"], (n_rows,), acc, logits.device)[:, 0] == 0
         log_kept = torch.log(total_kept).to(acc)

@@ -271,7 +271,8 @@ def _selection_args(logits, n_rows, params, flags, config, acc_tl, window) -> tu
 def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset, window=None):
     """One draw per row of ``logits`` [N, V] or [outer, inner, V] (unit stride in V,
     any leading strides: ``fastrl._rows.row_layout``): (tokens int64
-    [N], log-probs under the processed distribution [N], raw log-probs [N]).
+    [N], log-probs under the processed distribution [N], raw log-probs [N],
+    the processed distribution's entropy [N]).
     Parameters are scalars or flat per-row tensors (accumulation dtype, int64
     for top_k); ``seed`` an int64 or int64 [N] per-row seeds; ``offset`` an int
     or a one-element int64 tensor read on the device. ``window``: whether a
@@ -282,6 +283,7 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset, wi
     tokens = torch.empty(n_rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.empty(n_rows, dtype=acc, device=logits.device)
     raw = torch.empty(n_rows, dtype=acc, device=logits.device)
+    entropy = torch.empty(n_rows, dtype=acc, device=logits.device)
     args, flags = _params(temperature, top_k, top_p, min_p)
     per_row_seed, offset_from_ptr = isinstance(seed, torch.Tensor), isinstance(offset, torch.Tensor)
     config = _launch_config(logits)
@@ -290,10 +292,10 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset, wi
         logits, *row_layout(logits), vocab, *args,
         seed if per_row_seed else None, 0 if per_row_seed else seed,
         offset if offset_from_ptr else None, 0 if offset_from_ptr else offset,
-        tokens, logprobs, raw, *selection, **flags, **split, PER_ROW_SEED=per_row_seed,
+        tokens, logprobs, raw, entropy, *selection, **flags, **split, PER_ROW_SEED=per_row_seed,
         OFFSET_FROM_PTR=offset_from_ptr, ACC=acc_tl, **config, **_EXACT, maxnreg=_MAXNREG,
     )  # fmt: skip
-    return tokens, logprobs, raw
+    return tokens, logprobs, raw, entropy
 
 
 def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_stats, window=None):
@@ -351,20 +353,20 @@ def shard_digit_histogram(logits, prefix, shift, given=None, *, temperature=1.0,
 
 def sample_shard_pass(logits, given, *, temperature, min_p, column_base, seed=None, offset=0, labels=None):
     """One vocabulary shard's pass of the tensor-parallel sampler (csrc/sampling.h,
-    sample_shard_pass): (sums float64 [N, 4], picks int64 [N, 2]) of ``logits``
+    sample_shard_pass): (sums float64 [N, 5], picks int64 [N, 2]) of ``logits``
     [N, V_r] (or [outer, inner, V_r]) from ``given`` [N, 2] (max, threshold
     logit) in the accumulation dtype; the race with ``seed`` / ``offset`` as
     sample_forward's, or with ``labels`` (global ids) the truncated log-prob's
     terms."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
     _, acc_tl = acc_dtypes(logits)
-    sums = torch.empty(n_rows, 4, dtype=torch.float64, device=logits.device)
+    sums = torch.empty(n_rows, 5, dtype=torch.float64, device=logits.device)
     picks = torch.empty(n_rows, 2, dtype=torch.int64, device=logits.device)
     args, flags = _params(temperature, 0, 1.0, min_p)
     per_row_seed, offset_from_ptr = isinstance(seed, torch.Tensor), isinstance(offset, torch.Tensor)
     block = min(triton.next_power_of_2(vocab), _SHARD_PASS_BLOCK)
     tiles = triton.cdiv(vocab, block)
-    masses = torch.empty(n_rows, tiles, 3, dtype=torch.float64, device=logits.device)
+    masses = torch.empty(n_rows, tiles, 4, dtype=torch.float64, device=logits.device)
     marks = torch.empty(n_rows, tiles, 3, dtype=torch.int32, device=logits.device)
     given_bits = given.view(torch.int64 if acc_tl == tl.float64 else torch.int32)
     _shard_tile_kernel[(n_rows, tiles)](

@@ -32,13 +32,19 @@ from .split import _SPLIT_RECORD, _record_stats
 def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
             SPLIT: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
             ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, LIST_BLOCK: tl.constexpr,
-            SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+            SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr,
+            WITH_ENTROPY: tl.constexpr = False):  # fmt: skip
     """Everything about one row's processed distribution: (bad, greedy, m, first
     argmax, number of maxima, 1/T, log s, threshold key, log min_p, log s_kept,
     whether the row's kept tokens are on its candidate list (compacted; else
-    the list is the row, _list_entries), the list's length) with s = sum_j e_j
-    over the row, e_j = exp((x_j - m) / T), and s_kept over the kept tokens (key
-    >= threshold and (x - m) / T >= log min_p); bad as _row_state.
+    the list is the row, _list_entries), the list's length, and with
+    WITH_ENTROPY its entropy, else 0) with s = sum_j e_j over the row, e_j =
+    exp(d_j), d_j = (x_j - m) / T, and s_kept over the kept tokens (key >=
+    threshold and d >= log min_p); bad as _row_state. The entropy of q_j =
+    e_j / s_kept is -sum q_j log q_j = log s_kept + u / s_kept with u = sum_kept
+    e_j (-d_j) >= 0, summed as s_kept is (in fixed point for float32, so in any
+    order of the list: _mass_units, whose 2^-42 units hold e (-d) <= 1/e too);
+    a greedy row's is 0.
 
     Two reads of the row on every Triton, with no histogram in either: its
     statistics (reduce.softmax_stats: m, s and the number of maxima) with
@@ -119,22 +125,29 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
 
     log_min_p = tl.where(min_p > 0, tl.log(min_p.to(ACC)), neg_inf).to(ACC)
     kept_units = tl.zeros([], tl.float64 if ACC == tl.float64 else tl.int64)
+    spread_units = tl.zeros([], tl.float64 if ACC == tl.float64 else tl.int64)
     # and the first argmax (the lowest index with x == m), which the list holds
     first = tl.full([LIST_BLOCK], V, tl.int32)
     for start in range(0, n_list, LIST_BLOCK):
         x, index, live = _list_entries(row_ptr, cand_ptr, compacted, n_list, start + tl.arange(0, LIST_BLOCK), ACC)
         d = (x - m_safe) * inv_t
         kept = live & (_order_key(x) >= threshold) & (d >= log_min_p)
-        kept_units += tl.sum(tl.where(kept, _mass_units(tl.exp(d), ACC), 0), axis=0)
+        e = tl.exp(d)
+        kept_units += tl.sum(tl.where(kept, _mass_units(e, ACC), 0), axis=0)
+        if WITH_ENTROPY:  # (a kept -inf logit, d = -inf, has e = 0 and adds 0, never 0 * inf)
+            spread_units += tl.sum(tl.where(kept, _mass_units(tl.where(e > 0, -e * d, 0.0), ACC), 0), axis=0)
         first = tl.minimum(first, tl.where(live & (x == m), index, V))
     s_kept = _mass_value(kept_units, ACC).to(ACC)
     # A greedy row's log s_kept is 0, as the native kernel leaves it (its truncated
     # log-prob is 0 or -inf and its gradient 0, whatever it is): not the mass of its
     # list, which holds the maxima or more, by the route its floor took.
     log_s_kept = tl.where(greedy, 0.0, tl.log(s_kept)).to(ACC)
+    entropy = tl.zeros([], ACC)
+    if WITH_ENTROPY:
+        entropy = tl.where(greedy, 0.0, log_s_kept + _mass_value(spread_units, ACC).to(ACC) / s_kept).to(ACC)
     arg = tl.min(first, axis=0)
     return (bad, greedy, m_safe, arg.to(tl.int64), n_max.to(ACC), inv_t, log_s, threshold, log_min_p, log_s_kept,
-            compacted, n_list)  # fmt: skip
+            compacted, n_list, entropy)  # fmt: skip
 
 
 @triton.jit
@@ -142,7 +155,7 @@ def _sample_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
     seeds_ptr, seed, offset_ptr, offset,
-    tokens_ptr, logprobs_ptr, raw_ptr, cand_ptr, counter_ptr, split_ptr,
+    tokens_ptr, logprobs_ptr, raw_ptr, entropy_ptr, cand_ptr, counter_ptr, split_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
     PER_ROW_SEED: tl.constexpr, OFFSET_FROM_PTR: tl.constexpr, SPLIT: tl.constexpr,
     REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
@@ -154,12 +167,12 @@ def _sample_kernel(
     cand_ptr += row * LIST_CAP
     if SPLIT:  # the row's record (_split_rows_kernel)
         split_ptr += row * _SPLIT_RECORD
-    bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept, compacted, n_list = _select(
+    bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept, compacted, n_list, entropy = _select(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
         ), cand_ptr, counter_ptr + row, split_ptr, SPLIT, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
-        LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
+        LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC, True,
     )  # fmt: skip
 
     # The list's entries draw the variates of their own tokens.
@@ -188,6 +201,7 @@ def _sample_kernel(
     tl.store(tokens_ptr + row, tl.where(bad, -1, winner))
     tl.store(logprobs_ptr + row, tl.where(bad, float("nan"), logprob))
     tl.store(raw_ptr + row, tl.where(bad, float("nan"), raw))
+    tl.store(entropy_ptr + row, tl.where(bad, float("nan"), entropy))
 
 
 @triton.jit
@@ -206,7 +220,7 @@ def _truncated_fwd_kernel(
     cand_ptr += row * LIST_CAP
     if SPLIT:  # the row's record (_split_rows_kernel)
         split_ptr += row * _SPLIT_RECORD
-    bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept, _, _ = _select(
+    bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept, _, _, _ = _select(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,

@@ -29,8 +29,9 @@ def _shard_tile_kernel(
     OFFSET_FROM_PTR: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """The first launch of csrc/sampling.h's sample_shard_pass: a program a tile of a row (grid
-    axis 1) writes the tile's (s, s_kept, best race score) in float64 to ``masses`` and (number of
-    maxima, first maximum, race winner) as int32 shard indices to ``marks`` ([N, TILES, 3] each).
+    axis 1) writes the tile's (s, s_kept, best race score, u = sum_kept e (-d)) in float64 to
+    ``masses`` ([N, TILES, 4]) and (number of maxima, first maximum, race winner) as int32 shard
+    indices to ``marks`` ([N, TILES, 3]).
     The race's score d - log E rounds as _sample_kernel's (the same functions, compiled without
     fused multiply-adds), so its winner is the unsharded sampler's; Philox runs only in a tile
     that holds a kept token."""
@@ -64,10 +65,13 @@ def _shard_tile_kernel(
             race = tl.where(kept, d - tl.log(exponential_variate(w0, w1).to(ACC)), float("-inf"))
             best = tl.max(race, axis=0)
             winner = tl.min(tl.where((race == best) & kept, offs, V), axis=0)  # ties: the lowest index
+    mass_at = (row * TILES + tile) * 4
+    tl.store(masses_ptr + mass_at, tl.sum(e.to(tl.float64), axis=0))
+    tl.store(masses_ptr + mass_at + 1, tl.sum(tl.where(kept, e, 0.0).to(tl.float64), axis=0))
+    tl.store(masses_ptr + mass_at + 2, best.to(tl.float64))
+    # (a kept -inf logit, d = -inf, has e = 0 and adds 0, never 0 * inf)
+    tl.store(masses_ptr + mass_at + 3, tl.sum(tl.where(kept & (e > 0), -e * d, 0.0).to(tl.float64), axis=0))
     at = (row * TILES + tile) * 3
-    tl.store(masses_ptr + at, tl.sum(e.to(tl.float64), axis=0))
-    tl.store(masses_ptr + at + 1, tl.sum(tl.where(kept, e, 0.0).to(tl.float64), axis=0))
-    tl.store(masses_ptr + at + 2, best.to(tl.float64))
     tl.store(marks_ptr + at, tl.sum(at_max.to(tl.int32), axis=0))
     tl.store(marks_ptr + at + 1, tl.min(tl.where(at_max, offs, V), axis=0))
     tl.store(marks_ptr + at + 2, winner)
@@ -83,7 +87,7 @@ def _shard_fold_kernel(
 ):  # fmt: skip
     """The second launch: one program a row folds its tiles' records in a fixed tree (the same
     for every batch: a row's bits do not depend on the rows beside it) into the row's sums
-    [N, 4] and picks [N, 2] (csrc/sampling.h)."""
+    [N, 5] and picks [N, 2] (csrc/sampling.h)."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
     t, _k, _p, mp, valid = _row_params(row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
@@ -93,14 +97,16 @@ def _shard_fold_kernel(
     greedy = t == 0
     tiles = tl.arange(0, TILE_BLOCK)
     on = tiles < TILES
+    mass_at = (row * TILES + tiles) * 4
     at = (row * TILES + tiles) * 3
-    s = tl.sum(tl.load(masses_ptr + at, mask=on, other=0.0), axis=0)
-    s_kept = tl.sum(tl.load(masses_ptr + at + 1, mask=on, other=0.0), axis=0)
+    s = tl.sum(tl.load(masses_ptr + mass_at, mask=on, other=0.0), axis=0)
+    s_kept = tl.sum(tl.load(masses_ptr + mass_at + 1, mask=on, other=0.0), axis=0)
+    spread = tl.sum(tl.load(masses_ptr + mass_at + 3, mask=on, other=0.0), axis=0)
     n_max = tl.sum(tl.load(marks_ptr + at, mask=on, other=0), axis=0)
     first = tl.min(tl.load(marks_ptr + at + 1, mask=on, other=V), axis=0).to(tl.int64)
     nan = float("nan")
     if RACE:
-        scores = tl.load(masses_ptr + at + 2, mask=on, other=float("-inf"))
+        scores = tl.load(masses_ptr + mass_at + 2, mask=on, other=float("-inf"))
         winners = tl.load(marks_ptr + at + 2, mask=on, other=V)
         top = tl.max(scores, axis=0)
         win_at = tl.min(tl.where((scores == top) & (winners < V), winners, V), axis=0).to(tl.int64)  # the lowest
@@ -121,10 +127,11 @@ def _shard_fold_kernel(
         third = tl.where(greedy, 0.0, tl.where(here, tl.where(kept_label, d_label, float("-inf")), nan).to(tl.float64))
         fourth = tl.zeros([], tl.float64)
         win = tl.full([], -1, tl.int64)
-    tl.store(sums_ptr + 4 * row, tl.where(ok, tl.where(greedy, n_max.to(tl.float64), s), nan))
-    tl.store(sums_ptr + 4 * row + 1, tl.where(ok, tl.where(greedy, 0.0, s_kept), nan))
-    tl.store(sums_ptr + 4 * row + 2, tl.where(ok, third, nan))
-    tl.store(sums_ptr + 4 * row + 3, tl.where(ok, fourth, nan))
+    tl.store(sums_ptr + 5 * row, tl.where(ok, tl.where(greedy, n_max.to(tl.float64), s), nan))
+    tl.store(sums_ptr + 5 * row + 1, tl.where(ok, tl.where(greedy, 0.0, s_kept), nan))
+    tl.store(sums_ptr + 5 * row + 2, tl.where(ok, third, nan))
+    tl.store(sums_ptr + 5 * row + 3, tl.where(ok, fourth, nan))
+    tl.store(sums_ptr + 5 * row + 4, tl.where(ok, tl.where(greedy, 0.0, spread), nan))
     tl.store(picks_ptr + 2 * row, tl.where(ok, win, -1))
     tl.store(picks_ptr + 2 * row + 1, tl.where(ok & (first < V), first + column_base, -1))
 
