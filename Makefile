@@ -35,6 +35,9 @@ OPENRLHF_VERSION ?= 0.11.2
 # its tensor-parallel group) the sharded ops are tested against (--no-deps: it needs
 # only torch, numpy and packaging). 0.16.1 is the last release for Python 3.11.
 MEGATRON_CORE_VERSION ?= 0.16.1
+# NeMo Automodel, which veRL's Automodel engine imports (--no-deps: the engine tests
+# build that engine without a model, so its module need only import).
+NEMO_AUTOMODEL_VERSION ?= 0.7.0
 
 .PHONY: setup setup-demo setup-bench setup-test bench bench-record bench-quick gpu-quick-dry test demo clean
 
@@ -94,7 +97,7 @@ setup-test: $(STAMPS)/test
 $(STAMPS)/test: $(BUILD_INPUTS) Makefile
 	$(call install,$(TEST_EXTRAS))
 	$(PYTHON) -m pip install --no-deps "verl==$(VERL_VERSION)" "openrlhf==$(OPENRLHF_VERSION)" \
-		"megatron-core==$(MEGATRON_CORE_VERSION); python_version == '3.11'"
+		"megatron-core==$(MEGATRON_CORE_VERSION); python_version == '3.11'" "nemo-automodel==$(NEMO_AUTOMODEL_VERSION)"
 	@mkdir -p $(@D) && touch $@ $(@D)/demo $(@D)/bench
 
 # Everything (what `make test` installs).

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import warnings
 from pathlib import Path
@@ -50,16 +51,24 @@ def _verl():
                            impl=transformer_impl)  # fmt: skip
 
 
-def engine(chunked: bool = False, pad_bucket: int = 0):
-    """An ``FSDPEngineWithLMHead`` as its ``__init__`` leaves it for
-    ``prepare_model_inputs`` and ``prepare_model_outputs``, without a model: no
-    sequence parallelism, the entropy function the engine stores when built (veRL's,
-    or fastrl's adapter when built after ``patch()``), the optional static padding
-    of the packed sequence to a multiple of ``pad_bucket``."""
+def engine(chunked: bool = False, pad_bucket: int = 0, automodel: bool = False):
+    """An ``FSDPEngineWithLMHead`` (with ``automodel``, veRL's
+    ``AutomodelEngineWithLMHead``, whose module needs nemo_automodel) as its
+    ``__init__`` leaves it for ``prepare_model_inputs`` and
+    ``prepare_model_outputs``, without a model: no sequence parallelism, the
+    entropy function the engine stores when built (veRL's, or fastrl's adapter
+    when built after ``patch()``), the optional static padding of the packed
+    sequence to a multiple of ``pad_bucket`` (FSDP), sdpa attention (Automodel)."""
     verl = _verl()
-    built = object.__new__(verl.impl.FSDPEngineWithLMHead)
+    if automodel:
+        from verl.workers.engine.automodel.transformer_impl import AutomodelEngineWithLMHead
+
+        built = object.__new__(AutomodelEngineWithLMHead)
+    else:
+        built = object.__new__(verl.impl.FSDPEngineWithLMHead)
     built.engine_config = SimpleNamespace(
-        entropy_checkpointing=False, entropy_from_logits_with_chunking=chunked, entropy_from_logits_chunk_size=8
+        entropy_checkpointing=False, entropy_from_logits_with_chunking=chunked, entropy_from_logits_chunk_size=8,
+        attn_implementation="sdpa",
     )
     built.compute_entropy_from_logits = verl.F.entropy_from_logits_with_chunking if chunked else verl.F.entropy_from_logits
     built.use_ulysses_sp = False
@@ -75,7 +84,9 @@ def micro_batch(lengths, vocab: int, temperature, device="cpu", **options):
     verl = _verl()
     ids = torch.nested.nested_tensor([torch.randint(vocab, (n,)) for n in lengths], layout=torch.jagged, device=device)
     positions = torch.nested.nested_tensor([torch.arange(n) for n in lengths], layout=torch.jagged, device=device)
-    tensors = {"input_ids": ids, "position_ids": positions}
+    loss_mask = torch.nested.nested_tensor([torch.ones(n, dtype=torch.int64) for n in lengths], layout=torch.jagged,
+                                           device=device)  # fmt: skip
+    tensors = {"input_ids": ids, "position_ids": positions, "loss_mask": loss_mask}
     non_tensors = {"pad_mode": verl.DatasetPadMode.NO_PADDING, **options}
     if isinstance(temperature, torch.Tensor):
         tensors["temperature"] = temperature.to(device)
@@ -115,6 +126,20 @@ class LogitsTraffic(TorchDispatchMode):
         return out
 
 
+def automodel_importable() -> bool:
+    """Whether veRL's Automodel engine imports here (it needs nemo_automodel)."""
+    import importlib.util
+
+    return importlib.util.find_spec("nemo_automodel") is not None
+
+
+def prepare_outputs(built, output, output_args, micro):
+    """``built.prepare_model_outputs`` with no logits processor where the engine
+    takes one (the FSDP engine; the Automodel engine has none)."""
+    processor = (None,) if "logits_processor_func" in inspect.signature(built.prepare_model_outputs).parameters else ()
+    return built.prepare_model_outputs(output, output_args, micro, *processor)
+
+
 def run_step(built, micro, output_args, base: torch.Tensor, backward: bool, traffic: LogitsTraffic | None = None):
     """One forward step's outputs from the model's logits (a fresh copy of
     ``base`` when there is a backward), and the backward of their sum."""
@@ -122,11 +147,11 @@ def run_step(built, micro, output_args, base: torch.Tensor, backward: bool, traf
     with traffic if traffic is not None else contextlib.nullcontext():
         if backward:
             base.grad = None
-            output = built.prepare_model_outputs(SimpleNamespace(logits=logits), output_args, micro, None)
+            output = prepare_outputs(built, SimpleNamespace(logits=logits), output_args, micro)
             sum(out.values().sum() for out in output.values()).backward()
         else:
             with torch.no_grad():
-                built.prepare_model_outputs(SimpleNamespace(logits=logits), output_args, micro, None)
+                prepare_outputs(built, SimpleNamespace(logits=logits), output_args, micro)
 
 
 def measure(tokens: int, vocab: int, dtype: torch.dtype, device: torch.device, reps: int) -> list[dict]:

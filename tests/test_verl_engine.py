@@ -72,7 +72,7 @@ def _step(batch, head, watch=None, mesh=None, **engine_options):
     logits = hidden @ weight.T
     logits.retain_grad()
     with watch if watch is not None else contextlib.nullcontext():
-        output = built.prepare_model_outputs(SimpleNamespace(logits=logits), output_args, batch, None)
+        output = engine_bench.prepare_outputs(built, SimpleNamespace(logits=logits), output_args, batch)
     weights = {key: head["weights"][key][: out.values().numel()] for key, out in output.items()}
     values = whole(logits.detach()).clone()  # (an in-place backward overwrites the logits with their gradient)
     sum((out.values() * weights[key]).sum() for key, out in output.items()).backward()
@@ -174,6 +174,42 @@ def test_engine_outputs_match_verl(remove_padding, entropy, temperature, dtype):
     patched, unpatched = _patched_and_not(micro_batch, _head(dtype))
     _assert_matches_verl(patched, unpatched, _UNIT[dtype])
     assert patched.in_place, "the patched engine writes the logits' gradient into their storage"
+
+
+_AUTOMODEL = pytest.mark.skipif(
+    not engine_bench.automodel_importable(), reason="nemo_automodel is not installed (make setup installs it)"
+)
+
+
+@_AUTOMODEL
+@pytest.mark.parametrize("temperature", ["per-sample", "one"])
+@pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "logprobs"])
+@pytest.mark.parametrize("remove_padding", [True, False], ids=["rmpad", "padded"])
+def test_automodel_engine_outputs_match_verl(remove_padding, entropy, temperature):
+    """veRL's Automodel engine (``AutomodelEngineWithLMHead.prepare_model_outputs``,
+    the FSDP engine's semantics without Σπ², distillation or sequence parallelism)
+    patched against its own: veRL's layout, dtypes, values and gradients, the
+    gradient in the logits' storage; a Σπ² request, which that engine ignores,
+    adds no output."""
+    micro_batch = _micro_batch([5, 11, 1, 8], _TEMPERATURES[temperature](), use_remove_padding=remove_padding,
+                               calculate_entropy=entropy, calculate_sum_pi_squared=True)  # fmt: skip
+    patched, unpatched = _patched_and_not(micro_batch, _head(torch.float32), automodel=True)
+    _assert_matches_verl(patched, unpatched, _UNIT[torch.float32])
+    assert patched.in_place, "the patched engine writes the logits' gradient into their storage"
+
+
+@_AUTOMODEL
+def test_automodel_engine_fused_kernels_fall_back():
+    """use_fused_kernels on the Automodel engine: veRL's own code, counted."""
+    micro_batch = _micro_batch([4, 6], 1.0, use_fused_kernels=True, calculate_entropy=True)
+    built = engine_bench.engine(automodel=True)
+    verl_integration.patch()
+    fused = SimpleNamespace(log_probs=torch.randn(1, 10), entropy=torch.rand(1, 10))
+    with pytest.warns(integrations.FallbackWarning, match="fused_kernels"):
+        output = built.prepare_model_outputs(fused, {"input_ids_rmpad_rolled": None, "temperature_rmpad": None},
+                                             micro_batch)  # fmt: skip
+    assert torch.equal(output["log_probs"].values(), fused.log_probs[0])
+    assert len(integrations.fallbacks) == 1, dict(integrations.fallbacks)
 
 
 @pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "no-entropy"])

@@ -12,7 +12,7 @@ run the fastrl op. ``patch(ops=[...])`` chooses; ``unpatch()`` restores veRL's.
 | ``policy_loss`` | ``core_algos.compute_policy_loss_vanilla`` and ``compute_policy_loss_gspo``, and their ``POLICY_LOSS_REGISTRY`` entries ``"vanilla"`` / ``"gspo"`` (what ``get_policy_loss_fn`` returns) | ``policy_loss`` |
 | ``fused_lm_head`` | ``verl.utils.experimental.torch_functional.FusedLinearForPPO.forward`` and ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (``use_fused_kernels``: the torch and Triton backends of the models' ``forward``) | ``linear_logprobs_and_entropy`` |
 | ``vocab_parallel`` | ``verl.utils.megatron.tensor_parallel.vocab_parallel_entropy(vocab_parallel_logits)``, ``vocab_parallel_log_probs_from_logits(logits, labels)`` and ``vocab_parallel_sum_pi_squared(vocab_parallel_logits)`` (the Megatron backend's tensor-parallel logits; only where megatron-core imports) | ``entropy_from_logits`` / ``logprobs_from_logits`` / ``sum_pi_squared`` with ``group=`` Megatron's tensor-parallel group |
-| ``engine`` | ``verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func)`` (veRL's FSDP engine: a micro-batch's log-probs and entropy from the model's logits; only where peft, which that module imports, does) | ``logprobs_and_entropy`` / ``logprobs_from_logits``, with ``group=`` a vocabulary-sharded DTensor's mesh group |
+| ``engine`` | ``verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead.prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func)`` (veRL's FSDP engine, and the veOmni engine, which calls it through ``super()``: a micro-batch's log-probs, entropy and Σπ² from the model's logits; only where peft, which that module imports, does) and ``verl.workers.engine.automodel.transformer_impl.AutomodelEngineWithLMHead.prepare_model_outputs(self, output, output_args, micro_batch)`` (the Automodel engine's; only where nemo_automodel imports). The torchtitan engine's is not replaced: it calls the patched ``logprobs_from_logits`` and its entropy function one by one | ``logprobs_and_entropy`` / ``logprobs_from_logits``, with ``group=`` a vocabulary-sharded DTensor's mesh group |
 
 Each is replaced in its own module and in every loaded module that imported it by
 name (``verl.workers.utils.losses``, ``verl.workers.rollout.naive.naive_rollout``,
@@ -111,6 +111,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import types
 
 import torch
 
@@ -494,6 +495,7 @@ def _vocab_parallel_log_probs(original):
 # ------------------------------------------------------------------- the FSDP engine
 
 _FSDP_ENGINE = "verl.workers.engine.fsdp.transformer_impl"
+_AUTOMODEL_ENGINE = "verl.workers.engine.automodel.transformer_impl"
 
 
 def _vocab_shard(logits):
@@ -531,29 +533,58 @@ def _engine_temperature(output_args: dict, key: str):
 
 
 def _prepare_model_outputs(original):
-    """``FSDPEngineWithLMHead.prepare_model_outputs``: the log-probs and, with
-    ``calculate_entropy``, the entropy of a micro-batch from one read of the
-    logits, the per-sample temperature inside the kernel, and veRL's outputs
-    (nested jagged, in veRL's dtypes) from them."""
+    """``FSDPEngineWithLMHead.prepare_model_outputs`` (the FSDP engine's, and
+    veOmni's, which calls it through ``super()``)."""
+    outputs = _engine_outputs(original, "FSDPEngineWithLMHead", fsdp=True)
+
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        return outputs((self, output, output_args, micro_batch, logits_processor_func))
+
+    return prepare_model_outputs
+
+
+def _automodel_prepare_model_outputs(original):
+    """``AutomodelEngineWithLMHead.prepare_model_outputs``: the FSDP engine's
+    semantics less what the Automodel engine has not (Σπ², distillation, sequence
+    parallelism: its packed log-probs are its outputs as they are); a bare tensor
+    stands for the model output's logits, as there."""
+    outputs = _engine_outputs(original, "AutomodelEngineWithLMHead", fsdp=False)
+
+    def prepare_model_outputs(self, output, output_args, micro_batch):
+        if isinstance(output, torch.Tensor):
+            output = types.SimpleNamespace(logits=output)
+        return outputs((self, output, output_args, micro_batch))
+
+    return prepare_model_outputs
+
+
+def _engine_outputs(original, engine: str, *, fsdp: bool):
+    """The body of a veRL engine's ``prepare_model_outputs`` (called with its
+    arguments): the log-probs and, with ``calculate_entropy``, the entropy (and
+    on the FSDP engine, with ``calculate_sum_pi_squared``, Σπ²) of a micro-batch
+    from one read of the logits, the per-sample temperature inside the kernel,
+    and veRL's outputs (nested jagged, in veRL's dtypes) from them. ``fsdp``: the
+    FSDP engine's options (Σπ², distillation) and its Ulysses / static-padding
+    gather of packed outputs (``_gather_and_unpad_packed``)."""
     env = original.__globals__  # the engine's module: veRL's tensordict helpers, DTensor, verl_F
     functional = vars(env["verl_F"])
 
-    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
-        args = (self, output, output_args, micro_batch, logits_processor_func)
+    def prepare_model_outputs(args):
+        self, output, output_args, micro_batch = args[:4]
 
         def option(key, default=False):
             return env["tu"].get_non_tensor_data(data=micro_batch, key=key, default=default)
 
         no_padding = env["DatasetPadMode"].NO_PADDING
         remove_padding, entropy_wanted = option("use_remove_padding", True), option("calculate_entropy")
-        sum_pi_squared_wanted = option("calculate_sum_pi_squared")
+        sum_pi_squared_wanted = fsdp and option("calculate_sum_pi_squared")
         logits = getattr(output, "logits", None)
         reason = first_reason(
             None if option("pad_mode", no_padding) == no_padding else "a pad_mode other than no_padding (veRL raises)",
             "use_fused_kernels (the model's fused head computes the log-probs: fastrl's fused_lm_head op)"
             if option("use_fused_kernels") else None,
             "distillation (its loss reads the scaled logits)"
-            if option("distillation_use_topk") or option("distillation_only") else None,
+            if fsdp and (option("distillation_use_topk") or option("distillation_only")) else None,
             tensor_reason(logits=logits),
         )  # fmt: skip
         if reason is None and (logits.dim() != 3 or (remove_padding and logits.shape[0] != 1)):
@@ -605,9 +636,9 @@ def _prepare_model_outputs(original):
                 entropy = entropy.to(torch.get_default_dtype() if chunked else _softmax_dtype(logits))
 
             def jagged(values):  # veRL's layout: [batch, j] over the packed tokens
-                if remove_padding:
+                if remove_padding and fsdp:
                     values = self._gather_and_unpad_packed(values, output_args["pad_size"])
-                else:
+                elif not remove_padding:
                     values = values[valid]
                 return torch.nested.nested_tensor_from_jagged(values, cu_seqlens)
 
@@ -618,7 +649,7 @@ def _prepare_model_outputs(original):
                 model_output["sum_pi_squared"] = jagged(sum_pi_squared.to(_softmax_dtype(logits)))
             return model_output
 
-        return delegate(_NAME, "FSDPEngineWithLMHead.prepare_model_outputs", original, args, {}, compute, reason)
+        return delegate(_NAME, f"{engine}.prepare_model_outputs", original, args, {}, compute, reason)
 
     return prepare_model_outputs
 
@@ -647,6 +678,8 @@ FRAMEWORK = Framework(
                requires="megatron"),
         Target("engine", _FSDP_ENGINE, "FSDPEngineWithLMHead.prepare_model_outputs", _prepare_model_outputs,
                requires="peft"),
+        Target("engine", _AUTOMODEL_ENGINE, "AutomodelEngineWithLMHead.prepare_model_outputs",
+               _automodel_prepare_model_outputs, requires="nemo_automodel"),
     ),
 )
 OPS = FRAMEWORK.ops
