@@ -27,6 +27,9 @@ from .select import (
 )
 from .split import _SPLIT_RECORD, _record_stats
 
+# The least finite float32: d held above it still has e = exp(d) = 0 wherever it moves.
+_FLOAT32_LOWEST = tl.constexpr(-3.4028234663852886e38)
+
 
 @triton.jit
 def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
@@ -134,8 +137,8 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
         kept = live & (_order_key(x) >= threshold) & (d >= log_min_p)
         e = tl.exp(d)
         kept_units += tl.sum(tl.where(kept, _mass_units(e, ACC), 0), axis=0)
-        if WITH_ENTROPY:  # (a kept -inf logit, d = -inf, has e = 0 and adds 0, never 0 * inf)
-            spread_units += tl.sum(tl.where(kept, _mass_units(tl.where(e > 0, -e * d, 0.0), ACC), 0), axis=0)
+        if WITH_ENTROPY:  # (a kept -inf logit, e = 0, adds 0 * finite: d is held above -inf)
+            spread_units += tl.sum(tl.where(kept, _mass_units(e * -tl.maximum(d, _FLOAT32_LOWEST), ACC), 0), axis=0)
         first = tl.minimum(first, tl.where(live & (x == m), index, V))
     s_kept = _mass_value(kept_units, ACC).to(ACC)
     # A greedy row's log s_kept is 0, as the native kernel leaves it (its truncated

@@ -55,6 +55,11 @@ def _shard_tile_kernel(
     at_max = live & (x == m)
     best = tl.full([], float("-inf"), ACC)
     winner = V + tl.zeros([], tl.int32)
+    # The race's processed entropy takes the tile's u = sum_kept e (-d), summed in ACC (positive
+    # terms in a tree of depth log2(BLOCK_V) <= 10: within 10 ulps relative, far inside the
+    # entropy's bound), in a tile that holds a kept token; a kept -inf logit, e = 0, adds
+    # 0 * finite (d held above -inf).
+    spread = tl.zeros([], tl.float64)
     if RACE:
         if tl.max(kept.to(tl.int32), axis=0) > 0:
             k0, k1, salt, c2, c3 = _race_key(row, seeds_ptr, seed, offset_ptr, offset, PER_ROW_SEED,
@@ -65,12 +70,12 @@ def _shard_tile_kernel(
             race = tl.where(kept, d - tl.log(exponential_variate(w0, w1).to(ACC)), float("-inf"))
             best = tl.max(race, axis=0)
             winner = tl.min(tl.where((race == best) & kept, offs, V), axis=0)  # ties: the lowest index
+            spread = tl.sum(tl.where(kept, e * -tl.maximum(d, -3.4028234663852886e38), 0.0), axis=0).to(tl.float64)
     mass_at = (row * TILES + tile) * 4
     tl.store(masses_ptr + mass_at, tl.sum(e.to(tl.float64), axis=0))
     tl.store(masses_ptr + mass_at + 1, tl.sum(tl.where(kept, e, 0.0).to(tl.float64), axis=0))
     tl.store(masses_ptr + mass_at + 2, best.to(tl.float64))
-    # (a kept -inf logit, d = -inf, has e = 0 and adds 0, never 0 * inf)
-    tl.store(masses_ptr + mass_at + 3, tl.sum(tl.where(kept & (e > 0), -e * d, 0.0).to(tl.float64), axis=0))
+    tl.store(masses_ptr + mass_at + 3, spread)
     at = (row * TILES + tile) * 3
     tl.store(marks_ptr + at, tl.sum(at_max.to(tl.int32), axis=0))
     tl.store(marks_ptr + at + 1, tl.min(tl.where(at_max, offs, V), axis=0))
