@@ -103,8 +103,9 @@ def _check(filters: dict):
         if not bool(torch.isfinite(expected).all()):
             return float("inf")
         # and the processed distribution's entropy, -sum q log q over the kept set
-        logq = reference.truncated_log_distribution(x.double(), temperature=TEMPERATURE, **filters)
-        entropy = -torch.where(logq == float("-inf"), 0.0, logq.exp() * logq).sum(-1)
+        entropy = reference.distribution_entropy(
+            reference.truncated_log_distribution(x.double(), temperature=TEMPERATURE, **filters)
+        )
         return max(float(((out.logprobs.double() - expected).abs() / (1 + expected.abs())).max()),
                    float(((out.entropy.double() - entropy).abs() / (1 + entropy)).max()))  # fmt: skip
 

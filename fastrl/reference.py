@@ -405,10 +405,15 @@ def sample(
     t = _per_row(temperature, rows, compute_dtype(logits), dev).squeeze(-1)
     tokens = torch.where(t == 0, logits.argmax(dim=-1), tokens)
     logprobs = logq.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # NaN on a bad row, whatever its token
-    # (a token outside the kept set, logq = -inf, adds 0, never 0 * -inf; NaN rows stay NaN)
-    entropy = -torch.where(logq == -math.inf, 0.0, logq.exp() * logq).sum(-1) + 0.0  # (+ 0.0: no -0.0)
-    bad = _unsampleable(logits)
-    return tokens.masked_fill(bad, -1), logprobs, raw_logprobs(logits, tokens, temperature), entropy
+    return (tokens.masked_fill(_unsampleable(logits), -1), logprobs, raw_logprobs(logits, tokens, temperature),
+            distribution_entropy(logq))  # fmt: skip
+
+
+def distribution_entropy(logq: torch.Tensor) -> torch.Tensor:
+    """-sum_v q(v) log q(v) over the last dimension of log-probabilities ``logq``
+    (:func:`truncated_log_distribution`'s): a token outside the kept set (logq =
+    -inf) adds 0, never 0 * -inf; a NaN row stays NaN; a point mass gives +0.0."""
+    return -torch.where(logq == -math.inf, 0.0, logq.exp() * logq).sum(-1) + 0.0  # (+ 0.0: no -0.0)
 
 
 # ---- KL and policy loss ---------------------------------------------------------------------

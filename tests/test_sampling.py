@@ -143,8 +143,7 @@ def test_same_tokens_as_the_reference_sampler(device, backend):
 def _processed_entropy(x, **filters) -> torch.Tensor:
     """The float64 entropy -sum q log q of the processed distribution of rows ``x``
     (fastrl.reference's spec, in float64)."""
-    logq = reference.truncated_log_distribution(x.double(), **filters)
-    return -torch.where(logq == float("-inf"), 0.0, logq.exp() * logq).sum(-1)
+    return reference.distribution_entropy(reference.truncated_log_distribution(x.double(), **filters))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)

@@ -742,8 +742,7 @@ def _check_sampling(rank: int, world: int, group, seed: int) -> None:
                 assert_close_to_reference(out.logprobs, truth, 1e-5, what=f"logprobs {what}")
                 assert_close_to_reference(out.raw_logprobs, raw_truth, 1e-5, what=f"raw {what}")
                 # the processed distribution's entropy, -sum q log q over the kept set (test_sampling's bound)
-                logq = reference.truncated_log_distribution(x.double(), **kw64)
-                entropy_truth = -torch.where(logq == float("-inf"), 0.0, logq.exp() * logq).sum(-1)
+                entropy_truth = reference.distribution_entropy(reference.truncated_log_distribution(x.double(), **kw64))
                 assert_close_to_reference(out.entropy, entropy_truth, 1e-5, what=f"entropy {what}")
                 # truncated_logprobs: the sampled tokens' log-probs (the same kept set, so the rollout's), others'
                 # -inf outside it, and the gradient within the float64 autograd's of the unsharded spec.
