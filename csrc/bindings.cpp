@@ -105,17 +105,47 @@ PYBIND11_MODULE(_C, m) {
       "logprobs_forward",
       [](std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab, const RowsTuple& rows,
          std::uintptr_t labels, int label_dtype, int64_t ignore_index, std::uintptr_t temps,
-         double temp_scalar, std::uintptr_t out_logprob, std::uintptr_t out_entropy,
+         double temp_scalar, int64_t segment, std::uintptr_t out_logprob, std::uintptr_t out_entropy,
          std::uintptr_t out_stats, std::uintptr_t out_sum_pi_squared) {
         fastrl::logprobs_forward(logprobs_args(logits, dtype, n_rows, vocab, rows, labels,
                                                label_dtype, ignore_index, temps, temp_scalar),
-                                 mptr(out_logprob), mptr(out_entropy), mptr(out_stats),
+                                 segment, mptr(out_logprob), mptr(out_entropy), mptr(out_stats),
                                  mptr(out_sum_pi_squared));
       },
       py::arg("logits"), py::arg("dtype"), py::arg("n_rows"), py::arg("vocab"), py::arg("rows"),
       py::arg("labels"), py::arg("label_dtype"), py::arg("ignore_index"), py::arg("temps"),
-      py::arg("temp_scalar"), py::arg("out_logprob"), py::arg("out_entropy"), py::arg("out_stats"),
-      py::arg("out_sum_pi_squared") = std::uintptr_t{0},
+      py::arg("temp_scalar"), py::arg("segment"), py::arg("out_logprob"), py::arg("out_entropy"),
+      py::arg("out_stats"), py::arg("out_sum_pi_squared"),
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "logprobs_segments",
+      [](std::uintptr_t logits, int dtype, int64_t n_rows, int64_t vocab, const RowsTuple& rows,
+         std::uintptr_t temps, double temp_scalar, int64_t segment, bool with_entropy,
+         bool with_sum_pi_squared, std::uintptr_t out) {
+        fastrl::logprobs_segments(logprobs_args(logits, dtype, n_rows, vocab, rows, 0, -1, 0, temps, temp_scalar),
+                                  segment, with_entropy, with_sum_pi_squared, static_cast<double*>(mptr(out)));
+      },
+      py::arg("logits"), py::arg("dtype"), py::arg("n_rows"), py::arg("vocab"), py::arg("rows"),
+      py::arg("temps"), py::arg("temp_scalar"), py::arg("segment"), py::arg("with_entropy"),
+      py::arg("with_sum_pi_squared"), py::arg("out"),
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "logprobs_combine",
+      [](std::uintptr_t segments, int64_t n_rows, int64_t n_segments, std::uintptr_t label_logits, int acc_dtype,
+         int64_t vocab, std::uintptr_t labels, int label_dtype, int64_t ignore_index, std::uintptr_t temps,
+         double temp_scalar, std::uintptr_t out_logprob, std::uintptr_t out_entropy, std::uintptr_t out_stats,
+         std::uintptr_t out_sum_pi_squared) {
+        fastrl::logprobs_combine(static_cast<const double*>(cptr(segments)), n_rows, n_segments, cptr(label_logits),
+                                 logprobs_args(0, acc_dtype, n_rows, vocab, RowsTuple{1, 0, 0}, labels, label_dtype,
+                                               ignore_index, temps, temp_scalar),
+                                 mptr(out_logprob), mptr(out_entropy), mptr(out_stats), mptr(out_sum_pi_squared));
+      },
+      py::arg("segments"), py::arg("n_rows"), py::arg("n_segments"), py::arg("label_logits"),
+      py::arg("acc_dtype"), py::arg("vocab"), py::arg("labels"), py::arg("label_dtype"), py::arg("ignore_index"),
+      py::arg("temps"), py::arg("temp_scalar"), py::arg("out_logprob"), py::arg("out_entropy"),
+      py::arg("out_stats"), py::arg("out_sum_pi_squared"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(

@@ -10,8 +10,13 @@
 // no absolute accuracy when T != 1, and keeping w relative to the max avoids
 // cancelling two numbers of size |x| when the entropy is small.
 //
-// Forward reads the row once (row_stats, softmax_stats.h). The backward gets
-// each row's (m, log s) from the forward.
+// Forward reads the row once (row_stats, softmax_stats.h), as segments
+// (fastrl._rows.segment_length) whose statistics are folded left to right
+// (fold_row_stats): a rank holding whole segments of a vocabulary shard gives
+// their statistics (logprobs_segments), the ranks gather them, and
+// logprobs_combine folds and finishes them with the forward's own code, so the
+// tensor-parallel degree changes no bit. The backward gets each row's
+// (m, log s) from the forward.
 //
 // Backward, with g = dL/dlogprob and h = dL/dentropy of the row:
 //   dL/dx_j = inv_t * ( g * ([j == label] - p_j)  -  h * p_j * (log p_j + entropy) )
@@ -74,29 +79,32 @@ void row_grad(const In* x, In* grad, int64_t vocab, Acc inv_t, Acc m, Acc log_s,
   });
 }
 
-template <typename In, typename Acc>
-void forward_impl(const LogprobsArgs& a, void* out_logprob, void* out_entropy, void* out_stats,
-                  void* out_sum_pi_squared) {
-  const In* logits = static_cast<const In*>(a.logits);
-  Acc* logprob = static_cast<Acc*>(out_logprob);
-  Acc* entropy = static_cast<Acc*>(out_entropy);
-  Acc* stats = static_cast<Acc*>(out_stats);
-  Acc* sum_pi_squared = static_cast<Acc*>(out_sum_pi_squared);
-  const bool want_w = entropy != nullptr;
-  const bool want_q = sum_pi_squared != nullptr;
-#pragma omp parallel for schedule(static) if (a.n_rows * a.vocab > 32768)
-  for (int64_t r = 0; r < a.n_rows; ++r) {
-    const In* x = logits + a.rows.offset(r);
-    const Acc t = row_temperature<Acc>(a.temps, a.temp_scalar, r);
-    if (!usable_temperature(t)) {
-      if (logprob) logprob[r] = quiet_nan<Acc>();
-      if (entropy) entropy[r] = quiet_nan<Acc>();
-      if (stats) stats[2 * r] = stats[2 * r + 1] = quiet_nan<Acc>();
-      if (sum_pi_squared) sum_pi_squared[r] = quiet_nan<Acc>();
-      continue;
-    }
-    const Acc inv_t = Acc(1) / t;
-    const RowStats<Acc> st = row_stats<In, Acc>(x, a.vocab, inv_t, want_w, want_q);
+// The forward's outputs, each null when not asked for (logprobs.h).
+template <typename Acc>
+struct ForwardOutputs {
+  Acc* logprob;
+  Acc* entropy;
+  Acc* stats;
+  Acc* sum_pi_squared;
+
+  ForwardOutputs(void* lp, void* ent, void* st, void* spq)
+      : logprob(static_cast<Acc*>(lp)), entropy(static_cast<Acc*>(ent)), stats(static_cast<Acc*>(st)),
+        sum_pi_squared(static_cast<Acc*>(spq)) {}
+
+  // Row r of a row whose temperature is not usable: NaN everywhere.
+  void poison(int64_t r) const {
+    if (logprob) logprob[r] = quiet_nan<Acc>();
+    if (entropy) entropy[r] = quiet_nan<Acc>();
+    if (stats) stats[2 * r] = stats[2 * r + 1] = quiet_nan<Acc>();
+    if (sum_pi_squared) sum_pi_squared[r] = quiet_nan<Acc>();
+  }
+
+  // Row r's outputs from its folded statistics and its label: ignored (log-prob
+  // 0), outside [0, vocab) (NaN) or at a logit of x_label (read only then). One
+  // code for a whole row and for the ranks' gathered segments (combine_impl).
+  template <typename LabelLogit>
+  void finish(int64_t r, const RowStats<Acc>& st, Acc inv_t, int64_t label, int64_t ignore_index, int64_t vocab,
+              LabelLogit x_label) const {
     const double log_s_exact = st.log_s();  // from the double sums (softmax_stats.h)
     const Acc log_s = static_cast<Acc>(log_s_exact);
     if (stats) {
@@ -106,15 +114,80 @@ void forward_impl(const LogprobsArgs& a, void* out_logprob, void* out_entropy, v
     if (entropy) entropy[r] = static_cast<Acc>(log_s_exact - st.w / st.s());
     if (sum_pi_squared) sum_pi_squared[r] = static_cast<Acc>(st.sum_p_squared());  // from the double sums
     if (logprob) {
-      const int64_t label = load_label(a.labels, a.label_dtype, r);
-      if (label == a.ignore_index) {
+      if (label == ignore_index) {
         logprob[r] = 0;
-      } else if (label < 0 || label >= a.vocab) {
+      } else if (label < 0 || label >= vocab) {
         logprob[r] = quiet_nan<Acc>();
       } else {
-        logprob[r] = (load_as<Acc>(x, label) - st.m) * inv_t - log_s;
+        logprob[r] = (x_label() - st.m) * inv_t - log_s;
       }
     }
+  }
+};
+
+template <typename In, typename Acc>
+void forward_impl(const LogprobsArgs& a, int64_t segment, const ForwardOutputs<Acc>& out) {
+  const In* logits = static_cast<const In*>(a.logits);
+  const bool want_w = out.entropy != nullptr;
+  const bool want_q = out.sum_pi_squared != nullptr;
+#pragma omp parallel for schedule(static) if (a.n_rows * a.vocab > 32768)
+  for (int64_t r = 0; r < a.n_rows; ++r) {
+    const In* x = logits + a.rows.offset(r);
+    const Acc t = row_temperature<Acc>(a.temps, a.temp_scalar, r);
+    if (!usable_temperature(t)) {
+      out.poison(r);
+      continue;
+    }
+    const Acc inv_t = Acc(1) / t;
+    const RowStats<Acc> st = segmented_row_stats<In, Acc>(x, a.vocab, segment, inv_t, want_w, want_q);
+    const int64_t label = out.logprob ? load_label(a.labels, a.label_dtype, r) : a.ignore_index;
+    out.finish(r, st, inv_t, label, a.ignore_index, a.vocab, [&] { return load_as<Acc>(x, label); });
+  }
+}
+
+// Each segment's RowStats of a shard's rows, unfolded, as [n_rows, vocab / segment, 5] doubles (m, n, t, w, q).
+template <typename In, typename Acc>
+void segments_impl(const LogprobsArgs& a, int64_t segment, bool want_w, bool want_q, double* out) {
+  const In* logits = static_cast<const In*>(a.logits);
+  const int64_t n_segments = a.vocab / segment;
+#pragma omp parallel for schedule(static) if (a.n_rows * a.vocab > 32768)
+  for (int64_t r = 0; r < a.n_rows; ++r) {
+    const Acc t = row_temperature<Acc>(a.temps, a.temp_scalar, r);
+    const Acc inv_t = usable_temperature(t) ? Acc(1) / t : quiet_nan<Acc>();
+    for (int64_t g = 0; g < n_segments; ++g) {
+      const RowStats<Acc> st = row_stats<In, Acc>(logits + a.rows.offset(r) + g * segment, segment, inv_t, want_w,
+                                                  want_q);
+      double* o = out + (r * n_segments + g) * 5;
+      o[0] = st.m;
+      o[1] = st.n;
+      o[2] = st.t;
+      o[3] = st.w;
+      o[4] = st.q;
+    }
+  }
+}
+
+// forward_impl's fold and finish over gathered segments [n_rows, n_segments, 5] (in vocabulary order) and
+// the label logits [n_rows] (read where the label is in [0, vocab)).
+template <typename Acc>
+void combine_impl(const double* segments, int64_t n_rows, int64_t n_segments, const Acc* label_logits,
+                  const LogprobsArgs& a, const ForwardOutputs<Acc>& out) {
+  const bool want_q = out.sum_pi_squared != nullptr;
+#pragma omp parallel for schedule(static) if (n_rows * n_segments > 32768)
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const Acc t = row_temperature<Acc>(a.temps, a.temp_scalar, r);
+    if (!usable_temperature(t)) {
+      out.poison(r);
+      continue;
+    }
+    const Acc inv_t = Acc(1) / t;
+    RowStats<Acc> st{neg_inf<Acc>(), 0, 0, 0, 0};
+    for (int64_t g = 0; g < n_segments; ++g) {
+      const double* s = segments + (r * n_segments + g) * 5;
+      fold_row_stats(st, RowStats<Acc>{static_cast<Acc>(s[0]), s[1], s[2], s[3], s[4]}, inv_t, want_q);
+    }
+    const int64_t label = out.logprob ? load_label(a.labels, a.label_dtype, r) : a.ignore_index;
+    out.finish(r, st, inv_t, label, a.ignore_index, a.vocab, [&] { return label_logits[r]; });
   }
 }
 
@@ -154,16 +227,25 @@ void backward_impl(const LogprobsArgs& a, const void* stats_in, const void* entr
 
 }  // namespace
 
-void logprobs_forward(const LogprobsArgs& a, void* out_logprob, void* out_entropy,
+void logprobs_forward(const LogprobsArgs& a, int64_t segment, void* out_logprob, void* out_entropy,
                       void* out_stats, void* out_sum_pi_squared) {
-  void* const spq = out_sum_pi_squared;
-  switch (a.dtype) {
-    case kFloat32: return forward_impl<float, float>(a, out_logprob, out_entropy, out_stats, spq);
-    case kFloat16: return forward_impl<F16, float>(a, out_logprob, out_entropy, out_stats, spq);
-    case kBFloat16: return forward_impl<BF16, float>(a, out_logprob, out_entropy, out_stats, spq);
-    case kFloat64: return forward_impl<double, double>(a, out_logprob, out_entropy, out_stats, spq);
-    default: fail("logprobs_forward: unsupported logits dtype code " + std::to_string(a.dtype));
-  }
+  FASTRL_DISPATCH_LOGITS(a.dtype, "logprobs_forward",
+                         (forward_impl<In, Acc>(a, segment, {out_logprob, out_entropy, out_stats,
+                                                             out_sum_pi_squared})));
+}
+
+void logprobs_segments(const LogprobsArgs& a, int64_t segment, bool with_entropy, bool with_sum_pi_squared,
+                       double* out) {
+  FASTRL_DISPATCH_LOGITS(a.dtype, "logprobs_segments",
+                         (segments_impl<In, Acc>(a, segment, with_entropy, with_sum_pi_squared, out)));
+}
+
+void logprobs_combine(const double* segments, int64_t n_rows, int64_t n_segments, const void* label_logits,
+                      const LogprobsArgs& a, void* out_logprob, void* out_entropy, void* out_stats,
+                      void* out_sum_pi_squared) {
+  FASTRL_DISPATCH_ACC(a.dtype, "logprobs_combine",
+                      (combine_impl<Acc>(segments, n_rows, n_segments, static_cast<const Acc*>(label_logits), a,
+                                         {out_logprob, out_entropy, out_stats, out_sum_pi_squared})));
 }
 
 void logprobs_backward(const LogprobsArgs& a, const void* stats, const void* entropy,

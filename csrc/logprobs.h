@@ -28,9 +28,25 @@ struct LogprobsArgs {
 // Writes per-row log-prob, entropy, stats (the pair max logit, log s that
 // the backward needs; [n_rows, 2]) and sum_pi_squared (sum_j p_j^2 of
 // softmax(x / T)) into whichever output pointers are non-null, all of the
-// accumulation type.
-void logprobs_forward(const LogprobsArgs& args, void* out_logprob, void* out_entropy,
+// accumulation type. Each row is reduced as segments of `segment` logits (a
+// divisor of vocab: fastrl._rows.segment_length).
+void logprobs_forward(const LogprobsArgs& args, int64_t segment, void* out_logprob, void* out_entropy,
                       void* out_stats, void* out_sum_pi_squared);
+
+// The statistics (m, n, t, w, q: softmax_stats.h RowStats, w in natural units,
+// w / q 0 unless asked for) of each of the vocab / segment segments of each row
+// of a vocabulary shard, as doubles [n_rows, vocab / segment, 5].
+void logprobs_segments(const LogprobsArgs& args, int64_t segment, bool with_entropy, bool with_sum_pi_squared,
+                       double* out);
+
+// logprobs_forward's outputs from rows' segments [n_rows, n_segments, 5]
+// (logprobs_segments', gathered from the ranks in vocabulary order) and their
+// label logits [n_rows] (of the accumulation type; read where the label is in
+// [0, args.vocab), the whole vocabulary). Of args it reads dtype (the
+// accumulation type's code), vocab, labels, ignore_index and the temperature.
+void logprobs_combine(const double* segments, int64_t n_rows, int64_t n_segments, const void* label_logits,
+                      const LogprobsArgs& args, void* out_logprob, void* out_entropy, void* out_stats,
+                      void* out_sum_pi_squared);
 
 // Writes dL/dlogits (logits' dtype, rows laid out by grad_rows; may alias the
 // logits) from the saved stats / entropy and the incoming gradients. A null

@@ -40,6 +40,7 @@
 #pragma once
 
 #include <algorithm>
+#include <initializer_list>
 
 #include "common.h"
 #include "isa.h"
@@ -254,6 +255,41 @@ RowStats<Acc> row_stats(const In* x, int64_t vocab, Acc inv_t, bool want_w, bool
     isa_dispatch([&]() FASTRL_ISA_BODY { st = row_stats_body<In, Acc, true>(x, vocab, inv_t, want_w); });
   } else {
     isa_dispatch([&]() FASTRL_ISA_BODY { st = row_stats_body<In, Acc>(x, vocab, inv_t, want_w); });
+  }
+  return st;
+}
+
+// The statistics of two consecutive spans of a row from each span's own, into
+// st: a span at the max of both keeps its count and tails apart, the other
+// moves to that max (shift_row_stats, c = (m_span - M) / T in double; a span
+// with nothing finite, m = -inf, has c = -inf and adds nothing, NaN stays in t).
+// From the empty span {-inf, 0, 0, 0, 0} it gives the other span bit for bit.
+// Folded left to right over a row's segments (fastrl._rows.segment_length) it
+// gives the same bits whether the segments were reduced here or on the ranks
+// that hold them (logprobs.cpp: the tensor-parallel degree changes no bit).
+template <typename Acc>
+void fold_row_stats(RowStats<Acc>& st, RowStats<Acc> seg, Acc inv_t, bool want_q) {
+  const Acc top = std::max(st.m, seg.m);
+  for (RowStats<Acc>* span : {&st, &seg}) {
+    if (!(span->m < top)) continue;
+    const double c = (static_cast<double>(span->m) - static_cast<double>(top)) * static_cast<double>(inv_t);
+    want_q ? shift_row_stats<true>(c, *span) : shift_row_stats<false>(c, *span);
+  }
+  st.m = top;
+  st.n += seg.n;
+  st.t += seg.t;
+  st.w += seg.w;
+  st.q += seg.q;
+}
+
+// row_stats of a row of `vocab` logits reduced as segments of `segment`
+// (a divisor of vocab; fastrl._rows.segment_length), folded left to right.
+template <typename In, typename Acc>
+RowStats<Acc> segmented_row_stats(const In* x, int64_t vocab, int64_t segment, Acc inv_t, bool want_w,
+                                  bool want_q) {
+  RowStats<Acc> st{neg_inf<Acc>(), 0, 0, 0, 0};
+  for (int64_t start = 0; start < vocab; start += segment) {
+    fold_row_stats(st, row_stats<In, Acc>(x + start, segment, inv_t, want_w, want_q), inv_t, want_q);
   }
   return st;
 }

@@ -13,7 +13,7 @@ import functools
 import torch
 
 from ._backend import native_module
-from ._rows import compute_dtype, row_count, row_layout
+from ._rows import compute_dtype, forward_outputs, row_count, row_layout, segment_length
 
 DTYPE_CODES = {
     torch.float32: 0,
@@ -100,15 +100,64 @@ def logprobs_forward(
     ``[N]`` tensor of the accumulation dtype."""
     n_rows = row_count(logits)
     acc = compute_dtype(logits)
-    new = lambda: torch.empty(n_rows, dtype=acc, device=logits.device)  # noqa: E731
-    logprob = new() if labels is not None else None
-    entropy = new() if with_entropy else None
-    stats = torch.empty(n_rows, 2, dtype=acc, device=logits.device) if with_stats else None
-    sum_pi_squared = new() if with_sum_pi_squared else None
+    logprob, entropy, stats, sum_pi_squared = forward_outputs(n_rows, acc, logits.device, labels is not None,
+                                                              with_entropy, with_stats, with_sum_pi_squared)
     native_module().logprobs_forward(
-        **_logits(logits, labels, ignore_index, temperature),
+        **_logits(logits, labels, ignore_index, temperature), segment=segment_length(logits.shape[-1]),
         out_logprob=_ptr(logprob), out_entropy=_ptr(entropy), out_stats=_ptr(stats),
         out_sum_pi_squared=_ptr(sum_pi_squared),
+    )  # fmt: skip
+    return logprob, entropy, stats, sum_pi_squared
+
+
+def logprobs_segments(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor,
+    *,
+    with_entropy: bool,
+    with_sum_pi_squared: bool,
+    segment: int,
+    vocab: int,
+) -> torch.Tensor:
+    """The contract of ``fastrl.kernels.logprobs.logprobs_segments`` on the C++
+    kernels ([N, G, 5] float64 (m, n, t, w, q), w in natural units: each
+    backend's segments are for its own combine). ``vocab`` (the whole row's) is
+    the Triton tile's; the C++ reduction does not depend on it."""
+    n_segments = logits.shape[-1] // segment if segment else 0
+    segments = torch.empty(row_count(logits), n_segments, 5, dtype=torch.float64, device=logits.device)
+    args = _logits(logits, None, 0, temperature)
+    native_module().logprobs_segments(
+        logits=args["logits"], dtype=args["dtype"], n_rows=args["n_rows"], vocab=args["vocab"], rows=args["rows"],
+        temps=args["temps"], temp_scalar=args["temp_scalar"], segment=segment, with_entropy=with_entropy,
+        with_sum_pi_squared=with_sum_pi_squared, out=segments.data_ptr(),
+    )  # fmt: skip
+    return segments
+
+
+def logprobs_combine(
+    segments: torch.Tensor,
+    label_logits: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    temperature: float | torch.Tensor,
+    ignore_index: int,
+    *,
+    with_entropy: bool,
+    with_stats: bool,
+    with_sum_pi_squared: bool,
+    vocab: int,
+    acc: torch.dtype,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The contract of ``fastrl.kernels.logprobs.logprobs_combine`` on the C++ kernels."""
+    n_rows = segments.shape[0]
+    logprob, entropy, stats, sum_pi_squared = forward_outputs(n_rows, acc, segments.device, labels is not None,
+                                                              with_entropy, with_stats, with_sum_pi_squared)
+    temps, temp_scalar = _row_param(temperature)
+    native_module().logprobs_combine(
+        segments=segments.data_ptr(), n_rows=n_rows, n_segments=segments.shape[1], label_logits=_ptr(label_logits),
+        acc_dtype=DTYPE_CODES[acc], vocab=vocab, labels=_ptr(labels),
+        label_dtype=DTYPE_CODES[labels.dtype] if labels is not None else -1, ignore_index=ignore_index,
+        temps=temps, temp_scalar=temp_scalar, out_logprob=_ptr(logprob), out_entropy=_ptr(entropy),
+        out_stats=_ptr(stats), out_sum_pi_squared=_ptr(sum_pi_squared),
     )  # fmt: skip
     return logprob, entropy, stats, sum_pi_squared
 

@@ -47,7 +47,7 @@ _TRUNCATION = f"{_TEMPERATURE}, Tensor? top_k_rows, int top_k, Tensor? top_p_row
 # fastrl._native (C++) and fastrl.kernels.<family> (Triton) define every one with the same
 # parameters (names, kinds, defaults; tests/test_layers.py holds them to it).
 LAUNCHERS = {
-    "logprobs": ("logprobs_forward", "logprobs_backward"),
+    "logprobs": ("logprobs_forward", "logprobs_backward", "logprobs_segments", "logprobs_combine"),
     "sampling": ("sample_forward", "truncated_forward", "truncated_backward", "sample_shard_pass",
                  "shard_digit_histogram"),
     "kl": ("kl_penalty_forward", "kl_penalty_backward", "full_kl_forward", "full_kl_backward"),
@@ -189,6 +189,57 @@ logprobs_backward = _define(
     "Tensor? entropy, Tensor? grad_logprob, Tensor? grad_entropy, Tensor(a!) grad_out, int label_base, "
     "int label_vocab, str backend) -> ()",
     _logprobs_backward, _no_output,
+)  # fmt: skip
+
+
+def _logprobs_segments(logits, temperature_rows, temperature, with_entropy, with_sum_pi_squared, segment, vocab,
+                       backend):  # fmt: skip
+    return launchers(backend, "logprobs").logprobs_segments(
+        logits, row_param(temperature_rows, temperature), with_entropy=with_entropy,
+        with_sum_pi_squared=with_sum_pi_squared, segment=segment, vocab=vocab,
+    )  # fmt: skip
+
+
+def _logprobs_segments_fake(logits, temperature_rows, temperature, with_entropy, with_sum_pi_squared, segment, vocab,
+                            backend):  # fmt: skip
+    n_segments = logits.shape[-1] // segment if segment else 0
+    return _new(logits, math.prod(logits.shape[:-1]), n_segments, 5, dtype=torch.float64)
+
+
+# A vocabulary shard's part of the forward: each row's segments' statistics (fastrl._rows.segment_length),
+# [N, V_r / segment, 5] float64, reduced with the tile of a row of `vocab` logits; gathered from the ranks
+# in vocabulary order, logprobs_combine gives logprobs_forward's outputs of the whole rows, bit for bit.
+logprobs_segments = _define(
+    "logprobs_segments(Tensor logits, " + _TEMPERATURE + ", bool with_entropy, bool with_sum_pi_squared, "
+    "int segment, int vocab, str backend) -> Tensor",
+    _logprobs_segments, _logprobs_segments_fake,
+)  # fmt: skip
+
+
+def _logprobs_combine(segments, label_logits, labels, temperature_rows, temperature, ignore_index, with_entropy,
+                      with_stats, with_sum_pi_squared, vocab, acc, backend):  # fmt: skip
+    outputs = launchers(backend, "logprobs").logprobs_combine(
+        segments, label_logits, labels, row_param(temperature_rows, temperature), ignore_index,
+        with_entropy=with_entropy, with_stats=with_stats, with_sum_pi_squared=with_sum_pi_squared, vocab=vocab,
+        acc=acc,
+    )  # fmt: skip
+    return tuple(_or_empty(t, segments, acc) for t in outputs)
+
+
+def _logprobs_combine_fake(segments, label_logits, labels, temperature_rows, temperature, ignore_index, with_entropy,
+                           with_stats, with_sum_pi_squared, vocab, acc, backend):  # fmt: skip
+    n_rows = segments.shape[0]
+    per_row = lambda wanted, *columns: _new(segments, *((n_rows, *columns) if wanted else (0,)), dtype=acc)  # noqa: E731
+    return (per_row(labels is not None), per_row(with_entropy), per_row(with_stats, 2),
+            per_row(with_sum_pi_squared))  # fmt: skip
+
+
+# label_logits: each row's label logit in `acc` (read where the label is in [0, vocab)).
+logprobs_combine = _define(
+    "logprobs_combine(Tensor segments, Tensor? label_logits, Tensor? labels, " + _TEMPERATURE + ", "
+    "int ignore_index, bool with_entropy, bool with_stats, bool with_sum_pi_squared, int vocab, ScalarType acc, "
+    "str backend) -> (Tensor logprob, Tensor entropy, Tensor stats, Tensor sum_pi_squared)",
+    _logprobs_combine, _logprobs_combine_fake,
 )  # fmt: skip
 
 

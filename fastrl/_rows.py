@@ -24,6 +24,24 @@ def compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+# Every row reduction of the log-prob kernels cuts a row of V logits into
+# segments of segment_length(V) and folds their statistics left to right
+# (kernels/reduce.py fold_segment, csrc/softmax_stats.h fold_row_stats). When V
+# is a multiple of 64 the segments are V / 8 long: every shard boundary of a
+# vocabulary split evenly over 1, 2, 4 or 8 ranks falls between two segments,
+# so a rank's shard is whole segments, and the ranks' segment statistics,
+# gathered and folded in vocabulary order, give the bits of the whole row in one
+# program: the tensor-parallel degree changes no bit. (V / 8 is then a multiple
+# of 8, so each segment starts on a 16-byte boundary in every dtype, where the
+# row does.) Another V is one segment, the whole row.
+TP_SEGMENTS = 8
+
+
+def segment_length(vocab: int) -> int:
+    """The segment length of a row of ``vocab`` logits (TP_SEGMENTS above)."""
+    return vocab // TP_SEGMENTS if vocab > 0 and vocab % (8 * TP_SEGMENTS) == 0 else vocab
+
+
 def row_count(t: torch.Tensor) -> int:
     """The rows of ``[N, V]`` or ``[outer, inner, V]``."""
     return math.prod(t.shape[:-1])
@@ -77,3 +95,13 @@ def can_overwrite(logits: torch.Tensor, rows: torch.Tensor) -> bool:
             return False
         extent += stride * (size - 1)
     return True
+
+
+def forward_outputs(n_rows: int, acc: torch.dtype, device: torch.device, has_labels: bool, with_entropy: bool,
+                    with_stats: bool, with_sum_pi_squared: bool) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
+    """The log-prob forward's outputs as every launcher allocates them (fastrl._native,
+    fastrl.kernels.logprobs): log-prob [N], entropy [N], stats [N, 2] (max logit,
+    log s) and sum_pi_squared [N] in ``acc``, None where not asked for."""
+    new = lambda *shape: torch.empty(n_rows, *shape, dtype=acc, device=device)  # noqa: E731
+    return (new() if has_labels else None, new() if with_entropy else None, new(2) if with_stats else None,
+            new() if with_sum_pi_squared else None)  # fmt: skip

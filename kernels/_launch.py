@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastrl._rows import compute_dtype, row_layout
+from fastrl._rows import compute_dtype, row_layout, segment_length
 
 # Elements of a row handled per loop iteration. It depends on V only, never on
 # the number of rows, which keeps results batch invariant.
@@ -38,6 +38,14 @@ _THREAD_ELEMS = 16
 # V = 151936, 89% -> 93% of copy bandwidth; 4 warps would predict 97% but leave
 # a small batch of long rows with a quarter of the threads per row).
 _FORWARD_MAX_WARPS = 8
+# Lanes of a segment (reduce.segment_stats) on a row of TP segments: 16 (a
+# half warp; eight segments are 4 warps), half that on short rows (2 warps).
+# Each lane holds 16 elements a tile, as in the one-segment forward. sm_90
+# model, H100, triton 3.9, bf16 16384 x 151936 forward with entropy: 32 lanes
+# (8 warps) 90.1% of copy bandwidth, 16 lanes 95.1%, 8 lanes 97.8%; fp32
+# 4096 x 32000: 16 lanes 88.1%, 8 lanes 92.7%. (Fewer lanes per row leave a
+# small batch of long rows fewer threads; 16 keeps half the old forward's.)
+_SEGMENT_LANES = 16
 # Every launch names its floating-point contraction (triton 3.9 warns when it is
 # left to the default, which triton 3.10 turns off). These kernels contract
 # a * b + c into one rounding (FFMA), as they were benchmarked; their tests bound
@@ -51,7 +59,12 @@ def acc_dtypes(t: torch.Tensor) -> tuple[torch.dtype, tl.dtype]:
     """The accumulation dtype of ``t``'s values (fastrl._rows.compute_dtype), as a
     torch dtype and as a Triton one."""
     acc = compute_dtype(t)
-    return acc, _TRITON_DTYPES[acc]
+    return acc, triton_acc(acc)
+
+
+def triton_acc(acc: torch.dtype) -> tl.dtype:
+    """The Triton dtype of an accumulation dtype (float32 or float64)."""
+    return _TRITON_DTYPES[acc]
 
 
 @functools.cache
@@ -105,6 +118,40 @@ def _tile_config(vocab: int, element_size: int, whole_lines: bool, aligned: bool
     reps = max(1, min(_THREAD_ELEMS // vec, triton.next_power_of_2(vocab) // (lanes * vec)))
     return {"REPS": reps, "LANES": lanes, "VEC": vec, "ALIGNED": aligned,
             "MAX_IN_STORAGE_TYPE": compiled, "num_warps": num_warps}  # fmt: skip
+
+
+def segment_config(rows: torch.Tensor, vocab: int, segment: int | None = None) -> tuple[int, dict]:
+    """(segment length, meta-parameters of reduce.segment_stats) for ``rows``
+    [.., V_r] of whole segments of rows of ``vocab`` logits (V_r = vocab: the
+    whole rows), ``segment`` long (default fastrl._rows.segment_length(vocab)).
+
+    A row of TP_SEGMENTS segments (V a multiple of 64) gives each segment
+    SEG_LANES lanes (_SEGMENT_LANES) of VEC contiguous elements (one 128-bit
+    load), REPS = _THREAD_ELEMS / VEC loads a thread a tile, a function of V
+    and the dtype alone, so that a shard of whole segments (fewer warps, the
+    same tile) reduces each segment to the same bits; a shard of fewer
+    segments than fill a warp reads them again in the rest of it (REAL of
+    SEGS slots). Any other row or shard is one segment, read as tile_config
+    reads a row (its lanes are the segment's)."""
+    local = rows.shape[-1]
+    segment = segment_length(vocab) if segment is None else segment
+    if segment < vocab and segment > 0 and local % segment == 0:
+        return segment, dict(_segment_config(local // segment, vocab, rows.element_size(), rows.device.type != "cpu"),
+                             ALIGNED=rows_aligned(rows))  # fmt: skip
+    tile = tile_config(rows)
+    return local, {"REPS": tile["REPS"], "SEGS": 1, "REAL": 1, "SEG_LANES": tile["LANES"], "VEC": tile["VEC"],
+                   "ALIGNED": tile["ALIGNED"], "MAX_IN_STORAGE_TYPE": tile["MAX_IN_STORAGE_TYPE"],
+                   "num_warps": tile["num_warps"]}  # fmt: skip
+
+
+@functools.cache
+def _segment_config(segments: int, vocab: int, element_size: int, compiled: bool) -> dict:
+    """segment_config's meta-parameters of a row of whole segments (but ALIGNED)."""
+    vec = 16 // element_size
+    seg_lanes = _SEGMENT_LANES if vocab > _SHORT_ROW else _SEGMENT_LANES // 2
+    slots = max(segments, 32 // seg_lanes)  # whole warps (reduce.segment_stats)
+    return {"REPS": max(1, _THREAD_ELEMS // vec), "SEGS": slots, "REAL": segments, "SEG_LANES": seg_lanes, "VEC": vec,
+            "MAX_IN_STORAGE_TYPE": compiled, "num_warps": slots * seg_lanes // 32}  # fmt: skip
 
 
 def _row_offsets_mod_16(t: torch.Tensor) -> tuple[int, int, int]:

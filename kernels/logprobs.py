@@ -8,7 +8,15 @@ log s is ``reduce.log_sum(n, t)``):
     logprob = (x[label] - m) / T - log s    (0 for ignore_index, NaN for a label outside [0, V))
     entropy = log s - w / s
     sum_pi_squared = sum_j p_j^2 = (n + q) / s^2    (q: softmax_stats' WITH_Q, when asked for)
-and, when a gradient will be needed, the row's (m, log s) are saved.
+and, when a gradient will be needed, the row's (m, log s) are saved. The row is
+reduced as segments (fastrl._rows.segment_length: V / 8 when V is a multiple of
+64), each by softmax_stats from its own first element, their statistics folded
+left to right (reduce.fold_segment). A rank holding a vocabulary shard of such
+rows (1, 2, 4 or 8 ranks) holds whole segments: it reduces them with the same
+tile (_logprobs_segments_kernel), the ranks gather every segment's
+statistics, and _logprobs_combine_kernel folds them in vocabulary order and
+finishes the row with the same code (_finish_row), so the sharded results are
+bitwise the unsharded ones (fastrl._sharded.logprobs).
 
 Backward, one read and one write, with g = dL/dlogprob and h = dL/dentropy:
     dL/dx_j = (1/T) (g ([j == label] - p_j) - h p_j (log p_j + entropy)),
@@ -31,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastrl._rows import row_count, row_layout
+from fastrl._rows import forward_outputs, row_count, row_layout
 
 from ._launch import (
     CONTRACTED,
@@ -40,10 +48,11 @@ from ._launch import (
     row_inv_temperature,
     rows_aligned,
     same_row_alignment,
+    segment_config,
     temperature_args,
-    tile_config,
+    triton_acc,
 )
-from .reduce import aligned_body, log_sum, row_start, softmax_stats
+from .reduce import aligned_body, fold_segments, log_sum, row_start, segment_stats
 
 # A register cap (maxnreg) that keeps the long rows' backward at the occupancy
 # it was tuned for under every Triton our users run: a row kernel is
@@ -70,36 +79,109 @@ def _register_cap(caps: dict[int, int], num_warps: int, logits: torch.Tensor) ->
 @triton.jit
 def _logprobs_fwd_kernel(
     logits_ptr, inner, outer_stride, inner_stride, labels_ptr, temps_ptr, temp_scalar, ignore_index,
-    logprob_ptr, entropy_ptr, stats_ptr, sum_pi_squared_ptr, V,
+    logprob_ptr, entropy_ptr, stats_ptr, sum_pi_squared_ptr, V, SEG,
     HAS_LABELS: tl.constexpr, PER_ROW_TEMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-    WITH_STATS: tl.constexpr, WITH_SUM_PI_SQUARED: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr,
-    VEC: tl.constexpr, ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr,
+    WITH_STATS: tl.constexpr, WITH_SUM_PI_SQUARED: tl.constexpr, REPS: tl.constexpr, SEGS: tl.constexpr,
+    REAL: tl.constexpr, SEG_LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
+    MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
     inv_t = row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
-    if WITH_SUM_PI_SQUARED:
-        m, n, t, w, q = softmax_stats(row_ptr, V, inv_t, WITH_ENTROPY, REPS, LANES, VEC, ALIGNED,
-                                      MAX_IN_STORAGE_TYPE, ACC, WITH_Q=True)  # fmt: skip
-        s = n + t
-        tl.store(sum_pi_squared_ptr + row, ((n + q) / (s * s)).to(ACC))
-    else:
-        m, n, t, w = softmax_stats(row_ptr, V, inv_t, WITH_ENTROPY, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE, ACC)
+    # The row's SEGS segments of SEG logits (fastrl._rows.segment_length), folded left to right.
+    tl.static_assert(SEGS == REAL, "the whole row fills its slots")
+    m, n, t, w, q = fold_segments(*segment_stats(row_ptr, V, SEG, inv_t, WITH_ENTROPY, WITH_SUM_PI_SQUARED, REPS,
+                                                 SEGS, REAL, SEG_LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE, ACC),
+                                  inv_t, WITH_ENTROPY, WITH_SUM_PI_SQUARED)  # fmt: skip
+    label, in_range = _row_label(labels_ptr, row, V, HAS_LABELS)
+    x_label = tl.load(row_ptr + label, mask=in_range, other=0.0).to(ACC)
+    _finish_row(row, m, n, t, w, q, inv_t, x_label, label, in_range, ignore_index, logprob_ptr, entropy_ptr,
+                stats_ptr, sum_pi_squared_ptr, HAS_LABELS, WITH_ENTROPY, WITH_STATS, WITH_SUM_PI_SQUARED, ACC)  # fmt: skip
+
+
+@triton.jit
+def _row_label(labels_ptr, row, V, HAS_LABELS: tl.constexpr):
+    """(label, whether it is in [0, V)) of a row; (0, False) without labels."""
+    label = tl.zeros([], tl.int64)
+    in_range = label != 0
+    if HAS_LABELS:
+        label = tl.load(labels_ptr + row).to(tl.int64)
+        in_range = (label >= 0) & (label < V)
+    return label, in_range
+
+
+@triton.jit
+def _finish_row(row, m, n, t, w, q, inv_t, x_label, label, in_range, ignore_index, logprob_ptr, entropy_ptr,
+                stats_ptr, sum_pi_squared_ptr, HAS_LABELS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+                WITH_STATS: tl.constexpr, WITH_SUM_PI_SQUARED: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """Stores a row's outputs (module docstring) from its folded statistics (w in
+    base-2 units) and its label's logit x_label: one code for the whole row and
+    for the ranks' gathered segments (_logprobs_combine_kernel)."""
     log_s_exact = log_sum(n, t)  # float64, as n, t and w are (reduce.py)
     log_s = log_s_exact.to(ACC)
+    if WITH_SUM_PI_SQUARED:
+        s = n + t
+        tl.store(sum_pi_squared_ptr + row, ((n + q) / (s * s)).to(ACC))
     if WITH_STATS:
         tl.store(stats_ptr + 2 * row, m)
         tl.store(stats_ptr + 2 * row + 1, log_s)
     if WITH_ENTROPY:
-        tl.store(entropy_ptr + row, (log_s_exact - w / (n + t)).to(ACC))
+        tl.store(entropy_ptr + row, (log_s_exact - (w * 0.6931471805599453) / (n + t)).to(ACC))
     if HAS_LABELS:
-        label = tl.load(labels_ptr + row).to(tl.int64)
-        in_range = (label >= 0) & (label < V)
-        x_label = tl.load(row_ptr + label, mask=in_range, other=0.0).to(ACC)
         logprob = (x_label - m) * inv_t - log_s
         logprob = tl.where(in_range, logprob, float("nan"))
         logprob = tl.where(label == ignore_index, 0.0, logprob)
         tl.store(logprob_ptr + row, logprob)
+
+
+@triton.jit
+def _logprobs_segments_kernel(
+    logits_ptr, inner, outer_stride, inner_stride, temps_ptr, temp_scalar, segments_ptr, V, SEG,
+    PER_ROW_TEMP: tl.constexpr, WITH_ENTROPY: tl.constexpr, WITH_SUM_PI_SQUARED: tl.constexpr, REPS: tl.constexpr,
+    SEGS: tl.constexpr, REAL: tl.constexpr, SEG_LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
+    MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """Each of a shard's rows' REAL segments' (m, n, t, w, q), in float64, unfolded."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+    inv_t = row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
+    m, n, t, w, q = segment_stats(row_ptr, V, SEG, inv_t, WITH_ENTROPY, WITH_SUM_PI_SQUARED, REPS, SEGS, REAL,
+                                  SEG_LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE, ACC)  # fmt: skip
+    slot = tl.arange(0, SEGS)
+    real = slot < REAL
+    out = segments_ptr + (row * REAL + slot) * 5
+    tl.store(out, m.to(tl.float64), mask=real)
+    tl.store(out + 1, n, mask=real)
+    tl.store(out + 2, t, mask=real)
+    tl.store(out + 3, w, mask=real)
+    tl.store(out + 4, q, mask=real)
+
+
+@triton.jit
+def _logprobs_combine_kernel(
+    segments_ptr, NSEG, label_logits_ptr, labels_ptr, temps_ptr, temp_scalar, ignore_index,
+    logprob_ptr, entropy_ptr, stats_ptr, sum_pi_squared_ptr, V,
+    HAS_LABELS: tl.constexpr, PER_ROW_TEMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    WITH_STATS: tl.constexpr, WITH_SUM_PI_SQUARED: tl.constexpr, SEGS: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """A row's outputs from its NSEG (at most SEGS, a power of 2) segments'
+    statistics in vocabulary order (_logprobs_segments_kernel's, gathered from
+    the ranks) and its label's logit: the fold (reduce.fold_segments) and the
+    finish of _logprobs_fwd_kernel, so the same bits. Missing segments are
+    empty ones (m = -inf, sums 0)."""
+    row = tl.program_id(0).to(tl.int64)
+    inv_t = row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
+    index = tl.arange(0, SEGS)
+    here = index < NSEG
+    seg = segments_ptr + (row * NSEG + index) * 5
+    m, n, t, w, q = fold_segments(tl.load(seg, mask=here, other=float("-inf")).to(ACC),
+                                  tl.load(seg + 1, mask=here, other=0.0), tl.load(seg + 2, mask=here, other=0.0),
+                                  tl.load(seg + 3, mask=here, other=0.0), tl.load(seg + 4, mask=here, other=0.0),
+                                  inv_t, WITH_ENTROPY, WITH_SUM_PI_SQUARED)  # fmt: skip
+    label, in_range = _row_label(labels_ptr, row, V, HAS_LABELS)
+    x_label = tl.load(label_logits_ptr + row, mask=in_range, other=0.0)
+    _finish_row(row, m, n, t, w, q, inv_t, x_label, label, in_range, ignore_index, logprob_ptr, entropy_ptr,
+                stats_ptr, sum_pi_squared_ptr, HAS_LABELS, WITH_ENTROPY, WITH_STATS, WITH_SUM_PI_SQUARED, ACC)  # fmt: skip
 
 
 @triton.jit
@@ -188,17 +270,72 @@ def logprobs_forward(
     row's (max logit, log s) that the backward needs; an output not asked for is None."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
     acc, acc_tl = acc_dtypes(logits)
-    new = lambda: torch.empty(n_rows, dtype=acc, device=logits.device)  # noqa: E731
-    logprob = new() if labels is not None else None
-    entropy = new() if with_entropy else None
-    stats = torch.empty(n_rows, 2, dtype=acc, device=logits.device) if with_stats else None
-    sum_pi_squared = new() if with_sum_pi_squared else None
+    logprob, entropy, stats, sum_pi_squared = forward_outputs(n_rows, acc, logits.device, labels is not None,
+                                                              with_entropy, with_stats, with_sum_pi_squared)
     temps, temp_scalar, per_row = temperature_args(temperature)
+    segment, config = segment_config(logits, vocab)
     _logprobs_fwd_kernel[(n_rows,)](
         logits, *row_layout(logits), labels, temps, temp_scalar, ignore_index,
+        logprob, entropy, stats, sum_pi_squared, vocab, segment,
+        HAS_LABELS=labels is not None, PER_ROW_TEMP=per_row, WITH_ENTROPY=with_entropy,
+        WITH_STATS=with_stats, WITH_SUM_PI_SQUARED=with_sum_pi_squared, ACC=acc_tl, **config, **CONTRACTED,
+    )  # fmt: skip
+    return logprob, entropy, stats, sum_pi_squared
+
+
+def logprobs_segments(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor,
+    *,
+    with_entropy: bool,
+    with_sum_pi_squared: bool,
+    segment: int,
+    vocab: int,
+) -> torch.Tensor:
+    """[N, G, 5] float64: the (m, n, t, w, q) of each of the G = V_r / ``segment``
+    segments of the N rows of ``logits`` [N, V_r] or [outer, inner, V_r] (a
+    shard of rows of ``vocab`` logits; ``segment`` divides V_r), reduced as
+    logprobs_forward reduces a row of ``vocab`` (its tile): w in base-2 units,
+    0 unless ``with_entropy``; q 0 unless ``with_sum_pi_squared``."""
+    n_rows, local = row_count(logits), logits.shape[-1]
+    _, acc_tl = acc_dtypes(logits)
+    segment, config = segment_config(logits, vocab, segment)
+    segments = torch.empty(n_rows, config["REAL"], 5, dtype=torch.float64, device=logits.device)
+    temps, temp_scalar, per_row = temperature_args(temperature)
+    _logprobs_segments_kernel[(n_rows,)](
+        logits, *row_layout(logits), temps, temp_scalar, segments, local, segment,
+        PER_ROW_TEMP=per_row, WITH_ENTROPY=with_entropy, WITH_SUM_PI_SQUARED=with_sum_pi_squared, ACC=acc_tl,
+        **config, **CONTRACTED,
+    )  # fmt: skip
+    return segments
+
+
+def logprobs_combine(
+    segments: torch.Tensor,
+    label_logits: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    temperature: float | torch.Tensor,
+    ignore_index: int,
+    *,
+    with_entropy: bool,
+    with_stats: bool,
+    with_sum_pi_squared: bool,
+    vocab: int,
+    acc: torch.dtype,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """logprobs_forward's outputs (in ``acc``) from the rows' segments [N, G, 5]
+    (logprobs_segments', gathered from the ranks, in vocabulary order) and each
+    row's label logit [N] (``acc``; labels in [0, ``vocab``))."""
+    n_rows = segments.shape[0]
+    logprob, entropy, stats, sum_pi_squared = forward_outputs(n_rows, acc, segments.device, labels is not None,
+                                                              with_entropy, with_stats, with_sum_pi_squared)
+    temps, temp_scalar, per_row = temperature_args(temperature)
+    _logprobs_combine_kernel[(n_rows,)](
+        segments, segments.shape[1], label_logits, labels, temps, temp_scalar, ignore_index,
         logprob, entropy, stats, sum_pi_squared, vocab,
         HAS_LABELS=labels is not None, PER_ROW_TEMP=per_row, WITH_ENTROPY=with_entropy,
-        WITH_STATS=with_stats, WITH_SUM_PI_SQUARED=with_sum_pi_squared, ACC=acc_tl, **tile_config(logits),
+        WITH_STATS=with_stats, WITH_SUM_PI_SQUARED=with_sum_pi_squared, SEGS=triton.next_power_of_2(max(segments.shape[1], 1)),
+        ACC=triton_acc(acc), num_warps=1,
         **CONTRACTED,
     )  # fmt: skip
     return logprob, entropy, stats, sum_pi_squared

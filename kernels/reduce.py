@@ -21,7 +21,8 @@ sums move to the new reference point:
     s' = a s,   w' = a (w + c s),   c = (m - m') * inv_t,   a = exp(c).
 
 The exponentials are taken in base 2, e = 2^((x - m) k) with k = inv_t log2(e)
-(one multiply; w is kept in base-2 units and scaled by ln 2 in the merge); on a
+(one multiply; w is kept in base-2 units, also by softmax_stats' result, and
+scaled by ln 2 where the entropy is formed); on a
 GPU tl.exp is that same exp2 of a rounded product, so a term at depth d is
 within about 2 |d| + 3 ulps of float32 whichever is written.
 
@@ -62,8 +63,8 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
                   VEC: tl.constexpr, ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr,
                   ACC: tl.constexpr, FOLD_TILES: tl.constexpr = False, HISTOGRAM: tl.constexpr = None,
                   BINS: tl.constexpr = 1, SUB_MAX: tl.constexpr = False, WITH_Q: tl.constexpr = False):  # fmt: skip
-    """(m, n, t, w) of the row as defined above (n, t, w in float64; s = n + t);
-    w is 0 unless WITH_W.
+    """(m, n, t, w) of the row as defined above (n, t, w in float64; s = n + t;
+    w in base-2 units: w ln 2 is the docstring's w); w is 0 unless WITH_W.
 
     WITH_Q (not with FOLD_TILES, HISTOGRAM or SUB_MAX): also q, the tail of the
     squared terms, sum e_j^2 over the terms below the max (float64), so that
@@ -93,8 +94,8 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
     are VEC contiguous ones (one 128-bit load when ALIGNED; VEC = 1 otherwise,
     _launch.tile_config) at REPS places LANES * VEC apart.
     The exponent is taken in base 2, d2 = (x - ref) * k with k = inv_t log2(e)
-    (the scale folded into one multiply; w is summed in base-2 units and
-    scaled by ln 2 at the end). A lane's sums are float32 sums of at most
+    (the scale folded into one multiply; w is summed, and returned, in base-2
+    units). A lane's sums are float32 sums of at most
     REPS * VEC terms per tile, one float32 add per tile into its running sums,
     and float64 only in the merge."""
     tl.static_assert(not (FOLD_TILES and WITH_W), "FOLD_TILES folds m, n and t only")
@@ -145,7 +146,7 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
             sub = tl.maximum(sub, tl.max(x.to(ACC), axis=0))
     if WITH_Q:
         q = merge_square_lanes(m, n, q, k)  # (from the lanes' own m and n: before merge_lanes)
-    m, n, t, w = merge_lanes(m, n, t, w, k)
+    m, n, t, w = merge_lanes(m, n, t, w, k, WITH_W)
     if WITH_Q:
         return m, n, t, w, q
     elif HISTOGRAM is not None:
@@ -154,6 +155,162 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
         return m, n, t, w, sub
     else:
         return m, n, t, w
+
+
+@triton.jit
+def segment_stats(row_ptr, V, SEG, inv_t, WITH_W: tl.constexpr, WITH_Q: tl.constexpr, REPS: tl.constexpr,
+                  SEGS: tl.constexpr, REAL: tl.constexpr, SEG_LANES: tl.constexpr, VEC: tl.constexpr,
+                  ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """[SEGS] (m, n, t, w, q) of the REAL segments of SEG logits that make a
+    row of V = REAL * SEG (fastrl._rows.segment_length), as softmax_stats gives
+    a whole row's (w in base-2 units; q, WITH_Q's tail of squares, else 0), all
+    segments at once: slot g is lanes g * SEG_LANES .. (g + 1) * SEG_LANES - 1,
+    which read segment g % REAL a tile of REPS * SEG_LANES * VEC at a time
+    from its own first element, as softmax_stats reads a row, and are merged
+    apart from the other slots. So a segment's statistics are a function of
+    its logits and (REPS, SEG_LANES, VEC) alone, the same in a program that
+    holds the whole row and in one that holds a vocabulary shard of whole
+    segments. SEGS slots fill whole warps (each thread a lane, as the
+    layouts that sum a lane's elements inside its thread need): a shard of
+    fewer segments reads them again in the slots past REAL, in the same load
+    instructions (no more memory traffic), and leaves those slots' results."""
+    neg_inf = float("-inf")
+    LANES: tl.constexpr = SEGS * SEG_LANES
+    k = exp2_scale(inv_t)
+    m = tl.full([LANES], neg_inf, ACC)
+    n = tl.zeros([LANES], ACC)
+    t = tl.zeros([LANES], ACC)
+    w = tl.zeros([LANES], ACC)
+    q = tl.zeros([LANES], ACC)
+    # Element e of lane l's VEC: segment l // SEG_LANES, at (l % SEG_LANES) * VEC + e of the tile.
+    element = tl.arange(0, LANES * VEC)
+    lane = element // VEC
+    within = ((lane % SEG_LANES) * VEC + element % VEC)[None, :]
+    seg_start = ((lane // SEG_LANES % REAL) * SEG)[None, :]
+    rep = (tl.arange(0, REPS) * (SEG_LANES * VEC))[:, None]
+    if ALIGNED:  # every row, so every segment (SEG * element size a multiple of 16), on a 16-byte boundary
+        row_ptr = tl.multiple_of(row_ptr, 16)
+    lane_ptr = row_ptr + seg_start
+    # A tile of every segment at once: ROW_TILE of the row. V - V % ROW_TILE is REAL times the
+    # whole tiles of a segment (V = REAL * SEG), so the loop runs a segment's whole tiles.
+    ROW_TILE: tl.constexpr = REAL * REPS * SEG_LANES * VEC
+    whole = V - V % ROW_TILE
+    for start in range(0, whole, ROW_TILE):
+        x = lane_tile(tl.load((lane_ptr + (start // REAL + within)) + rep), LANES, VEC)
+        if WITH_Q:
+            m, n, t, w, q = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE, q, True)
+        else:
+            m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
+    if whole < V:  # each segment's partial tile, masked
+        offs = whole // REAL + within + rep
+        x = lane_tile(tl.load(lane_ptr + offs, mask=offs < SEG, other=neg_inf), LANES, VEC)
+        if WITH_Q:
+            m, n, t, w, q = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE, q, True)
+        else:
+            m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
+    m = tl.reshape(m, [SEGS, SEG_LANES])
+    n = tl.reshape(n, [SEGS, SEG_LANES])
+    q_seg = tl.zeros([SEGS], tl.float64)
+    if WITH_Q:
+        q_seg = merge_square_lanes(m, n, tl.reshape(q, [SEGS, SEG_LANES]), k)
+    m, n, t, w = merge_lanes(m, n, tl.reshape(t, [SEGS, SEG_LANES]), tl.reshape(w, [SEGS, SEG_LANES]), k, WITH_W)
+    return m, n, t, w, q_seg
+
+
+@triton.jit
+def fold_segments(m, n, t, w, q, inv_t, WITH_W: tl.constexpr, WITH_Q: tl.constexpr):
+    """The row's (m, n, t, w, q) from its segments' [SEGS] (segment_stats'; SEGS
+    a power of 2), folded by fold_segment along a fixed tree of pairs:
+    ((0 1) (2 3)) ((4 5) (6 7)) for eight. fold_segment is symmetric, bit for
+    bit (each span's terms depend on it and the common max alone, then one
+    commutative add), so a fold of two is one value whichever lane or warp
+    holds which: the tree, and so the bits, do not depend on how the compiler
+    lays the vectors out, in this kernel or in the one that folds segments
+    gathered from the ranks (kernels/logprobs.py). w and q take part only
+    WITH_W / WITH_Q (else 0): each is a value more that the segments' warps
+    exchange at each level."""
+    SEGS: tl.constexpr = m.shape[0]
+    tl.static_assert(SEGS <= 8, "fold_segments: at most eight segments (fastrl._rows.TP_SEGMENTS)")
+    k = tl.zeros_like(m) + exp2_scale(inv_t)
+    zero = tl.zeros([], tl.float64)
+    if SEGS == 1:  # (the one segment: a max and sums of one element are that element)
+        return tl.max(m, axis=0), tl.sum(n, axis=0), tl.sum(t, axis=0), tl.sum(w, axis=0), tl.sum(q, axis=0)
+    elif WITH_Q:
+        m, n, t, w, q, k = _fold_tree_wq(m, n, t, w, q, k)
+        return m, n, t, w, q
+    elif WITH_W:
+        m, n, t, w, k = _fold_tree_w(m, n, t, w, k)
+        return m, n, t, w, zero
+    else:
+        m, n, t, k = _fold_tree(m, n, t, k)
+        return m, n, t, zero, zero
+
+
+@triton.jit
+def _pairs(v, HALF: tl.constexpr):
+    """[2 HALF] as [HALF, 2]: elements 2i and 2i + 1 side by side."""
+    return tl.reshape(v, [HALF, 2])
+
+
+@triton.jit
+def _fold_tree(m, n, t, k):
+    """(m, n, t) [SEGS] (2, 4 or 8) folded along fold_segments' tree: pairs
+    (2i, 2i + 1), then pairs of those, each pair by one reduction over an
+    axis of two (_fold_tree_w, _fold_tree_wq: with w, and with w and q). (A
+    reduction of all SEGS at once would pair them as the layout has it.)"""
+    SEGS: tl.constexpr = m.shape[0]
+    if SEGS == 8:
+        m, n, t, k = tl.reduce((_pairs(m, 4), _pairs(n, 4), _pairs(t, 4), _pairs(k, 4)), 1, _fold_pair)
+    if SEGS >= 4:
+        m, n, t, k = tl.reduce((_pairs(m, 2), _pairs(n, 2), _pairs(t, 2), _pairs(k, 2)), 1, _fold_pair)
+    return tl.reduce((m, n, t, k), 0, _fold_pair)
+
+
+@triton.jit
+def _fold_tree_w(m, n, t, w, k):
+    SEGS: tl.constexpr = m.shape[0]
+    if SEGS == 8:
+        m, n, t, w, k = tl.reduce((_pairs(m, 4), _pairs(n, 4), _pairs(t, 4), _pairs(w, 4), _pairs(k, 4)), 1,
+                                  _fold_pair_w)  # fmt: skip
+    if SEGS >= 4:
+        m, n, t, w, k = tl.reduce((_pairs(m, 2), _pairs(n, 2), _pairs(t, 2), _pairs(w, 2), _pairs(k, 2)), 1,
+                                  _fold_pair_w)  # fmt: skip
+    return tl.reduce((m, n, t, w, k), 0, _fold_pair_w)
+
+
+@triton.jit
+def _fold_tree_wq(m, n, t, w, q, k):
+    SEGS: tl.constexpr = m.shape[0]
+    if SEGS == 8:
+        m, n, t, w, q, k = tl.reduce((_pairs(m, 4), _pairs(n, 4), _pairs(t, 4), _pairs(w, 4), _pairs(q, 4),
+                                      _pairs(k, 4)), 1, _fold_pair_wq)  # fmt: skip
+    if SEGS >= 4:
+        m, n, t, w, q, k = tl.reduce((_pairs(m, 2), _pairs(n, 2), _pairs(t, 2), _pairs(w, 2), _pairs(q, 2),
+                                      _pairs(k, 2)), 1, _fold_pair_wq)  # fmt: skip
+    return tl.reduce((m, n, t, w, q, k), 0, _fold_pair_wq)
+
+
+@triton.jit
+def _fold_pair(m, n, t, k, m2, n2, t2, k2):
+    """fold_segment of (m, n, t) as a reduction's combine (k travels along: the same in every element)."""
+    zero = tl.zeros_like(n)
+    m, n, t, _, _ = fold_segment(m, n, t, zero, zero, m2, n2, t2, zero, zero, k)
+    return m, n, t, k
+
+
+@triton.jit
+def _fold_pair_w(m, n, t, w, k, m2, n2, t2, w2, k2):
+    """fold_segment of (m, n, t, w) as a reduction's combine."""
+    zero = tl.zeros_like(n)
+    m, n, t, w, _ = fold_segment(m, n, t, w, zero, m2, n2, t2, w2, zero, k)
+    return m, n, t, w, k
+
+
+@triton.jit
+def _fold_pair_wq(m, n, t, w, q, k, m2, n2, t2, w2, q2, k2):
+    """fold_segment of (m, n, t, w, q) as a reduction's combine."""
+    m, n, t, w, q = fold_segment(m, n, t, w, q, m2, n2, t2, w2, q2, k)
+    return m, n, t, w, q, k
 
 
 @triton.jit
@@ -321,14 +478,16 @@ def lane_tile(block, LANES: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def merge_lanes(m, n, t, w, k):
-    """The row's (m, n, t, w) from per-lane ones (w in base-2 units of k), once, in
-    float64: a lane at the row max M keeps its count and tail apart; any other
-    lane's terms, scaled by a = 2^((m_l - M) k), join the tail, and its w moves
-    by c s (the module docstring's w'). A lane with nothing finite (m_l = -inf) adds its
-    sums times 0 (NaN stays NaN)."""
+def merge_lanes(m, n, t, w, k, WITH_W: tl.constexpr = True):
+    """The row's (m, n, t, w) from per-lane ones (w in base-2 units of k, in and
+    out), once, in float64, over the last axis (lanes [LANES], or each
+    segment's [SEGS, SEG_LANES]: segment_stats): a lane at the row max M keeps its count and tail
+    apart; any other lane's terms, scaled by a = 2^((m_l - M) k), join the
+    tail, and its w moves by c s (the module docstring's w'). A lane with
+    nothing finite (m_l = -inf) adds its sums times 0 (NaN stays NaN). w is 0
+    unless WITH_W."""
     neg_inf = float("-inf")
-    row_max = tl.max(m, axis=0)
+    row_max = tl.max(m, axis=-1, keep_dims=True)
     ref = tl.where(row_max == neg_inf, 0.0, row_max)
     c2 = tl.where(m == neg_inf, 0.0, (m - ref) * k)
     a = tl.where(m == neg_inf, 0.0, tl.exp2(c2)).to(tl.float64)
@@ -336,11 +495,49 @@ def merge_lanes(m, n, t, w, k):
     n64 = n.to(tl.float64)
     t64 = t.to(tl.float64)
     s64 = n64 + t64
-    n_row = tl.sum(tl.where(at_max, n64, 0.0), axis=0)
-    t_row = tl.sum(tl.where(at_max, t64, a * s64), axis=0)
-    w_lane = tl.where(a == 0, 0.0, a * (w.to(tl.float64) + c2.to(tl.float64) * s64))
-    w_row = tl.sum(w_lane, axis=0) * 0.6931471805599453
-    return row_max, n_row, t_row, w_row
+    n_row = tl.sum(tl.where(at_max, n64, 0.0), axis=-1)
+    t_row = tl.sum(tl.where(at_max, t64, a * s64), axis=-1)
+    if WITH_W:
+        w_lane = tl.where(a == 0, 0.0, a * (w.to(tl.float64) + c2.to(tl.float64) * s64))
+        w_row = tl.sum(w_lane, axis=-1)
+    else:
+        w_row = tl.zeros_like(t_row)
+    return tl.max(m, axis=-1), n_row, t_row, w_row
+
+
+@triton.jit
+def fold_segment(m, n, t, w, q, m2, n2, t2, w2, q2, k):
+    """The statistics (m, n, t, w, q) of two spans of a row, from each span's own
+    (segment_stats': m in ACC; n, t, w, q in float64, w in base-2 units; k =
+    log2(e) / T in ACC), as merge_lanes merges lanes: a span at the max M of
+    both keeps its count and tails apart; the other's terms, scaled by
+    a = 2^c, c = (m_span - M) k (in ACC, as merge_lanes' a), join the tail
+    (t' = a (n + t), q' = a^2 (n + q)) and its w moves by c s. A span with
+    nothing finite (m = -inf) adds its sums times 0 (NaN stays NaN).
+
+    Symmetric, bit for bit: each span's terms depend on it and M alone, and
+    they meet in one commutative add (fold_segments rests on it). Every
+    input is a max, a sum or a load, never a product, so a compiler that
+    contracts a product and a sum into one rounding (CONTRACTED) finds
+    nothing here to contract with the code that made the inputs: the fold
+    rounds alike in every kernel that runs it."""
+    neg_inf = float("-inf")
+    top = tl.maximum(m, m2)
+    ref = tl.where(top == neg_inf, 0.0, top).to(m.dtype)
+    c = tl.where(m == neg_inf, 0.0, (m - ref) * k).to(m.dtype)
+    c2 = tl.where(m2 == neg_inf, 0.0, (m2 - ref) * k).to(m.dtype)
+    a = tl.where(m == neg_inf, 0.0, tl.exp2(c)).to(tl.float64)
+    a2 = tl.where(m2 == neg_inf, 0.0, tl.exp2(c2)).to(tl.float64)
+    at_top = m == top
+    at_top2 = m2 == top
+    s = n + t
+    s2 = n2 + t2
+    n_new = tl.where(at_top, n, 0.0) + tl.where(at_top2, n2, 0.0)
+    t_new = tl.where(at_top, t, a * s) + tl.where(at_top2, t2, a2 * s2)
+    w_new = (tl.where(at_top, w, tl.where(a == 0, 0.0, a * (w + c.to(tl.float64) * s)))
+             + tl.where(at_top2, w2, tl.where(a2 == 0, 0.0, a2 * (w2 + c2.to(tl.float64) * s2))))  # fmt: skip
+    q_new = tl.where(at_top, q, (a * a) * (n + q)) + tl.where(at_top2, q2, (a2 * a2) * (n2 + q2))
+    return top, n_new, t_new, w_new, q_new
 
 
 @triton.jit
@@ -350,12 +547,12 @@ def merge_square_lanes(m, n, q, k):
     from its count; any other lane's squared terms, scaled by a^2 = 2^(2 (m_l - M) k),
     join the tail (0 for a lane with nothing finite; NaN stays NaN)."""
     neg_inf = float("-inf")
-    row_max = tl.max(m, axis=0)
+    row_max = tl.max(m, axis=-1, keep_dims=True)
     ref = tl.where(row_max == neg_inf, 0.0, row_max)
     c2 = tl.where(m == neg_inf, 0.0, (m - ref) * k).to(tl.float64)
     a2 = tl.where(m == neg_inf, 0.0, tl.exp2(2.0 * c2))
     q64 = q.to(tl.float64)
-    return tl.sum(tl.where(m == row_max, q64, a2 * (n.to(tl.float64) + q64)), axis=0)
+    return tl.sum(tl.where(m == row_max, q64, a2 * (n.to(tl.float64) + q64)), axis=-1)
 
 
 @triton.jit

@@ -136,6 +136,7 @@ def _opcheck_cases(device: str, backend: str) -> dict:
     """Arguments for every operator of fastrl._ops, on ``device`` and ``backend``."""
     dev = torch.device(device)
     logits, labels = torch.randn(4, 33, device=dev), torch.randint(33, (4,), device=dev)
+    wide = torch.randn(4, 256, device=dev)
     temps = torch.rand(4, device=dev) + 0.5
     grad = lambda: torch.empty_like(logits)  # noqa: E731
     ones = torch.ones(4, device=dev)
@@ -154,6 +155,10 @@ def _opcheck_cases(device: str, backend: str) -> dict:
     return {
         "logprobs_forward": (logits, labels, temps, 0.0, -100, True, True, True, backend),
         "logprobs_backward": (logits, labels, None, 0.7, -100, stats, entropy, ones, ones, grad(), 0, -1, backend),
+        # (a shard of two of the eight segments of a 256-entry vocabulary, and the fold of eight)
+        "logprobs_segments": (wide[:, 64:128], temps, 0.0, True, True, 32, 256, backend),
+        "logprobs_combine": (_ops.logprobs_segments(wide, temps, 0.0, True, True, 32, 256, backend), wide[:, 5],
+                             labels, temps, 0.0, -100, True, True, True, 256, torch.float32, backend),  # fmt: skip
         "sample_forward": (logits, *truncation, None, 11, torch.zeros(1, dtype=torch.int64, device=dev), 0, backend),
         "truncated_forward": (logits, labels, *truncation, True, backend),
         "truncated_backward": (logits, labels, truncated_stats, ones, grad(), *truncation, 0, None, backend),

@@ -12,7 +12,14 @@ import sys
 
 import pytest
 import torch
-from conftest import assert_close_to_reference, kernel_backends, make_labels, make_logits, output_tolerance
+from conftest import (
+    assert_close_to_reference,
+    backend_params,
+    kernel_backends,
+    make_labels,
+    make_logits,
+    output_tolerance,
+)
 
 import fastrl
 from fastrl import reference
@@ -694,6 +701,111 @@ def test_verl_vocab_parallel_entropy_parity(tmp_path):
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_logprobs_and_entropy_match_the_unsharded_reference(world, tmp_path):
     _spawn(_check_logits_ops, world, tmp_path)
+
+
+def _extreme_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` [7, V] (V a multiple of 64) with the rows the tensor-parallel
+    fold must get bitwise too: whole segments and whole shards of -inf (the max
+    in the last segment), of finfo.min, a row of one finite logit, a NaN row."""
+    vocab = logits.shape[-1]
+    segment = vocab // 8
+    low = torch.finfo(logits.dtype).min
+    logits[1, : 7 * segment] = float("-inf")
+    logits[2, segment : 5 * segment] = low
+    logits[3, :] = float("-inf")
+    logits[3, 3 * segment + 1] = 2.0
+    logits[4, vocab // 2 + 3] = float("nan")
+    return logits
+
+
+def _check_tp_degrees(rank: int, world: int, group, seed: int) -> None:
+    """One rank of test_the_tensor_parallel_degree_changes_no_bit: the same logits
+    whole (degree 1), over 2 ranks (two groups of 2) and over 4 (vocab_start
+    out of rank order), on each kernel backend, dtype and output."""
+    import torch.distributed as dist
+
+    torch.manual_seed(seed)  # every rank draws the same full tensors
+    n_rows, vocab = 7, 64 * 40  # segments of 320: whole tiles and a partial one
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # (every rank makes every group)
+    shuffled = [2, 0, 3, 1]  # rank r holds shard shuffled[r] of the 4
+    temperature = torch.rand(n_rows, dtype=torch.float64) * 1.5 + 0.4
+    w_lp, w_ent, w_sq = torch.randn(n_rows), torch.randn(n_rows), torch.randn(n_rows)
+
+    def run(x, labels, temps, **sharding):
+        """(logprob, entropy, their gradient, Σπ², its gradient, entropy alone) of x."""
+        x = x.clone().requires_grad_()
+        lp, ent = fastrl.logprobs_and_entropy(x, labels, temperature=temps, **sharding)
+        ((lp * w_lp).nan_to_num().sum() + (ent * w_ent).nan_to_num().sum()).backward()
+        grad, x.grad = x.grad, None
+        sq = fastrl.sum_pi_squared(x, temperature=temps, **sharding)
+        (sq * w_sq).nan_to_num().sum().backward()
+        return lp, ent, grad, sq, x.grad, fastrl.entropy_from_logits(x.detach(), temperature=temps, **sharding)
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        logits = _extreme_rows(make_logits((n_rows,), vocab, dtype, std=3.0))
+        labels = make_labels(logits)
+        labels[5] = vocab // 2  # the first logit of the second half
+        temps = temperature.to(reference.compute_dtype(logits))
+        for backend in kernel_backends("cpu"):
+            with fastrl.use_backend(backend):
+                whole = run(logits, labels, temps)
+                half = vocab // 2
+                mine = slice(rank % 2 * half, (rank % 2 + 1) * half)
+                two = run(logits[:, mine], labels, temps, group=pairs[rank // 2])
+                quarter = vocab // 4
+                start = shuffled[rank] * quarter
+                four = run(logits[:, start : start + quarter], labels, temps, group=group, vocab_start=start)
+            for degree, outputs, columns in ((2, two, mine), (4, four, slice(start, start + quarter))):
+                for name, got, want in zip(("logprob", "entropy", "grad", "sum_pi_squared", "its grad", "entropy alone"),
+                                           outputs, whole, strict=True):  # fmt: skip
+                    if name in ("grad", "its grad"):
+                        want = want[:, columns]
+                    assert torch.equal(got.nan_to_num(0.5), want.nan_to_num(0.5)), (
+                        f"{name}: degree {degree} != 1, {dtype} {backend} rank {rank}")
+                    assert torch.isnan(got).equal(torch.isnan(want)), f"{name} NaNs {dtype} {backend}"
+            assert not torch.isnan(whole[0][[0, 1, 2, 3, 5, 6]]).any(), f"finite rows {dtype} {backend}"
+
+
+def test_the_tensor_parallel_degree_changes_no_bit(tmp_path):
+    """Issue 39: a vocabulary that is a multiple of 64 gives bitwise the same
+    log-probs, entropy, Σπ² and gradients whole and over 2 or 4 ranks
+    (fastrl._rows.segment_length); test_segments_fold_to_the_whole_row covers 8."""
+    _spawn(_check_tp_degrees, 4, tmp_path)
+
+
+@pytest.mark.parametrize("device,backend", backend_params(include_reference=False))
+@pytest.mark.parametrize("vocab", [64 * 40, 64 * 1025])  # the short and the long rows' tiles (kernels/_launch.py)
+def test_segments_fold_to_the_whole_row(device, backend, vocab):
+    """The kernels' contract behind the sharded forward, without a process group
+    (on a GPU too, compiled): each of 1, 2, 4 or 8 shards' segment statistics
+    (_ops.logprobs_segments), laid side by side in vocabulary order and folded
+    (_ops.logprobs_combine), give bitwise the whole row's outputs
+    (_ops.logprobs_forward)."""
+    from fastrl import _ops
+    from fastrl._rows import segment_length
+
+    n_rows = 7 if vocab < 10000 else 5
+    segment = segment_length(vocab)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        acc = reference.compute_dtype(torch.empty(0, dtype=dtype))
+        logits = _extreme_rows(make_logits((n_rows,), vocab, dtype, std=2.0)).to(device)
+        labels = make_labels(logits)
+        temps = (torch.rand(n_rows, dtype=torch.float64) + 0.5).to(acc).to(device)
+        for with_entropy, with_sum_pi_squared in ((True, True), (False, False), (True, False)):
+            whole = _ops.logprobs_forward(logits, labels, temps, 0.0, -100, with_entropy, True, with_sum_pi_squared,
+                                          backend)  # fmt: skip
+            label_logits = logits.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1).to(acc)
+            for degree in (1, 2, 4, 8):
+                local = vocab // degree
+                parts = [_ops.logprobs_segments(logits[:, r * local : (r + 1) * local], temps, 0.0, with_entropy,
+                                                with_sum_pi_squared, segment, vocab, backend) for r in range(degree)]  # fmt: skip
+                assert all(p.shape == (n_rows, 8 // degree, 5) for p in parts)
+                folded = _ops.logprobs_combine(torch.cat(parts, dim=1), label_logits, labels, temps, 0.0, -100,
+                                               with_entropy, True, with_sum_pi_squared, vocab, acc, backend)  # fmt: skip
+                for name, got, want in zip(("logprob", "entropy", "stats", "sum_pi_squared"), folded, whole,
+                                           strict=True):  # fmt: skip
+                    assert torch.equal(got.nan_to_num(0.5), want.nan_to_num(0.5)), (
+                        f"{name}: {degree} shards, {dtype} {backend} V={vocab}")
 
 
 def _check_sampling(rank: int, world: int, group, seed: int) -> None:

@@ -8,20 +8,32 @@ the group holds logits ``[..., V_r]`` for the global entries ``[start_r, start_r
 ``group=`` (and, for shards not laid out in rank order, ``vocab_start=``) and
 give every rank the unsharded op's per-token result (``full_kl``: fastrl._sharded.kl).
 
-Forward, per row, with d = (x - m) / T as in ``reference.scaled_logits``:
+Forward, on a kernel backend (native, Triton): the kernels reduce every row as
+segments (fastrl._rows.segment_length: V / 8 when V is a multiple of 64) and
+fold their statistics (m, n, t, w, q: kernels/reduce.py, csrc/softmax_stats.h)
+in vocabulary order. Each rank gives its shard's segments' statistics
+(_ops.logprobs_segments; an even split of such a V over 1, 2, 4 or 8 ranks
+holds whole segments) and its label logits; one all-gather (float64: 40 bytes
+a segment and 8 a row); then every rank folds the gathered segments in
+vocabulary order and finishes the rows with the unsharded forward's own code
+(_ops.logprobs_combine): bitwise the unsharded log-probs, entropy, Σπ² and
+(M, log S), whatever the tensor-parallel degree, and the same bits on every
+rank whatever the collective's algorithm. Another split (uneven, or V not a
+multiple of 64) makes each shard one segment: the same math, exact to rounding.
 
-    local (the existing kernel on the shard):  m_r = max x,  L_r = log sum exp((x - m_r) / T),
-                                               H_r = the shard's own entropy,  x_y when the label is local
-    one all-gather of those 4 numbers (16 bytes a row in float32), then on every rank, in rank order:
+The reference backend combines per-rank numbers instead, per row, with
+d = (x - m) / T as in ``reference.scaled_logits``:
+
+    local:  m_r = max x,  L_r = log sum exp((x - m_r) / T),  H_r = the shard's own entropy,
+            x_y when the label is local
+    gathered, then on every rank, in rank order:
     M = max_r m_r,   l_r = L_r + (m_r - M) / T,   log S = log sum_r exp(l_r),   w_r = exp(l_r - log S)
     logprob = (x_y - M) / T - log S
     entropy = sum_r w_r (H_r + log S - l_r)
 
 (the entropy: H = log S - sum_j p_j d_j and sum_{j in r} p_j d_j = w_r (l_r - H_r);
-the form above sums non-negative terms). The combination runs in float64 on the
-gathered numbers, the same on every rank, so every rank gets the same bits
-whatever the collective's algorithm. A shard whose row is all -inf (m_r = -inf)
-adds nothing; NaN anywhere in a row gives NaN, as unsharded.
+the form above sums non-negative terms), in float64. A shard whose row is all
+-inf (m_r = -inf) adds nothing; NaN anywhere in a row gives NaN, as unsharded.
 
 Backward: none of the math needs another rank. With the global (M, log S) and
 entropy the log-prob backward kernel writes the shard's gradient, told that its
@@ -31,8 +43,9 @@ arguments): no collective.
 The fused LM head (``linear_logprobs_and_entropy`` / ``policy_loss_from_hidden``
 with ``group=``) takes the head's rows sharded the same way (Megatron's
 column-parallel output layer), the hidden states the same on every rank: each
-chunk of tokens gives its shard's four numbers as above, gathered once at the
-end. Its backward needs one reduction the logits ops do not: dL/dhidden =
+chunk of tokens gives its shard's per-rank numbers (m_r, L_r, H_r, x_y above,
+on any backend), gathered and combined once at the end: exact to rounding, not
+bitwise across degrees (its logits are made in slabs). Its backward needs one reduction the logits ops do not: dL/dhidden =
 sum_r G_r W_r is a sum over the ranks' shards. ``_distributed.sum_in_rank_order`` adds the
 ranks' float32 partial sums in rank order (an all-to-all and an all-gather:
 an all-reduce's traffic, every rank the same bits).
@@ -45,7 +58,7 @@ import torch
 from .. import _ops, _validation, reference
 from .._backend import select_backend
 from .._distributed import ENTROPY, LABELED, Shard, agree, gather_ranks, label_range, logits_layout
-from .._rows import can_overwrite, row_view
+from .._rows import can_overwrite, row_view, segment_length
 
 
 def local_stats(rows, labels, temps, temp_scalar, shard: Shard, with_entropy, backend, with_sum_pi_squared=False):
@@ -72,13 +85,7 @@ def local_stats(rows, labels, temps, temp_scalar, shard: Shard, with_entropy, ba
         stats[:, 2] = entropy if with_entropy else 0.0
         if with_sum_pi_squared:
             stats[:, 4] = torch.log(sum_pi_squared) + 2 * local[:, 1]  # Σπ²_r s_r² = sum exp(2 (x - m_r) / T)
-    stats[:, 3] = torch.nan
-    if labels is not None:
-        offset = labels.long() - shard.start
-        here = (offset >= 0) & (offset < shard.local)
-        token = torch.arange(outer * inner, device=rows.device)
-        picked = rows[token // inner, token % inner, torch.where(here, offset, 0)].to(acc)
-        stats[:, 3] = torch.where(here, picked, stats[:, 3])
+    stats[:, 3] = label_logits(rows, labels, shard, acc)
     return stats
 
 
@@ -116,13 +123,7 @@ def combine_across_ranks(local, labels, temps, temp_scalar, ignore_index, shard:
     logprob = None
     if labels is not None:
         keep = labels != ignore_index
-        # The rank whose shard holds each label (0 for an ignored one), from the shards'
-        # bounds as Python ints: a tensor made of them would be a host-to-device copy,
-        # which a CUDA graph's capture refuses.
-        owner = torch.zeros_like(labels, dtype=torch.long)
-        for rank, (start, size) in enumerate(zip(shard.starts, shard.sizes, strict=True)):
-            owner = torch.where((labels >= start) & (labels < start + size), rank, owner)
-        x_y = label_logit.gather(0, owner.unsqueeze(0)).squeeze(0)
+        x_y = label_logit.gather(0, label_owner(labels, shard).unsqueeze(0)).squeeze(0)
         logprob = torch.where(keep, (x_y - top) / t - log_s, 0.0).to(acc)
     sum_pi_squared = None
     if local.shape[-1] == 5:
@@ -133,6 +134,70 @@ def combine_across_ranks(local, labels, temps, temp_scalar, ignore_index, shard:
     return logprob, entropy.to(acc), stats, sum_pi_squared
 
 
+def shard_segments(shard: Shard) -> tuple[int, tuple[int, ...]]:
+    """(this rank's segment length, every rank's segment count) of a vocabulary
+    split: the whole row's segments (fastrl._rows.segment_length) where every
+    shard is whole segments of them (an even split of a multiple of 64 over
+    1, 2, 4 or 8 ranks), so that the results are bitwise the unsharded ones;
+    otherwise each shard is one segment (exact to rounding, not bitwise)."""
+    segment = segment_length(shard.vocab)
+    if all(start % segment == 0 and size % segment == 0 for start, size in zip(shard.starts, shard.sizes)):
+        return segment, tuple(size // segment for size in shard.sizes)
+    return shard.local, tuple(int(size > 0) for size in shard.sizes)
+
+
+def label_logits(rows, labels, shard: Shard, acc) -> torch.Tensor:
+    """[N] in ``acc``: each row's raw label logit where this shard holds the label, NaN elsewhere."""
+    outer, inner, _ = rows.shape
+    picked = torch.full((outer * inner,), torch.nan, dtype=acc, device=rows.device)
+    if labels is not None:
+        offset = labels.long() - shard.start
+        here = (offset >= 0) & (offset < shard.local)
+        token = torch.arange(outer * inner, device=rows.device)
+        picked = torch.where(here, rows[token // inner, token % inner, torch.where(here, offset, 0)].to(acc), picked)
+    return picked
+
+
+def label_owner(labels, shard: Shard) -> torch.Tensor:
+    """The rank whose shard holds each label (0 for one no shard holds: ignore_index),
+    from the shards' bounds as Python ints: a tensor made of them would be a
+    host-to-device copy, which a CUDA graph's capture refuses."""
+    owner = torch.zeros_like(labels, dtype=torch.long)
+    for rank, (start, size) in enumerate(zip(shard.starts, shard.sizes, strict=True)):
+        owner = torch.where((labels >= start) & (labels < start + size), rank, owner)
+    return owner
+
+
+def _segments_across_ranks(rows, labels, temps, temp_scalar, ignore_index, with_entropy, with_sum_pi_squared,
+                           shard: Shard, backend):  # fmt: skip
+    """(logprob or None, entropy, (M, log S) [N, 2], sum_pi_squared or None) of the
+    whole rows from this rank's shard ``rows`` [outer, inner, V_r], on a kernel
+    backend: each rank's segments' statistics (_ops.logprobs_segments) and label
+    logits, in one all-gather (float64, 40 bytes a segment and 8 a row), folded
+    in vocabulary order by _ops.logprobs_combine, the unsharded forward's own
+    fold and finish: bitwise the unsharded results where shard_segments says so,
+    and the same bits on every rank whatever the collective's algorithm."""
+    acc = reference.compute_dtype(rows)
+    n_rows = rows.shape[0] * rows.shape[1]
+    segment, counts = shard_segments(shard)
+    mine = shard.local // segment if segment else 0
+    width = max(counts)
+    segments = _ops.logprobs_segments(rows, temps, temp_scalar, with_entropy, with_sum_pi_squared, segment,
+                                      shard.vocab, backend)  # fmt: skip
+    local = torch.zeros(n_rows, width * 5 + 1, dtype=torch.float64, device=rows.device)
+    local[:, : mine * 5] = segments.reshape(n_rows, mine * 5)
+    local[:, -1] = label_logits(rows, labels, shard, acc).double()
+    gathered = gather_ranks(local, shard)  # [world, N, width * 5 + 1]
+    # Every rank's real segments, in vocabulary order (a shard may hold fewer than `width`).
+    ranks = sorted(range(len(shard.starts)), key=lambda rank: shard.starts[rank])
+    in_order = torch.cat([gathered[rank, :, : counts[rank] * 5] for rank in ranks], dim=1)
+    x_y = None
+    if labels is not None:
+        x_y = gathered[:, :, -1].gather(0, label_owner(labels, shard).unsqueeze(0)).squeeze(0).to(acc).contiguous()
+    return _ops.logprobs_combine(in_order.reshape(n_rows, -1, 5).contiguous(), x_y, labels, temps, temp_scalar,
+                                 ignore_index, with_entropy, True, with_sum_pi_squared, shard.vocab, acc, backend)
+
+
 class _ShardedLogprobs(torch.autograd.Function):
     """Outputs: logprob [N] (empty without labels), entropy [N] (empty unless asked
     for), sum_pi_squared [N] (empty unless asked for)."""
@@ -141,9 +206,14 @@ class _ShardedLogprobs(torch.autograd.Function):
     def forward(ctx, logits, labels, temps, temp_scalar, ignore_index, with_entropy, shard, backend, inplace_backward,
                 with_sum_pi_squared):  # fmt: skip
         rows = row_view(logits)
-        local = local_stats(rows, labels, temps, temp_scalar, shard, with_entropy, backend, with_sum_pi_squared)
-        logprob, entropy, stats, sum_pi_squared = combine_across_ranks(local, labels, temps, temp_scalar,
-                                                                       ignore_index, shard)  # fmt: skip
+        if backend == "reference":
+            local = local_stats(rows, labels, temps, temp_scalar, shard, with_entropy, backend, with_sum_pi_squared)
+            logprob, entropy, stats, sum_pi_squared = combine_across_ranks(local, labels, temps, temp_scalar,
+                                                                           ignore_index, shard)  # fmt: skip
+        else:
+            logprob, entropy, stats, sum_pi_squared = _segments_across_ranks(
+                rows, labels, temps, temp_scalar, ignore_index, with_entropy, with_sum_pi_squared, shard, backend
+            )
         ctx.save_for_backward(logits, labels, temps, stats, entropy if with_entropy else None, sum_pi_squared)
         ctx.temp_scalar, ctx.ignore_index, ctx.shard, ctx.backend = temp_scalar, ignore_index, shard, backend
         ctx.with_entropy = with_entropy

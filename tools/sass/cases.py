@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from fastrl._rows import segment_length
+
 from .capture import meta, role
 
 BF16, F32, F64, I64, U8 = torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.uint8
@@ -335,6 +337,17 @@ def coverage() -> None:
         logprobs.logprobs_forward(x, None, 1.0, -100, with_entropy=True, with_stats=False)
         logprobs.logprobs_forward(x, None, 1.0, -100, with_entropy=True, with_stats=True)
         logprobs.logprobs_forward(x, labels, temps, -100, with_entropy=True, with_stats=True, with_sum_pi_squared=True)
+        # A vocabulary shard's part (2 and 8 ranks of the row's segments) and the fold of the gathered segments.
+        segment = segment_length(v)
+        for ranks in (2, 8):
+            shard = meta(n, v // ranks, dtype=dtype)
+            for with_entropy, with_sum_pi_squared in ((True, False), (False, False), (True, True)):
+                logprobs.logprobs_segments(shard, temps, with_entropy=with_entropy,
+                                           with_sum_pi_squared=with_sum_pi_squared, segment=segment, vocab=v)  # fmt: skip
+        for with_entropy, with_sum_pi_squared in ((True, False), (False, False), (True, True)):
+            logprobs.logprobs_combine(meta(n, v // segment, 5, dtype=torch.float64), meta(n), labels, temps, -100,
+                                      with_entropy=with_entropy, with_stats=True,
+                                      with_sum_pi_squared=with_sum_pi_squared, vocab=v, acc=torch.float32)  # fmt: skip
         for params in (
             {"temperature": 0.7, "top_k": 50, "top_p": 0.9, "min_p": 0.0},
             {"temperature": temps, "top_k": meta(n, dtype=I64), "top_p": temps, "min_p": temps},
