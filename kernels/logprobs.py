@@ -179,7 +179,9 @@ def _logprobs_combine_kernel(
                                   tl.load(seg + 3, mask=here, other=0.0), tl.load(seg + 4, mask=here, other=0.0),
                                   inv_t, WITH_ENTROPY, WITH_SUM_PI_SQUARED)  # fmt: skip
     label, in_range = _row_label(labels_ptr, row, V, HAS_LABELS)
-    x_label = tl.load(label_logits_ptr + row, mask=in_range, other=0.0)
+    x_label = tl.zeros([], ACC)
+    if HAS_LABELS:
+        x_label = tl.load(label_logits_ptr + row, mask=in_range, other=0.0)
     _finish_row(row, m, n, t, w, q, inv_t, x_label, label, in_range, ignore_index, logprob_ptr, entropy_ptr,
                 stats_ptr, sum_pi_squared_ptr, HAS_LABELS, WITH_ENTROPY, WITH_STATS, WITH_SUM_PI_SQUARED, ACC)  # fmt: skip
 

@@ -194,8 +194,13 @@ def _segments_across_ranks(rows, labels, temps, temp_scalar, ignore_index, with_
     x_y = None
     if labels is not None:
         x_y = gathered[:, :, -1].gather(0, label_owner(labels, shard).unsqueeze(0)).squeeze(0).to(acc).contiguous()
-    return _ops.logprobs_combine(in_order.reshape(n_rows, -1, 5).contiguous(), x_y, labels, temps, temp_scalar,
-                                 ignore_index, with_entropy, True, with_sum_pi_squared, shard.vocab, acc, backend)
+    logprob, entropy, stats, sum_pi_squared = _ops.logprobs_combine(
+        in_order.reshape(n_rows, -1, 5).contiguous(), x_y, labels, temps, temp_scalar, ignore_index, with_entropy,
+        True, with_sum_pi_squared, shard.vocab, acc, backend,
+    )  # fmt: skip
+    # (an output not asked for comes back empty: None here, as combine_across_ranks gives it)
+    return (logprob if labels is not None else None, entropy if with_entropy else None, stats,
+            sum_pi_squared if with_sum_pi_squared else None)  # fmt: skip
 
 
 class _ShardedLogprobs(torch.autograd.Function):
