@@ -741,7 +741,7 @@ def _check_tp_degrees(rank: int, world: int, group, seed: int) -> None:
         (sq * w_sq).nan_to_num().sum().backward()
         return lp, ent, grad, sq, x.grad, fastrl.entropy_from_logits(x.detach(), temperature=temps, **sharding)
 
-    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+    for dtype in (torch.float32, torch.bfloat16):  # (float64: test_segments_fold_to_the_whole_row)
         logits = _extreme_rows(make_logits((n_rows,), vocab, dtype, std=3.0))
         labels = make_labels(logits)
         labels[5] = vocab // 2  # the first logit of the second half
@@ -784,14 +784,18 @@ def test_segments_fold_to_the_whole_row(device, backend, vocab):
     from fastrl import _ops
     from fastrl._rows import segment_length
 
-    n_rows = 7 if vocab < 10000 else 5
+    n_rows = 5
     segment = segment_length(vocab)
-    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+    long_row = vocab > 10000  # (its tile in the two 16-bit and 32-bit widths; the fold's variants on the short row)
+    for dtype in (torch.float32, torch.bfloat16) if long_row else (torch.float32, torch.bfloat16, torch.float64):
         acc = reference.compute_dtype(torch.empty(0, dtype=dtype))
         logits = _extreme_rows(make_logits((n_rows,), vocab, dtype, std=2.0)).to(device)
         labels = make_labels(logits)
         temps = (torch.rand(n_rows, dtype=torch.float64) + 0.5).to(acc).to(device)
-        for with_entropy, with_sum_pi_squared in ((True, True), (False, False), (True, False)):
+        # (each of the fold's three variants in float32; all outputs in the other dtypes: interpreted
+        # launches are what this test spends)
+        flags = ((True, True), (False, False), (True, False)) if dtype == torch.float32 and not long_row else ((True, True),)
+        for with_entropy, with_sum_pi_squared in flags:
             whole = _ops.logprobs_forward(logits, labels, temps, 0.0, -100, with_entropy, True, with_sum_pi_squared,
                                           backend)  # fmt: skip
             label_logits = logits.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1).to(acc)
