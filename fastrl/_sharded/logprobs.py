@@ -134,16 +134,18 @@ def combine_across_ranks(local, labels, temps, temp_scalar, ignore_index, shard:
     return logprob, entropy.to(acc), stats, sum_pi_squared
 
 
-def shard_segments(shard: Shard) -> tuple[int, tuple[int, ...]]:
-    """(this rank's segment length, every rank's segment count) of a vocabulary
-    split: the whole row's segments (fastrl._rows.segment_length) where every
-    shard is whole segments of them (an even split of a multiple of 64 over
-    1, 2, 4 or 8 ranks), so that the results are bitwise the unsharded ones;
-    otherwise each shard is one segment (exact to rounding, not bitwise)."""
+def shard_segments(shard: Shard) -> tuple[int, tuple[int, ...], int]:
+    """(this rank's segment length, every rank's segment count, the row length
+    whose tile reduces them) of a vocabulary split: the whole row's segments
+    (fastrl._rows.segment_length), with the whole row's tile, where every shard
+    is whole segments of them (an even split of a multiple of 64 over 1, 2, 4
+    or 8 ranks), so that the results are bitwise the unsharded ones; otherwise
+    each shard is one segment read with its own row's tile, all its warps on it
+    (exact to rounding, not bitwise)."""
     segment = segment_length(shard.vocab)
     if all(start % segment == 0 and size % segment == 0 for start, size in zip(shard.starts, shard.sizes)):
-        return segment, tuple(size // segment for size in shard.sizes)
-    return shard.local, tuple(int(size > 0) for size in shard.sizes)
+        return segment, tuple(size // segment for size in shard.sizes), shard.vocab
+    return shard.local, tuple(int(size > 0) for size in shard.sizes), shard.local
 
 
 def label_logits(rows, labels, shard: Shard, acc) -> torch.Tensor:
@@ -179,11 +181,11 @@ def _segments_across_ranks(rows, labels, temps, temp_scalar, ignore_index, with_
     and the same bits on every rank whatever the collective's algorithm."""
     acc = reference.compute_dtype(rows)
     n_rows = rows.shape[0] * rows.shape[1]
-    segment, counts = shard_segments(shard)
+    segment, counts, tile_vocab = shard_segments(shard)
     mine = shard.local // segment if segment else 0
     width = max(counts)
     segments = _ops.logprobs_segments(rows, temps, temp_scalar, with_entropy, with_sum_pi_squared, segment,
-                                      shard.vocab, backend)  # fmt: skip
+                                      tile_vocab, backend)  # fmt: skip
     local = torch.zeros(n_rows, width * 5 + 1, dtype=torch.float64, device=rows.device)
     local[:, : mine * 5] = segments.reshape(n_rows, mine * 5)
     local[:, -1] = label_logits(rows, labels, shard, acc).double()
