@@ -223,16 +223,24 @@ PYBIND11_MODULE(_C, m) {
       "sample_shard_pass",
       [](const TruncationTuple& truncation, bool racing, std::uintptr_t seeds, int64_t seed, bool per_row_seeds,
          std::uintptr_t offset_ptr, int64_t offset, int64_t column_base, std::uintptr_t given,
-         std::uintptr_t labels, int label_dtype, std::uintptr_t sums, std::uintptr_t picks) {
+         std::uintptr_t labels, int label_dtype, std::uintptr_t scores, std::uintptr_t masses, std::uintptr_t picks) {
         const fastrl::RandomArgs rng{reinterpret_cast<const int64_t*>(seeds), seed, per_row_seeds,
                                      reinterpret_cast<const int64_t*>(offset_ptr), offset};
         fastrl::sample_shard_pass(truncation_args(truncation), racing ? &rng : nullptr, column_base, cptr(given),
-                                  cptr(labels), label_dtype, static_cast<double*>(mptr(sums)),
-                                  static_cast<int64_t*>(mptr(picks)));
+                                  cptr(labels), label_dtype, static_cast<double*>(mptr(scores)),
+                                  static_cast<int64_t*>(mptr(masses)), static_cast<int64_t*>(mptr(picks)));
       },
       py::arg("truncation"), py::arg("racing"), py::arg("seeds"), py::arg("seed"), py::arg("per_row_seeds"),
       py::arg("offset_ptr"), py::arg("offset"), py::arg("column_base"), py::arg("given"), py::arg("labels"),
-      py::arg("label_dtype"), py::arg("sums"), py::arg("picks"),
+      py::arg("label_dtype"), py::arg("scores"), py::arg("masses"), py::arg("picks"),
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "sample_mass_logs",
+      [](std::uintptr_t masses, int64_t n_rows, std::uintptr_t logs) {
+        fastrl::sample_mass_logs(reinterpret_cast<const int64_t*>(masses), n_rows, static_cast<double*>(mptr(logs)));
+      },
+      py::arg("masses"), py::arg("n_rows"), py::arg("logs"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(

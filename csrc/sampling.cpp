@@ -3,8 +3,9 @@
 // Every filter of the processed distribution keeps the tokens at or above a
 // threshold logit (fastrl/reference.py, truncated_log_distribution), so a row
 // is handled without sorting, on a shrinking list of candidate tokens:
-//   1. row_stats (softmax_stats.h): max m and s = sum_j e_j, e_j = exp((x_j - m) / T),
-//      in one vectorised read (a greedy row then only scans for its first argmax);
+//   1. the row's max m (row_stats, softmax_stats.h; a greedy row then only scans
+//      for its first argmax), and s = sum_j e_j, e_j = exp((x_j - m) / T), exactly,
+//      in two vectorised reads;
 //   2. the candidates, in one read that also finds the first argmax and any
 //      NaN (a row with NaN or +inf, or of only -inf, is bad: token -1): every
 //      token, or for top-k only the tokens whose order-preserving key has its
@@ -12,14 +13,17 @@
 //      (a few times k tokens; the exact histogram when that gathers fewer
 //      than k); a radix select, 8 bits per pass, finds the k-th largest key
 //      among them, and the candidates shrink to key >= it;
-//   3. top-p: the same descent with each bucket weighted by its mass, for the
-//      smallest logit whose mass strictly above is < p * (mass of the candidates);
+//   3. top-p: the same descent with each bucket weighted by its mass in fixed
+//      point, for the largest logit whose mass at or above reaches p * (mass
+//      of the candidates);
 //   4. min-p: candidates with (x_j - m) / T >= log(min_p);
 //   5. over the kept candidates: their mass s_kept, and the exponential race
 //      argmax_j (x_j - m) / T - log E_j with E_j ~ Exp(1) from Philox, which picks
 //      j with probability e_j / s_kept.
 // Each row is handled by one thread in a fixed order: deterministic, and
-// independent of the other rows.
+// independent of the other rows. Every mass is an exact sum (ExactMass, and
+// top-p's integer units), the same in any order: a row split over vocabulary
+// shards (sample_shard_pass, fastrl/_sharded/sampling.py) gives these bits.
 #include "sampling.h"
 
 #include <algorithm>
@@ -66,15 +70,16 @@ template <typename Acc>
 struct Candidates {
   std::vector<KeyOf<Acc>> keys, key_scratch;
   std::vector<int64_t> index;
-  std::vector<Acc> weight, weight_scratch;
+  std::vector<Acc> weight;
+  std::vector<int64_t> units, unit_scratch;  // top-p's masses (top_p_units)
   int64_t n = 0;
 
   static Candidates& for_this_thread(int64_t vocab) {
     static thread_local Candidates c;
     if (int64_t(c.keys.size()) < vocab) {
       for (auto* v : {&c.keys, &c.key_scratch}) v->resize(vocab);
-      c.index.resize(vocab);
-      for (auto* v : {&c.weight, &c.weight_scratch}) v->resize(vocab);
+      for (auto* v : {&c.index, &c.units, &c.unit_scratch}) v->resize(vocab);
+      c.weight.resize(vocab);
     }
     return c;
   }
@@ -127,19 +132,22 @@ Key kth_largest_key(const Key* keys, int64_t n, int64_t k, Key* scratch) {
   return prefix;
 }
 
-// The smallest of n keys with mass(keys > it) < target (the smallest key when
-// rounding leaves every mass below the target). At each digit, walk the buckets
-// from the top adding their mass until the bucket that reaches the target: the
-// boundary lies in it, and only its keys go on to the next digit.
-template <typename Key, typename Acc>
-Key mass_threshold_key(const Key* keys, const Acc* weights, int64_t n, double target, Key* scratch_keys,
-                       Acc* scratch_weights) {
+// The largest key u with mass(keys >= u) >= target among n keys weighted by
+// mass units (the smallest key when rounding leaves every mass below the
+// target): at each digit, walk the buckets from the top adding their units until
+// the bucket that reaches the target, where the boundary lies, and carry only its
+// keys to the next digit. The units are integers, so every sum is exact and the
+// key is the tensor-parallel search's over the same units (fastrl/_sharded/sampling.py,
+// _top_p_threshold), which compares the same int64 sums, as float64, with the same target.
+template <typename Key>
+Key mass_threshold_key(const Key* keys, const int64_t* units, int64_t n, double target, Key* scratch_keys,
+                       int64_t* scratch_units) {
   Key prefix = 0;
-  double above = 0;  // mass strictly above the current bucket
+  int64_t above = 0;  // units strictly above the current bucket
   const Key* cur = keys;
-  const Acc* w = weights;
+  const int64_t* w = units;
   for (int shift = int(sizeof(Key)) * 8 - 8; shift >= 0; shift -= 8) {
-    double hist[256] = {};
+    int64_t hist[256] = {};
     bool present[256] = {};
     for (int64_t i = 0; i < n; ++i) {
       const int b = (cur[i] >> shift) & 0xff;
@@ -150,7 +158,7 @@ Key mass_threshold_key(const Key* keys, const Acc* weights, int64_t n, double ta
     for (int b = 255; b >= 0; --b) {
       if (!present[b]) continue;
       lowest = b;
-      if (above + hist[b] >= target) {
+      if (double(above + hist[b]) >= target) {
         chosen = b;
         break;
       }
@@ -165,14 +173,79 @@ Key mass_threshold_key(const Key* keys, const Acc* weights, int64_t n, double ta
     for (int64_t i = 0; i < n; ++i) {
       if (int((cur[i] >> shift) & 0xff) != chosen) continue;
       scratch_keys[kept] = cur[i];
-      scratch_weights[kept] = w[i];
+      scratch_units[kept] = w[i];
       ++kept;
     }
     cur = scratch_keys;
-    w = scratch_weights;
+    w = scratch_units;
     n = kept;
   }
   return prefix;
+}
+
+// Top-p's fixed point: a token's mass e = exp((x - m) / T) in [0, 1] as
+// round(e * unit_scale), unit_scale = 2^(62 - bits of V), so that V of them sum
+// below 2^63 (fastrl/_sharded/sampling.py, _mass_units; the clamp keeps a bad
+// row, which the caller ignores, from overflowing). Exact sums in any order: the
+// top-p threshold of a row is the same whole and over any split of its vocabulary.
+FASTRL_INLINE double top_p_unit_scale(int64_t vocab) {
+  int bits = 0;
+  while (bits < 63 && (int64_t(1) << bits) <= vocab) ++bits;
+  return std::ldexp(1.0, 62 - bits);
+}
+template <typename Acc>
+FASTRL_INLINE int64_t top_p_units(Acc e, double unit_scale) {
+  return int64_t(double(std::min(e, Acc(1))) * unit_scale + 0.5);
+}
+
+FASTRL_INLINE uint64_t double_to_bits(double v) {
+  uint64_t u;
+  std::memcpy(&u, &v, sizeof u);
+  return u;
+}
+
+// A sum of masses held exactly: s = sum e_j, s_kept, u = sum e_j (-d_j) (each term in
+// [0, 1]). Each term is split into two fixed-point limbs, its nearest multiple of
+// 2^-32 and the rest to the nearest 2^-64, and the limbs are summed as int64: an
+// integer sum is the same in any order and over any split of the row, so a
+// vocabulary shard's sums, added over the ranks, are the whole row's to the bit
+// (issue 39: the tensor-parallel degree changes no bit). A term is held to 2^-65
+// (a float64 sum of terms >= 1 rounds each add by 2^-53 of the sum); V < 2^31
+// terms cannot overflow a limb. The nearest integers come from the 2^52 shifters,
+// with no conversion instruction, so that a row loop vectorises; every product
+// is by a power of two, exact, so contracting one into a multiply-add changes no bit.
+struct ExactMass {
+  int64_t hi = 0, lo = 0;
+  FASTRL_INLINE void add(double v) {
+    constexpr double whole = 0x1p52, either_sign = 0x1.8p52;  // the shifters
+    const double scaled = v * 0x1p32;
+    const double rounded = scaled + whole;  // scaled's nearest integer, in the low mantissa bits
+    hi += int64_t(double_to_bits(rounded) - double_to_bits(whole));
+    const double rest = scaled - (rounded - whole);  // exact: |rest| <= 1/2
+    lo += int64_t(double_to_bits(rest * 0x1p32 + either_sign) - double_to_bits(either_sign));
+  }
+  // The sum minus 1, for log1p: every set these sum holds its max (e = 1), and
+  // log1p keeps the digits of a tail far below 1 that log(1 + tail) would round away.
+  double above_one() const { return double(hi - (int64_t(1) << 32)) * 0x1p-32 + double(lo) * 0x1p-64; }
+  double value() const { return double(hi) * 0x1p-32 + double(lo) * 0x1p-64; }
+};
+
+// (log s, log s_kept, entropy) of a row from its exact masses; the entropy of q_j
+// = e_j / s_kept is -sum q_j log q_j = log s_kept + u / s_kept. The one formula of
+// the unsharded kernels and the tensor-parallel combine (sample_mass_logs).
+struct MassLogs {
+  double log_s, log_s_kept, entropy;
+};
+FASTRL_INLINE MassLogs mass_logs(const ExactMass& s, const ExactMass& kept, const ExactMass& spread) {
+  const double log_s_kept = std::log1p(kept.above_one());
+  return {std::log1p(s.above_one()), log_s_kept, log_s_kept + spread.value() / kept.value()};
+}
+
+// The mass of a greedy row: its number of maxima (raw log-prob -log of it).
+FASTRL_INLINE ExactMass count_mass(int64_t n) {
+  ExactMass c;
+  c.hi = n << 32;
+  return c;
 }
 
 template <typename Acc>
@@ -305,23 +378,49 @@ FASTRL_INLINE double kept_spread(Acc e, Acc d) {
   return e > 0 ? -double(e) * double(d) : 0.0;
 }
 
+// The row's exact mass s = sum_j e_j, e_j = exp((x_j - m) / T), a chunk at a time:
+// the terms in a simd loop, then their ExactMass limbs in one (int64 sums: the
+// same bits in any order). Like all of this file's own code it runs at the
+// baseline ISA, never in an isa.h trampoline: the baseline has no multiply-add,
+// so no product and sum are fused, and each e_j has the same bits here, in
+// select_row's candidate weights and in sample_shard_pass, which the exact sums
+// need (the AVX2 and AVX-512 trampolines contract the exp polynomial into FMAs).
+template <typename In, typename Acc>
+ExactMass row_mass(const In* x, int64_t vocab, Acc m, Acc inv_t) {
+  int64_t hi = 0, lo = 0;
+  alignas(64) Acc terms[kStatsChunk];
+  for (int64_t start = 0; start < vocab; start += kStatsChunk) {
+    const int64_t n = std::min(kStatsChunk, vocab - start);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) terms[i] = exp_approx((load_as<Acc>(x, start + i) - m) * inv_t);
+#pragma omp simd reduction(+ : hi, lo)
+    for (int64_t i = 0; i < n; ++i) {
+      ExactMass term;
+      term.add(double(terms[i]));
+      hi += term.hi;
+      lo += term.lo;
+    }
+  }
+  return {hi, lo};
+}
+
 template <typename In, typename Acc>
 Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm, Candidates<Acc>& cand) {
   using Key = KeyOf<Acc>;
   Selection<Acc> sel;
   sel.greedy = prm.t == 0;
   sel.inv_t = prm.t > 0 ? Acc(1) / prm.t : Acc(1);
-  const RowStats<Acc> st = row_stats<In, Acc>(x, vocab, sel.inv_t, false);
-  sel.m = st.m;
+  sel.m = row_stats<In, Acc>(x, vocab, sel.inv_t, false).m;  // (its s: a float sum; row_mass's is exact)
   // A row of only -inf has m = -inf, one with +inf m = +inf (where softmax is
   // NaN); NaN is looked for in the full read that follows.
-  sel.bad = !(st.m > neg_inf<Acc>() && st.m < std::numeric_limits<Acc>::infinity()) || !prm.valid();
+  sel.bad = !(sel.m > neg_inf<Acc>() && sel.m < std::numeric_limits<Acc>::infinity()) || !prm.valid();
   if (sel.bad) return sel;
   if (sel.greedy) {  // T -> 0: only the first argmax and the number of maxima
-    find_maxima(x, vocab, st.m, sel);
+    find_maxima(x, vocab, sel.m, sel);
+    sel.log_s = static_cast<Acc>(mass_logs(count_mass(sel.n_max), {}, {}).log_s);
     return sel;
   }
-  sel.log_s = st.log_s();
+  const ExactMass s = row_mass<In, Acc>(x, vocab, sel.m, sel.inv_t);
 
   // The candidates: every token, or for top-k the tokens of the top-digit
   // buckets from `lowest` up, which must hold at least k of them (then the
@@ -330,38 +429,42 @@ Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm,
   const bool top_k = prm.top_k > 0 && prm.top_k < vocab;
   int64_t lowest = 0;
   if (top_k) lowest = sampled_top_k_bucket<Acc>(x, vocab, prm.top_k);
-  gather_candidates(x, vocab, lowest, st.m, sel, cand);
+  gather_candidates(x, vocab, lowest, sel.m, sel, cand);
   if (top_k && cand.n < prm.top_k)
-    gather_candidates(x, vocab, top_k_bucket<Acc>(x, vocab, 1, prm.top_k), st.m, sel, cand);
+    gather_candidates(x, vocab, top_k_bucket<Acc>(x, vocab, 1, prm.top_k), sel.m, sel, cand);
   if (sel.bad) return sel;
   Key threshold = order_key(neg_inf<Acc>());  // keeps every non-NaN logit
   if (top_k) {
     threshold = kth_largest_key(cand.keys.data(), cand.n, prm.top_k, cand.key_scratch.data());
     cand.filter([&](int64_t j) { return cand.keys[j] >= threshold; });
   }
-  for (int64_t j = 0; j < cand.n; ++j) cand.weight[j] = exp_approx((load_as<Acc>(x, cand.index[j]) - st.m) * sel.inv_t);
+  for (int64_t j = 0; j < cand.n; ++j) cand.weight[j] = exp_approx((load_as<Acc>(x, cand.index[j]) - sel.m) * sel.inv_t);
   if (prm.top_p < 1) {
-    double mass = 0;
-    for (int64_t j = 0; j < cand.n; ++j) mass += cand.weight[j];
-    threshold = mass_threshold_key(cand.keys.data(), cand.weight.data(), cand.n, prm.top_p * mass,
-                                   cand.key_scratch.data(), cand.weight_scratch.data());
+    const double unit_scale = top_p_unit_scale(vocab);
+    int64_t mass = 0;
+    for (int64_t j = 0; j < cand.n; ++j) {
+      cand.units[j] = top_p_units(cand.weight[j], unit_scale);
+      mass += cand.units[j];
+    }
+    threshold = mass_threshold_key(cand.keys.data(), cand.units.data(), cand.n, double(prm.top_p) * double(mass),
+                                   cand.key_scratch.data(), cand.unit_scratch.data());
     cand.filter([&](int64_t j) { return cand.keys[j] >= threshold; });
   }
   sel.threshold = threshold;
   sel.log_min_p = prm.min_p > 0 ? std::log(prm.min_p) : neg_inf<Acc>();
   if (prm.min_p > 0)
-    cand.filter([&](int64_t j) { return (load_as<Acc>(x, cand.index[j]) - st.m) * sel.inv_t >= sel.log_min_p; });
-  // In double, as row_stats sums s: a float sum stops growing once the terms
-  // fall below half an ulp of it (1 + 20000 terms of 2^-25 stays 1, not 1.0006).
-  // With q_j = e_j / s_kept, the entropy -sum q_j log q_j = log s_kept + u / s_kept,
-  // u = sum_j e_j (-d_j) >= 0 (d_j <= 0 below the row's max, which is kept).
-  double s_kept = 0, u = 0;
+    cand.filter([&](int64_t j) { return (load_as<Acc>(x, cand.index[j]) - sel.m) * sel.inv_t >= sel.log_min_p; });
+  // u = sum_j e_j (-d_j) >= 0 over the kept tokens (d_j <= 0 below the row's
+  // max, which is kept), for the entropy (mass_logs).
+  ExactMass s_kept, u;
   for (int64_t j = 0; j < cand.n; ++j) {
-    s_kept += cand.weight[j];
-    u += kept_spread(cand.weight[j], (load_as<Acc>(x, cand.index[j]) - st.m) * sel.inv_t);
+    s_kept.add(double(cand.weight[j]));
+    u.add(kept_spread(cand.weight[j], (load_as<Acc>(x, cand.index[j]) - sel.m) * sel.inv_t));
   }
-  sel.log_s_kept = static_cast<Acc>(std::log(s_kept));
-  sel.entropy = static_cast<Acc>(std::log(s_kept) + u / s_kept);
+  const MassLogs logs = mass_logs(s, s_kept, u);
+  sel.log_s = static_cast<Acc>(logs.log_s);
+  sel.log_s_kept = static_cast<Acc>(logs.log_s_kept);
+  sel.entropy = static_cast<Acc>(logs.entropy);
   return sel;
 }
 
@@ -420,7 +523,7 @@ void sample_impl(const TruncationArgs& a, const RandomArgs& rng, int64_t* tokens
     } else if (sel.greedy) {  // T -> 0: a point mass on the first argmax
       tokens[r] = sel.argmax;
       logprobs[r] = entropy[r] = 0;
-      raw_logprobs[r] = -std::log(Acc(sel.n_max));
+      raw_logprobs[r] = -sel.log_s;
     } else {
       const uint64_t seed = uint64_t(rng.per_row_seeds ? rng.seeds[r] : rng.seed);
       const uint32_t salt = rng.per_row_seeds ? 0u : uint32_t(r);
@@ -503,20 +606,22 @@ void truncated_backward_impl(const TruncationArgs& a, const void* labels, int la
 // sample_shard_pass (sampling.h): one read of the shard's row.
 template <typename In, typename Acc>
 void shard_pass_impl(const TruncationArgs& a, const RandomArgs* rng, int64_t column_base, const Acc* given,
-                     const void* labels, int label_dtype, double* sums, int64_t* picks) {
+                     const void* labels, int label_dtype, double* scores, int64_t* masses, int64_t* picks) {
   const uint64_t offset = rng ? uint64_t(rng->offset_ptr ? *rng->offset_ptr : rng->offset) : 0;
 #pragma omp parallel for schedule(static) if (a.n_rows > 1)
   for (int64_t r = 0; r < a.n_rows; ++r) {
     const In* x = static_cast<const In*>(a.logits) + a.rows.offset(r);
     const RowParams<Acc> prm = row_params<Acc>(a, r);
-    double* out = sums + 5 * r;
+    double* score = scores + 2 * r;
+    int64_t* mass = masses + 6 * r;
     int64_t* pick = picks + 2 * r;
     Selection<Acc> sel;
     sel.m = given[2 * r];
     sel.threshold = order_key(given[2 * r + 1]);
     sel.inv_t = prm.t > 0 ? Acc(1) / prm.t : Acc(1);
     sel.log_min_p = prm.min_p > 0 ? std::log(prm.min_p) : neg_inf<Acc>();
-    out[0] = out[1] = out[2] = out[3] = out[4] = quiet_nan<double>();
+    score[0] = score[1] = quiet_nan<double>();
+    std::fill(mass, mass + 6, int64_t(0));
     pick[0] = pick[1] = -1;
     if (!(sel.m > neg_inf<Acc>() && sel.m < std::numeric_limits<Acc>::infinity()) || !prm.valid()) continue;
     int64_t first_max = -1;
@@ -528,51 +633,53 @@ void shard_pass_impl(const TruncationArgs& a, const RandomArgs* rng, int64_t col
         ++n_max;
       }
       pick[1] = first_max < 0 ? -1 : column_base + first_max;
-      out[0] = double(n_max);
-      out[1] = out[2] = out[3] = out[4] = 0;
+      mass[0] = count_mass(n_max).hi;
+      score[0] = score[1] = 0;
       continue;
     }
     const bool racing = rng != nullptr;
     const uint64_t seed = racing ? uint64_t(rng->per_row_seeds ? rng->seeds[r] : rng->seed) : 0;
     const uint32_t k0 = uint32_t(seed), k1 = uint32_t(seed >> 32);
     const uint32_t salt = racing && !rng->per_row_seeds ? uint32_t(r) : 0u;
-    // In double, as select_row sums its masses.
-    double s = 0, s_kept = 0, u = 0;
+    // Exactly, as select_row sums its masses: the ranks' limbs add up to the whole row's.
+    ExactMass s, s_kept, u;
     Acc best = neg_inf<Acc>(), d_best = neg_inf<Acc>();
     int64_t winner = -1;
     for (int64_t i = 0; i < a.vocab; ++i) {
       const Acc v = load_as<Acc>(x, i);
       const Acc d = (v - sel.m) * sel.inv_t;
       const Acc e = exp_approx(d);
-      s += e;
+      s.add(double(e));
       if (v == sel.m && first_max < 0) first_max = i;
       if (!is_kept(sel, v)) continue;
-      s_kept += e;
-      u += kept_spread(e, d);
+      s_kept.add(double(e));
+      u.add(kept_spread(e, d));
       if (!racing) continue;
       const Words4 w = philox4x32_10(uint32_t(column_base + i), salt, uint32_t(offset), uint32_t(offset >> 32), k0, k1);
-      const Acc score = d - std::log(Acc(exponential_variate(w.w[0], w.w[1])));
-      if (score > best) {  // ties to the lowest index, as race()
-        best = score;
+      const Acc key = d - std::log(Acc(exponential_variate(w.w[0], w.w[1])));
+      if (key > best) {  // ties to the lowest index, as race()
+        best = key;
         d_best = d;
         winner = i;
       }
     }
-    out[0] = s;
-    out[1] = s_kept;
-    out[4] = u;
+    const ExactMass limbs[3] = {s, s_kept, u};
+    for (int j = 0; j < 3; ++j) {
+      mass[2 * j] = limbs[j].hi;
+      mass[2 * j + 1] = limbs[j].lo;
+    }
     pick[1] = first_max < 0 ? -1 : column_base + first_max;
     if (racing) {
-      out[2] = best;
-      out[3] = d_best;
+      score[0] = best;
+      score[1] = d_best;
       pick[0] = winner < 0 ? -1 : column_base + winner;
     } else {
       const int64_t y = load_label(labels, label_dtype, r) - column_base;
       if (y >= 0 && y < a.vocab) {
         const Acc v = load_as<Acc>(x, y);
-        out[2] = is_kept(sel, v) ? (v - sel.m) * sel.inv_t : neg_inf<Acc>();
+        score[0] = is_kept(sel, v) ? (v - sel.m) * sel.inv_t : neg_inf<Acc>();
       }
-      out[3] = 0;
+      score[1] = 0;
     }
   }
 }
@@ -603,7 +710,7 @@ void digit_histogram_impl(const TruncationArgs& a, const int64_t* prefix, int sh
       const int digit = int((key >> shift) & 0xff);
       ++count[digit];
       // (e <= 1 below the row's max; the clamp keeps a row the caller ignores (bad) from overflowing)
-      if (unit) unit[digit] += int64_t(double(std::min(exp_approx((v - m) * inv_t), Acc(1))) * unit_scale + 0.5);
+      if (unit) unit[digit] += top_p_units(exp_approx((v - m) * inv_t), unit_scale);
     }
   }
 }
@@ -637,11 +744,21 @@ void truncated_logprobs_backward(const TruncationArgs& a, const void* labels, in
 }
 
 void sample_shard_pass(const TruncationArgs& a, const RandomArgs* rng, int64_t column_base,
-                       const void* given, const void* labels, int label_dtype, double* sums,
-                       int64_t* picks) {
+                       const void* given, const void* labels, int label_dtype, double* scores,
+                       int64_t* masses, int64_t* picks) {
   FASTRL_DISPATCH_LOGITS(a.dtype, "sample_shard_pass",
                          (shard_pass_impl<In, Acc>(a, rng, column_base, static_cast<const Acc*>(given),
-                                                   labels, label_dtype, sums, picks)))
+                                                   labels, label_dtype, scores, masses, picks)))
+}
+
+void sample_mass_logs(const int64_t* masses, int64_t n_rows, double* logs) {
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const int64_t* m = masses + 6 * r;
+    const MassLogs row = mass_logs({m[0], m[1]}, {m[2], m[3]}, {m[4], m[5]});
+    logs[3 * r] = row.log_s;
+    logs[3 * r + 1] = row.log_s_kept;
+    logs[3 * r + 2] = row.entropy;
+  }
 }
 
 void shard_digit_histogram(const TruncationArgs& a, const int64_t* prefix, int shift, const void* given,

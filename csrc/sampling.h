@@ -67,27 +67,34 @@ void truncated_logprobs_backward(const TruncationArgs& args, const void* labels,
                                  RowLayout grad_rows, int64_t label_base, const uint8_t* label_kept);
 
 // One vocabulary shard's part of a row of the tensor-parallel sampler
-// (fastrl/vocab_parallel.py). The ranks have agreed on the row's max logit m
+// (fastrl/_sharded/sampling.py). The ranks have agreed on the row's max logit m
 // and kept threshold tau (given [n_rows, 2], accumulation type): the kept
 // tokens are x >= tau with (x - m) / T >= log(min_p); top_k and top_p are not
 // read. The shard's columns are the global indices column_base + j, which are
 // also the Philox counters, so the race is the unsharded one. Writes, per row:
-//   sums [n_rows, 5] float64: s = sum_j e_j over the shard, s_kept over its kept
-//     tokens (e_j = exp((x_j - m) / T)); then with rng the best race score
-//     d_j - log E_j of its kept tokens (-inf: none) and that token's d_j, or
-//     with labels d of the label where the shard holds it (-inf when not kept,
-//     NaN when another shard holds it) and 0; then u = sum_j e_j (-d_j) over its
-//     kept tokens (the processed entropy is log S_kept + U / S_kept over the
-//     ranks' sums). Greedy rows: s = the number of logits equal to m, the rest 0.
+//   scores [n_rows, 2] float64: with rng the best race score d_j - log E_j of
+//     its kept tokens (-inf: none) and that token's d_j, or with labels d of the
+//     label where the shard holds it (-inf when not kept, NaN when another shard
+//     holds it) and 0;
+//   masses [n_rows, 6] int64: the exact sums (sampling.cpp, ExactMass: two limbs
+//     each, which the ranks add as integers) of s = sum_j e_j over the shard,
+//     s_kept over its kept tokens and u = sum_j e_j (-d_j) over them (e_j =
+//     exp(d_j), d_j = (x_j - m) / T); a greedy row's s is its number of logits
+//     equal to m, the rest 0;
 //   picks [n_rows, 2] int64: the race winner and the first logit equal to m,
 //     as global indices, -1 for none.
 // A row whose m is not finite or whose parameters are invalid is left to the
-// caller (its outputs hold NaN and -1).
+// caller (its scores hold NaN, its masses 0 and its picks -1).
 void sample_shard_pass(const TruncationArgs& args, const RandomArgs* rng, int64_t column_base,
-                       const void* given, const void* labels, int label_dtype, double* sums,
-                       int64_t* picks);
+                       const void* given, const void* labels, int label_dtype, double* scores,
+                       int64_t* masses, int64_t* picks);
 
-// One round of the tensor-parallel sampler's threshold search (fastrl/vocab_parallel.py):
+// The rows' (log s, log s_kept, entropy) [n_rows, 3] float64 from masses [n_rows, 6]
+// (sample_shard_pass's, summed over the ranks) by the unsharded sampler's own
+// formula, so that the tensor-parallel sampler's log-probs and entropy are its bits.
+void sample_mass_logs(const int64_t* masses, int64_t n_rows, double* logs);
+
+// One round of the tensor-parallel sampler's threshold search (fastrl/_sharded/sampling.py):
 // for each row, hist[r][0] (int64 [256]) counts the 8-bit digit at `shift` of the
 // order keys (as sample's top-k compares them) of the row's tokens whose key agrees
 // with prefix[r] (the key's bits, in int64) above that digit. With given [n_rows, 2]

@@ -264,15 +264,24 @@ def shard_digit_histogram(logits, prefix, shift, given=None, *, temperature=1.0,
 def sample_shard_pass(logits, given, *, temperature, min_p, column_base, seed=None, offset=0, labels=None):
     """The contract of ``fastrl.kernels.sampling.sample_shard_pass``, on the C++ kernels."""
     n_rows = row_count(logits)
-    sums = torch.empty(n_rows, 5, dtype=torch.float64, device=logits.device)
+    scores = torch.empty(n_rows, 2, dtype=torch.float64, device=logits.device)
+    masses = torch.empty(n_rows, 6, dtype=torch.int64, device=logits.device)
     picks = torch.empty(n_rows, 2, dtype=torch.int64, device=logits.device)
     native_module().sample_shard_pass(
         truncation=_truncation(logits, temperature, 0, 1.0, min_p), racing=labels is None,
         **_random(0 if seed is None else seed, offset), column_base=column_base, given=given.data_ptr(),
         labels=_ptr(labels), label_dtype=DTYPE_CODES[labels.dtype] if labels is not None else -1,
-        sums=sums.data_ptr(), picks=picks.data_ptr(),
+        scores=scores.data_ptr(), masses=masses.data_ptr(), picks=picks.data_ptr(),
     )  # fmt: skip
-    return sums, picks
+    return scores, masses, picks
+
+
+def sample_mass_logs(masses, float64):
+    """The contract of ``fastrl.kernels.sampling.sample_mass_logs``, on the C++ kernels (one
+    formula for every dtype: ``float64`` is not read)."""
+    logs = torch.empty(masses.shape[0], 3, dtype=torch.float64, device=masses.device)
+    native_module().sample_mass_logs(masses=masses.data_ptr(), n_rows=masses.shape[0], logs=logs.data_ptr())
+    return logs
 
 
 def kl_penalty_forward(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, *, estimator: int) -> torch.Tensor:

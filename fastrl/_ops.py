@@ -49,7 +49,7 @@ _TRUNCATION = f"{_TEMPERATURE}, Tensor? top_k_rows, int top_k, Tensor? top_p_row
 LAUNCHERS = {
     "logprobs": ("logprobs_forward", "logprobs_backward", "logprobs_segments", "logprobs_combine"),
     "sampling": ("sample_forward", "truncated_forward", "truncated_backward", "sample_shard_pass",
-                 "shard_digit_histogram"),
+                 "shard_digit_histogram", "sample_mass_logs"),
     "kl": ("kl_penalty_forward", "kl_penalty_backward", "full_kl_forward", "full_kl_backward"),
     "policy": ("stats_shape", "policy_forward", "policy_finalize", "policy_backward", "rollout_correction_forward",
                "rollout_finalize"),
@@ -318,7 +318,16 @@ def _sample_shard_pass(logits, given, temperature_rows, temperature, min_p_rows,
 
 def _sample_shard_pass_fake(logits, *args):
     n_rows = math.prod(logits.shape[:-1])
-    return _new(logits, n_rows, 5, dtype=torch.float64), _new(logits, n_rows, 2, dtype=torch.int64)
+    return (_new(logits, n_rows, 2, dtype=torch.float64), _new(logits, n_rows, 6, dtype=torch.int64),
+            _new(logits, n_rows, 2, dtype=torch.int64))  # fmt: skip
+
+
+def _sample_mass_logs(masses, float64, backend):
+    return launchers(backend, "sampling").sample_mass_logs(masses, float64)
+
+
+def _sample_mass_logs_fake(masses, float64, backend):
+    return _new(masses, masses.shape[0], 3, dtype=torch.float64)
 
 
 def _shard_digit_histogram(logits, prefix, shift, given, temperature_rows, temperature, unit_scale, backend):
@@ -344,8 +353,15 @@ shard_digit_histogram = _define(
 sample_shard_pass = _define(
     "sample_shard_pass(Tensor logits, Tensor given, " + _TEMPERATURE + ", Tensor? min_p_rows, float min_p, "
     "int column_base, Tensor? seed_rows, int seed, Tensor? offset_tensor, int offset, Tensor? labels, str backend) "
-    "-> (Tensor sums, Tensor picks)",
+    "-> (Tensor scores, Tensor masses, Tensor picks)",
     _sample_shard_pass, _sample_shard_pass_fake,
+)  # fmt: skip
+
+# The tensor-parallel sampler's log-masses and entropy from its shard passes' masses summed over the
+# ranks, by the unsharded kernels' formula (fastrl._sharded.sampling); float64: of float64 logits.
+sample_mass_logs = _define(
+    "sample_mass_logs(Tensor masses, bool float64, str backend) -> Tensor",
+    _sample_mass_logs, _sample_mass_logs_fake,
 )  # fmt: skip
 
 

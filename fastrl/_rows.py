@@ -42,6 +42,27 @@ def segment_length(vocab: int) -> int:
     return vocab // TP_SEGMENTS if vocab > 0 and vocab % (8 * TP_SEGMENTS) == 0 else vocab
 
 
+def exact_mass_limbs(mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-negative float64 masses as the exact sums of the sampler's C++ kernels hold
+    them (csrc/sampling.cpp, ExactMass): int64 limbs, the nearest multiple of 2^-32 and
+    the rest to the nearest 2^-64, which ranks add as integers, in any order, without
+    rounding; exact for a mass below 2^31 that is a multiple of 2^-64."""
+    scaled = mass * 2.0**32
+    whole = torch.round(scaled)  # (ties to even, as the kernels' shifters)
+    return whole.long(), torch.round((scaled - whole) * 2.0**32).long()
+
+
+def mass_logs(masses: torch.Tensor) -> torch.Tensor:
+    """(log s, log s_kept, entropy) [N, 3] float64 of masses [N, 6] (three
+    exact_mass_limbs pairs: s, s_kept, u) by csrc/sampling.cpp's formula (mass_logs):
+    log1p of each mass above 1, and the entropy log s_kept + u / s_kept."""
+    hi, lo = masses.reshape(-1, 3, 2).unbind(-1)
+    above_one = (hi - 2**32).double() * 2.0**-32 + lo.double() * 2.0**-64
+    value = hi.double() * 2.0**-32 + lo.double() * 2.0**-64
+    logs = torch.log1p(above_one)
+    return torch.stack([logs[:, 0], logs[:, 1], logs[:, 1] + value[:, 2] / value[:, 1]], -1)
+
+
 def row_count(t: torch.Tensor) -> int:
     """The rows of ``[N, V]`` or ``[outer, inner, V]``."""
     return math.prod(t.shape[:-1])

@@ -165,6 +165,9 @@ def _opcheck_cases(device: str, backend: str) -> dict:
         # (a vocabulary shard's: its columns start at 33 of a 66-entry vocabulary)
         "sample_shard_pass": (logits, truncated_stats[:, :2].contiguous(), temps, 0.0, None, 0.01, 33, None, 11,
                               torch.zeros(1, dtype=torch.int64, device=dev), 0, None, backend),  # fmt: skip
+        # (four rows' masses, limbs of s, s_kept and u: the first two maxima kept alone)
+        "sample_mass_logs": (torch.tensor([[2 << 32, 0, 1 << 32, 0, 0, 0]] + [[5 << 32, -7, 3 << 32, 1 << 31, 1 << 30, 9]] * 3,
+                                          device=dev), False, backend),  # fmt: skip
         "shard_digit_histogram": (logits, torch.zeros(4, dtype=torch.int64, device=dev), 16,
                                   truncated_stats[:, :2].contiguous(), temps, 0.0, 2.0**44, backend),  # fmt: skip
         "kl_penalty_forward": (lp.flatten(), old.flatten(), 3, backend),

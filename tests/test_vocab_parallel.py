@@ -812,6 +812,19 @@ def test_segments_fold_to_the_whole_row(device, backend, vocab):
                         f"{name}: {degree} shards, {dtype} {backend} V={vocab}")
 
 
+def _exact_sampler_rows(backend: str, dtype: torch.dtype, kw: dict, n_rows: int, vocab: int) -> torch.Tensor:
+    """[N] bool: the rows whose sharded sampler outputs are the unsharded ones bit for bit
+    (fastrl._sharded.sampling): every row on native; on Triton the float32-computed rows
+    (not float64) but those with top-p and no top-k."""
+    if backend == "reference" or (backend == "triton" and dtype == torch.float64):
+        return torch.zeros(n_rows, dtype=torch.bool)
+    if backend == "native":
+        return torch.ones(n_rows, dtype=torch.bool)
+    top_k = torch.as_tensor(kw.get("top_k", 0)).expand(n_rows)
+    top_p = torch.as_tensor(kw.get("top_p", 1.0)).expand(n_rows)
+    return ~((top_p < 1) & ((top_k <= 0) | (top_k >= vocab)))
+
+
 def _check_sampling(rank: int, world: int, group, seed: int) -> None:
     """One rank of test_sharded_sampling_matches_the_unsharded_sampler."""
     torch.manual_seed(seed)  # every rank draws the same full tensors
@@ -847,9 +860,16 @@ def _check_sampling(rank: int, world: int, group, seed: int) -> None:
                     expected = fastrl.sample(x, **kw, seed=seed, offset=3)
                     out = fastrl.sample(x[:, start:stop], **kw, seed=seed, offset=3, group=group)
                     again = fastrl.sample(x[:, start:stop], **kw, seed=seed, offset=3, group=group)
-                # The same race over the same kept set (top-p's masses agree within 2^-42 V: module comment).
+                # The same race over the same kept set (top-p's masses are exact sums: module comment).
                 assert torch.equal(out.tokens, expected.tokens), (what, out.tokens, expected.tokens)
                 assert all(torch.equal(a, b) for a, b in zip(out, again, strict=True)), what
+                # The unsharded bits (issue 39): exact mass sums on any split. Native: every output. Triton
+                # (float32): the log-prob and entropy, but on rows with top-p and no top-k, whose threshold
+                # the unsharded kernel finds from a float sum over the row, as its raw log-prob.
+                exact = _exact_sampler_rows(backend, dtype, kw, n_rows, vocab)
+                for name in ("logprobs", "entropy") if backend == "triton" else out._fields:
+                    got, want = getattr(out, name)[exact], getattr(expected, name)[exact]
+                    assert torch.equal(got.nan_to_num(0.5), want.nan_to_num(0.5)), f"{name} {what}"
                 assert all(_all_equal_across_ranks(t, group) for t in out), what
                 kw64 = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                         for k, v in kw.items()}  # fmt: skip
@@ -863,10 +883,16 @@ def _check_sampling(rank: int, world: int, group, seed: int) -> None:
                 # truncated_logprobs: the sampled tokens' log-probs (the same kept set, so the rollout's), others'
                 # -inf outside it, and the gradient within the float64 autograd's of the unsharded spec.
                 labels = torch.where(torch.rand(n_rows) < 0.5, out.tokens, torch.randint(vocab, (n_rows,)))
-                part = x[:, start:stop].clone().requires_grad_()
+                part, whole = x[:, start:stop].clone().requires_grad_(), x.clone().requires_grad_()
                 with fastrl.use_backend(backend):
                     lp = fastrl.truncated_logprobs(part, labels, **kw, group=group)
                     (lp.nan_to_num(0.0, 0.0, 0.0) * weights.to(lp.dtype)).sum().backward()
+                    if exact.any():
+                        whole_lp = fastrl.truncated_logprobs(whole, labels, **kw)
+                        (whole_lp.nan_to_num(0.0, 0.0, 0.0) * weights.to(lp.dtype)).sum().backward()
+                        got, want = lp.detach()[exact], whole_lp.detach()[exact]
+                        assert torch.equal(got.nan_to_num(0.5), want.nan_to_num(0.5)), what
+                        assert torch.equal(part.grad[exact], whole.grad[exact, start:stop]), f"grad {what}"
                 x64 = x.to(torch.float64, copy=True).requires_grad_()
                 lp_truth = reference.truncated_logprobs(x64, labels, **kw64)
                 (lp_truth.nan_to_num(0.0, 0.0, 0.0) * weights).sum().backward()
@@ -975,8 +1001,10 @@ def test_sharded_sampling_matches_the_unsharded_sampler(world, tmp_path):
     """sample / truncated_logprobs on vocabulary shards (uneven, out of
     order): the unsharded sampler's tokens for the same seed and offset (every
     filter, per-row parameters and seeds, greedy ties across shards, ties at the
-    top-k threshold), log-probs and gradients within the float64 spec's
-    bounds, every rank and run the same bits; bad input raising on every rank."""
+    top-k threshold), and on the native backend its log-probs, entropy and
+    truncated log-probs with their gradient bit for bit (exact mass sums);
+    log-probs and gradients within the float64 spec's bounds, every rank and run
+    the same bits; bad input raising on every rank."""
     _spawn(_check_sampling, world, tmp_path)
 
 

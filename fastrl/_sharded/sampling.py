@@ -9,7 +9,7 @@ import torch
 from .. import _ops, reference
 from .._backend import select_backend
 from .._distributed import LABELED, Shard, agree, all_reduce_sum, gather_ranks, label_range, logits_layout
-from .._rows import row_view
+from .._rows import exact_mass_limbs, mass_logs, row_view
 
 # The processed distribution's kept set is {x >= tau} (with min-p's per-token test; sampling.py),
 # so the ranks agree on the row's max M and on tau, then each reads its shard once:
@@ -226,11 +226,13 @@ def _reference_shard_pass(rows, given, temps, temp_scalar, min_p, shard: Shard, 
     bad = ~(torch.isfinite(given[:, 0]))
     sums[bad] = torch.nan
     picks[bad] = -1
-    return sums, picks
+    hi, lo = exact_mass_limbs(sums[:, [0, 1, 4]].nan_to_num(0.0))
+    return sums[:, 2:4].contiguous(), torch.stack([hi, lo], -1).reshape(n_rows, 6), picks
 
 
 def _shard_pass(rows, given, params, shard: Shard, backend, seed=None, offset=0, labels=None):
-    """This shard's (sums [N, 5] float64, picks [N, 2] int64) (csrc/sampling.h, sample_shard_pass)."""
+    """This shard's (scores [N, 2] float64, masses [N, 6] int64, picks [N, 2] int64)
+    (csrc/sampling.h, sample_shard_pass)."""
     temps, temp_scalar = _ops.split_row_param(params["temperature"])
     min_p_rows, min_p = _ops.split_row_param(params["min_p"])
     if backend == "reference":
@@ -268,17 +270,22 @@ def _kept_threshold(rows, params, shard: Shard, top_k_on: bool, top_p_on: bool, 
     return torch.stack([torch.where(bad, torch.nan, m), tau], -1), bad
 
 
-def _combine_shard_passes(sums, picks, shard: Shard):
-    """Every rank's shard pass, gathered once ([world, N, 7] float64) and combined in rank order:
-    (token or the first max [N] int64, d of it, s [N], s_kept [N], u [N] float64, label d [N]
-    float64, first max [N] int64)."""
-    gathered = gather_ranks(torch.cat([sums, picks.double()], -1), shard)
-    s, s_kept, score, d_win, spread, winner, first = gathered.unbind(-1)
-    total, total_kept, total_spread = s[0].clone(), s_kept[0].clone(), spread[0].clone()
-    for r in range(1, s.shape[0]):  # rank order: the same bits on every rank
-        total += s[r]
-        total_kept += s_kept[r]
-        total_spread += spread[r]
+def _combine_shard_passes(scores, masses, picks, shard: Shard, backend, float64: bool):
+    """Every rank's shard pass, gathered once ([world, N, 10] float64, the masses' int64
+    bits among them) and combined: (token or the first max [N] int64, d of it, logs [N, 3]
+    float64 = (log s, log s_kept, entropy), label d [N] float64, first max [N] int64), of
+    float64 logits or not (``float64``). The masses are integers, so their sum is the same in
+    any order (csrc/sampling.cpp, ExactMass; the Triton sampler's units,
+    kernels/sampling/shard.py), and sample_mass_logs finishes them by the unsharded kernels'
+    formula."""
+    gathered = gather_ranks(torch.cat([scores, masses.view(torch.float64), picks.double()], -1), shard)
+    score, d_win = gathered[..., 0], gathered[..., 1]
+    winner, first = gathered[..., 8], gathered[..., 9]
+    total_masses = gathered[..., 2:8].contiguous().view(torch.int64).sum(0)
+    if backend == "reference":
+        logs = mass_logs(total_masses)
+    else:
+        logs = _ops.sample_mass_logs(total_masses, float64, backend)
     first_max = torch.where(first >= 0, first, torch.inf).amin(0)
     best = score.amax(0)
     won = (score == best) & (winner >= 0)
@@ -292,7 +299,7 @@ def _combine_shard_passes(sums, picks, shard: Shard):
     label_d = torch.where(torch.isnan(score), -torch.inf, score).amax(0)
     label_d = torch.where(torch.isnan(score).all(0), torch.nan, label_d)
     first_max = torch.where(torch.isinf(first_max), -1, first_max).long()
-    return torch.where(torch.isinf(token), -1, token).long(), d, total, total_kept, total_spread, label_d, first_max
+    return torch.where(torch.isinf(token), -1, token).long(), d, logs, label_d, first_max
 
 
 def _filters_on(params) -> tuple[bool, bool]:
@@ -327,12 +334,15 @@ def sample_sharded(logits, check, group, vocab_start):
         return empty(torch.int64), empty(acc), empty(acc), empty(acc)
     backend = select_backend(logits.device)
     given, bad = _kept_threshold(rows, params, shard, *_filters_on(params), backend)
-    sums, picks = _shard_pass(rows, given, params, shard, backend, seed=seed, offset=offset)
-    token, d, total, total_kept, total_spread, _, _ = _combine_shard_passes(sums, picks, shard)
+    token, d, logs, _, _ = _combine_shard_passes(*_shard_pass(rows, given, params, shard, backend, seed=seed,
+                                                              offset=offset), shard, backend,
+                                                 acc == torch.float64)  # fmt: skip
     greedy = reference._per_row(params["temperature"], (n_rows,), acc, logits.device)[:, 0] == 0
-    logprob = torch.where(greedy, 0.0, d.to(acc) - torch.log(total_kept).to(acc))
-    raw = torch.where(greedy, -torch.log(total).to(acc), d.to(acc) - torch.log(total).to(acc))
-    entropy = torch.where(greedy, 0.0, (torch.log(total_kept) + total_spread / total_kept).to(acc))
+    log_s, log_kept, entropy = logs.to(acc).unbind(-1)
+    d = d.to(acc)
+    logprob = torch.where(greedy, 0.0, d - log_kept)
+    raw = torch.where(greedy, -log_s, d - log_s)
+    entropy = torch.where(greedy, 0.0, entropy)
     nan = torch.nan
     return token.masked_fill(bad, -1), logprob.masked_fill(bad, nan), raw.masked_fill(bad, nan), entropy.masked_fill(bad, nan)
 
@@ -343,11 +353,11 @@ class _ShardedTruncated(torch.autograd.Function):
         rows = row_view(logits)
         n_rows = labels.shape[0]
         given, bad = _kept_threshold(rows, params, shard, *_filters_on(params), backend)
-        sums, picks = _shard_pass(rows, given, params, shard, backend, labels=labels)
-        _, _, _, total_kept, _, label_d, first_max = _combine_shard_passes(sums, picks, shard)
+        passes = _shard_pass(rows, given, params, shard, backend, labels=labels)
+        _, _, logs, label_d, first_max = _combine_shard_passes(*passes, shard, backend, given.dtype == torch.float64)
         acc = given.dtype
         greedy = reference._per_row(params["temperature"], (n_rows,), acc, logits.device)[:, 0] == 0
-        log_kept = torch.log(total_kept).to(acc)
+        log_kept = logs[:, 1].to(acc)
         out = torch.where(greedy, torch.where(labels == first_max, 0.0, -torch.inf).to(acc), label_d.to(acc) - log_kept)
         out = out.masked_fill(bad, torch.nan)
         # (M, log s_kept, tau) as the unsharded backward takes them; a bad row's NaN makes its gradient NaN.

@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastrl._rows import row_count, row_layout
+from fastrl._rows import exact_mass_limbs, mass_logs, row_count, row_layout
 
 from .._launch import CONTRACTED, acc_dtypes, float_scalar_arg, tile_config, triton_histogram_is_slow
 from .compact import list_capacity
@@ -69,7 +69,7 @@ from .keys import _BINS
 from .params import _params
 from .sample import _sample_kernel, _truncated_bwd_kernel, _truncated_fwd_kernel
 from .select import _WINDOW_BINS
-from .shard import _digit_histogram_kernel, _shard_fold_kernel, _shard_tile_kernel
+from .shard import _digit_histogram_kernel, _mass_logs_kernel, _shard_fold_kernel, _shard_tile_kernel
 from .split import (
     _FOLD_GROUP,
     _SPLIT_RECORD,
@@ -357,11 +357,18 @@ def shard_digit_histogram(logits, prefix, shift, given=None, *, temperature=1.0,
 
 def sample_shard_pass(logits, given, *, temperature, min_p, column_base, seed=None, offset=0, labels=None):
     """One vocabulary shard's pass of the tensor-parallel sampler (csrc/sampling.h,
-    sample_shard_pass): (sums float64 [N, 5], picks int64 [N, 2]) of ``logits``
-    [N, V_r] (or [outer, inner, V_r]) from ``given`` [N, 2] (max, threshold
-    logit) in the accumulation dtype; the race with ``seed`` / ``offset`` as
-    sample_forward's, or with ``labels`` (global ids) the truncated log-prob's
-    terms."""
+    sample_shard_pass): (scores float64 [N, 2], masses int64 [N, 6], picks int64
+    [N, 2]) of ``logits`` [N, V_r] (or [outer, inner, V_r]) from ``given`` [N, 2]
+    (max, threshold logit) in the accumulation dtype; the race with ``seed`` /
+    ``offset`` as sample_forward's, or with ``labels`` (global ids) the
+    truncated log-prob's terms.
+
+    The masses (s, s_kept, u), which the ranks add as integers: for float32
+    rows the unsharded sampler's own fixed point (compact._mass_units, in the
+    first int64 of each pair), so that s_kept and u are its bits; for float64
+    rows the float64 sums split exactly into two limbs (fastrl._rows.exact_mass_limbs).
+    The unsharded sampler's s is a float sum (reduce.softmax_stats), and so are
+    its float64 rows' masses: those agree to rounding only (issue 39)."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
     _, acc_tl = acc_dtypes(logits)
     sums = torch.empty(n_rows, 5, dtype=torch.float64, device=logits.device)
@@ -384,4 +391,22 @@ def sample_shard_pass(logits, given, *, temperature, min_p, column_base, seed=No
         logits, *row_layout(logits), vocab, given, *args, column_base, labels, masses, marks, sums, picks, tiles,
         **flags, RACE=labels is None, TILE_BLOCK=triton.next_power_of_2(tiles), ACC=acc_tl, num_warps=4, **_EXACT,
     )  # fmt: skip
-    return sums, picks
+    if acc_tl == tl.float32:  # (the fold's units, in the first of each pair)
+        hi, lo = sums[:, [0, 1, 4]].view(torch.int64), torch.zeros(n_rows, 3, dtype=torch.int64, device=sums.device)
+    else:
+        hi, lo = exact_mass_limbs(sums[:, [0, 1, 4]])
+    return sums[:, 2:4].contiguous(), torch.stack([hi, lo], -1).reshape(n_rows, 6), picks
+
+
+def sample_mass_logs(masses, float64):
+    """(log s, log s_kept, entropy) [N, 3] float64 of the tensor-parallel sampler's masses
+    [N, 6] summed over the ranks (sample_shard_pass's): for float32 rows by the unsharded
+    kernel's own float32 formula (_mass_logs_kernel), for float64 rows by
+    fastrl._rows.mass_logs (the unsharded kernel's float64 sums are not exact)."""
+    if float64:
+        return mass_logs(masses)
+    n_rows = masses.shape[0]
+    logs = torch.empty(n_rows, 3, dtype=torch.float64, device=masses.device)
+    block = 128
+    _mass_logs_kernel[(triton.cdiv(n_rows, block),)](masses, logs, n_rows, BLOCK=block, num_warps=4, **_EXACT)
+    return logs

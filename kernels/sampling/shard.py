@@ -15,8 +15,22 @@ import triton.language as tl
 from .._launch import float_scalar
 from ..random import exponential_variate, philox4x32_10
 from ..reduce import row_start
+from .compact import _mass_units, _mass_value
 from .keys import _order_key, _race_key
 from .params import _inverse_temperature, _row_param, _row_params
+from .sample import _FLOAT32_LOWEST
+
+
+@triton.jit
+def _tile_sum(terms, ACC: tl.constexpr):
+    """A tile's sum of masses as the unsharded sampler sums them (sample._select): for float32
+    rows in its fixed point (compact._mass_units, int64: exact, so the tiles' and the ranks'
+    integer sums are the unsharded row's bits), for float64 rows in float64 (a tree of depth
+    log2(BLOCK_V) <= 10 over non-negative terms)."""
+    if ACC == tl.float32:
+        return tl.sum(_mass_units(terms, ACC), axis=0)
+    else:
+        return tl.sum(terms, axis=0)
 
 
 @triton.jit
@@ -29,9 +43,9 @@ def _shard_tile_kernel(
     OFFSET_FROM_PTR: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """The first launch of csrc/sampling.h's sample_shard_pass: a program a tile of a row (grid
-    axis 1) writes the tile's (s, s_kept, best race score, u = sum_kept e (-d)) in float64 to
-    ``masses`` ([N, TILES, 4]) and (number of maxima, first maximum, race winner) as int32 shard
-    indices to ``marks`` ([N, TILES, 3]).
+    axis 1) writes the tile's (s, s_kept, best race score, u = sum_kept e (-d)) to ``masses``
+    ([N, TILES, 4] float64; the three masses as _tile_sum gives them, in its bits) and (number of
+    maxima, first maximum, race winner) as int32 shard indices to ``marks`` ([N, TILES, 3]).
     The race's score d - log E rounds as _sample_kernel's (the same functions, compiled without
     fused multiply-adds), so its winner is the unsharded sampler's; Philox runs only in a tile
     that holds a kept token."""
@@ -55,11 +69,9 @@ def _shard_tile_kernel(
     at_max = live & (x == m)
     best = tl.full([], float("-inf"), ACC)
     winner = V + tl.zeros([], tl.int32)
-    # The race's processed entropy takes the tile's u = sum_kept e (-d), summed in ACC (positive
-    # terms in a tree of depth log2(BLOCK_V) <= 10: within 10 ulps relative, far inside the
-    # entropy's bound), in a tile that holds a kept token; a kept -inf logit, e = 0, adds
-    # 0 * finite (d held above -inf).
-    spread = tl.zeros([], tl.float64)
+    # The race's processed entropy takes the tile's u = sum_kept e (-d), in a tile that holds a
+    # kept token; a kept -inf logit, e = 0, adds 0 * finite (d held above -inf).
+    spread = tl.zeros([], tl.int64 if ACC == tl.float32 else tl.float64)
     if RACE:
         if tl.max(kept.to(tl.int32), axis=0) > 0:
             k0, k1, salt, c2, c3 = _race_key(row, seeds_ptr, seed, offset_ptr, offset, PER_ROW_SEED,
@@ -70,16 +82,36 @@ def _shard_tile_kernel(
             race = tl.where(kept, d - tl.log(exponential_variate(w0, w1).to(ACC)), float("-inf"))
             best = tl.max(race, axis=0)
             winner = tl.min(tl.where((race == best) & kept, offs, V), axis=0)  # ties: the lowest index
-            spread = tl.sum(tl.where(kept, e * -tl.maximum(d, -3.4028234663852886e38), 0.0), axis=0).to(tl.float64)
+            spread = _tile_sum(tl.where(kept, e * -tl.maximum(d, _FLOAT32_LOWEST), 0.0), ACC)
     mass_at = (row * TILES + tile) * 4
-    tl.store(masses_ptr + mass_at, tl.sum(e.to(tl.float64), axis=0))
-    tl.store(masses_ptr + mass_at + 1, tl.sum(tl.where(kept, e, 0.0).to(tl.float64), axis=0))
+    tl.store(masses_ptr + mass_at, _tile_sum(e, ACC).to(tl.float64, bitcast=True))
+    tl.store(masses_ptr + mass_at + 1, _tile_sum(tl.where(kept, e, 0.0), ACC).to(tl.float64, bitcast=True))
     tl.store(masses_ptr + mass_at + 2, best.to(tl.float64))
-    tl.store(masses_ptr + mass_at + 3, spread)
+    tl.store(masses_ptr + mass_at + 3, spread.to(tl.float64, bitcast=True))
     at = (row * TILES + tile) * 3
     tl.store(marks_ptr + at, tl.sum(at_max.to(tl.int32), axis=0))
     tl.store(marks_ptr + at + 1, tl.min(tl.where(at_max, offs, V), axis=0))
     tl.store(marks_ptr + at + 2, winner)
+
+
+@triton.jit
+def _tiles_mass(at_ptr, on, ACC: tl.constexpr):
+    """The sum of a row's tile masses (_tile_sum's, stored as float64 bits): int64 units
+    for float32 rows, float64 otherwise, bitcast to float64 for the sums record."""
+    if ACC == tl.float32:
+        return tl.sum(tl.load(at_ptr, mask=on, other=0.0).to(tl.int64, bitcast=True), axis=0).to(tl.float64,
+                                                                                                  bitcast=True)
+    else:
+        return tl.sum(tl.load(at_ptr, mask=on, other=0.0), axis=0)
+
+
+@triton.jit
+def _count_mass(n, ACC: tl.constexpr):
+    """A greedy row's s, its number of maxima n, as _tiles_mass holds a mass."""
+    if ACC == tl.float32:
+        return (n.to(tl.int64) << 42).to(tl.float64, bitcast=True)
+    else:
+        return n.to(tl.float64)
 
 
 @triton.jit
@@ -92,7 +124,8 @@ def _shard_fold_kernel(
 ):  # fmt: skip
     """The second launch: one program a row folds its tiles' records in a fixed tree (the same
     for every batch: a row's bits do not depend on the rows beside it) into the row's sums
-    [N, 5] and picks [N, 2] (csrc/sampling.h)."""
+    [N, 5] (s, s_kept, the two scores, u; the masses as _tiles_mass holds them, 0 for a row
+    left to the caller) and picks [N, 2] (csrc/sampling.h)."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
     t, _k, _p, mp, valid = _row_params(row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
@@ -104,9 +137,9 @@ def _shard_fold_kernel(
     on = tiles < TILES
     mass_at = (row * TILES + tiles) * 4
     at = (row * TILES + tiles) * 3
-    s = tl.sum(tl.load(masses_ptr + mass_at, mask=on, other=0.0), axis=0)
-    s_kept = tl.sum(tl.load(masses_ptr + mass_at + 1, mask=on, other=0.0), axis=0)
-    spread = tl.sum(tl.load(masses_ptr + mass_at + 3, mask=on, other=0.0), axis=0)
+    s = _tiles_mass(masses_ptr + mass_at, on, ACC)
+    s_kept = _tiles_mass(masses_ptr + mass_at + 1, on, ACC)
+    spread = _tiles_mass(masses_ptr + mass_at + 3, on, ACC)
     n_max = tl.sum(tl.load(marks_ptr + at, mask=on, other=0), axis=0)
     first = tl.min(tl.load(marks_ptr + at + 1, mask=on, other=V), axis=0).to(tl.int64)
     nan = float("nan")
@@ -132,11 +165,13 @@ def _shard_fold_kernel(
         third = tl.where(greedy, 0.0, tl.where(here, tl.where(kept_label, d_label, float("-inf")), nan).to(tl.float64))
         fourth = tl.zeros([], tl.float64)
         win = tl.full([], -1, tl.int64)
-    tl.store(sums_ptr + 5 * row, tl.where(ok, tl.where(greedy, n_max.to(tl.float64), s), nan))
-    tl.store(sums_ptr + 5 * row + 1, tl.where(ok, tl.where(greedy, 0.0, s_kept), nan))
+    # (masses as _tiles_mass gives them: a greedy row's s is its number of maxima in the same units)
+    zero = tl.zeros_like(s)
+    tl.store(sums_ptr + 5 * row, tl.where(ok, tl.where(greedy, _count_mass(n_max, ACC), s), zero))
+    tl.store(sums_ptr + 5 * row + 1, tl.where(ok & ~greedy, s_kept, zero))
     tl.store(sums_ptr + 5 * row + 2, tl.where(ok, third, nan))
     tl.store(sums_ptr + 5 * row + 3, tl.where(ok, fourth, nan))
-    tl.store(sums_ptr + 5 * row + 4, tl.where(ok, tl.where(greedy, 0.0, spread), nan))
+    tl.store(sums_ptr + 5 * row + 4, tl.where(ok & ~greedy, spread, zero))
     tl.store(picks_ptr + 2 * row, tl.where(ok, win, -1))
     tl.store(picks_ptr + 2 * row + 1, tl.where(ok & (first < V), first + column_base, -1))
 
@@ -161,7 +196,7 @@ def _digit_histogram_kernel(
         floor = tl.load(given_ptr + 2 * row + 1).to(ACC)
         t = _row_param(temps_ptr, temp, row, PER_ROW_T, ACC)
         inv_t = tl.where(t > 0, 1.0 / t, 1.0).to(ACC)
-        scale = float_scalar(unit_scale, tl.float64)
+        scale = float_scalar(unit_scale, tl.float64)  # (float64 rows)
     counts_ptr = hist_ptr + row * (512 if WEIGHTED else 256)
     offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     x = tl.load(row_ptr + offs, mask=offs < V, other=0.0).to(ACC)
@@ -175,6 +210,25 @@ def _digit_histogram_kernel(
     tl.atomic_add(counts_ptr + digit, tl.full([BLOCK_V], 1, tl.int64), mask=counted, sem="relaxed")
     if WEIGHTED:
         # (e <= 1 below the row's max; the minimum keeps a row the caller ignores (bad) from overflowing)
-        e = tl.minimum(tl.exp((x - m) * inv_t), 1.0).to(tl.float64)
-        units = (e * scale + 0.5).to(tl.int64)
+        e = tl.minimum(tl.exp((x - m) * inv_t), 1.0)
+        if ACC == tl.float32:  # the unsharded sampler's own units: its top-p threshold, bit for bit
+            units = _mass_units(e, ACC)
+        else:
+            units = (e.to(tl.float64) * scale + 0.5).to(tl.int64)
         tl.atomic_add(counts_ptr + 256 + digit, units, mask=counted & (units > 0), sem="relaxed")
+
+
+@triton.jit
+def _mass_logs_kernel(masses_ptr, logs_ptr, n_rows, BLOCK: tl.constexpr):
+    """(log s, log s_kept, entropy) [N, 3] float64 of float32 rows' masses [N, 6] (each mass
+    in compact._mass_units in its first int64, summed over the ranks) by sample._select's own
+    float32 formula: the unsharded Triton sampler's log s_kept and entropy, bit for bit."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = rows < n_rows
+    s = _mass_value(tl.load(masses_ptr + 6 * rows, mask=live, other=0), tl.float32).to(tl.float32)
+    s_kept = _mass_value(tl.load(masses_ptr + 6 * rows + 2, mask=live, other=0), tl.float32).to(tl.float32)
+    spread = _mass_value(tl.load(masses_ptr + 6 * rows + 4, mask=live, other=0), tl.float32).to(tl.float32)
+    log_s_kept = tl.log(s_kept)
+    tl.store(logs_ptr + 3 * rows, tl.log(s).to(tl.float64), mask=live)
+    tl.store(logs_ptr + 3 * rows + 1, log_s_kept.to(tl.float64), mask=live)
+    tl.store(logs_ptr + 3 * rows + 2, (log_s_kept + spread / s_kept).to(tl.float64), mask=live)

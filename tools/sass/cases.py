@@ -369,6 +369,8 @@ def coverage() -> None:
                                            unit_scale=2.0**44)  # fmt: skip
             sampling.shard_digit_histogram(x, meta(n, dtype=I64), 16, given, temperature=params["temperature"],
                                            unit_scale=2.0**44)  # fmt: skip
+            # the masses summed over the ranks, finished as the unsharded sampler finishes its own
+            sampling.sample_mass_logs(meta(n, 6, dtype=I64), False)
         # one row: split over many programs (kernels/sampling/__init__.py, _split_selection)
         one, one_temp = meta(1, v, dtype=dtype), meta(1, dtype=F32)
         split_params = {"temperature": one_temp, "top_k": meta(1, dtype=I64), "top_p": one_temp, "min_p": one_temp}
