@@ -21,24 +21,30 @@ from .._rows import exact_mass_limbs, mass_logs, row_view
 #      shard_digit_histogram, or plain torch), one all-reduce (int64, exact in any order) sums the
 #      counts;
 #   3. top-p: the same descent weighted by mass, among the top-k tokens: the largest key u with
-#      mass(key >= u) >= p * mass(top-k set), masses in fixed point (e * 2^(62 - bits of V) rounded to
-#      an int64, so that V of them cannot overflow: exact sums in any order) with their counts, one
-#      all-reduce a round;
+#      mass(key >= u) >= p * mass(top-k set), masses in the unsharded kernels' integer fixed point
+#      (native: e * 2^(62 - bits of V) rounded to an int64, so that V of them cannot overflow;
+#      Triton, float32 rows: its own 2^-42 units, kernels/sampling/compact.py), exact sums in any
+#      order, with their counts, one all-reduce a round;
 #   4. the shard pass (kernel): the shard's masses s and s_kept and its kept tokens' u = sum e (-d)
-#      (float64), and the exponential race over its kept tokens with the global index as Philox
-#      counter, so each rank's best score is the unsharded race's over those tokens (the same
-#      d = (x - M) / T, the same variates); one all-gather of 56 bytes a row, and every rank takes
-#      the best score (ties: the lowest index) and sums the masses in rank order (the processed
-#      entropy is log S_kept + U / S_kept).
+#      as exact integer sums (csrc/sampling.cpp, ExactMass; Triton float32 rows: its units), and
+#      the exponential race over its kept tokens with the global index as Philox counter, so each
+#      rank's best score is the unsharded race's over those tokens (the same d = (x - M) / T, the
+#      same variates); one all-gather of 80 bytes a row, and every rank takes the best score (ties:
+#      the lowest index), adds the masses as integers and finishes them by the unsharded kernel's
+#      formula (_ops.sample_mass_logs: log S, log S_kept, and the processed entropy
+#      log S_kept + U / S_kept).
 #
-# The sampled token equals the unsharded sampler's unless a top-p boundary falls within the masses'
-# rounding (half a unit a token: 2^-45 relative at V = 151936, against float64 sums unsharded);
-# log-probs are the unsharded ones within float rounding, and every rank gets the same bits.
+# With the same masses, threshold and race, the outputs are the unsharded sampler's bits on any split
+# of the vocabulary (issue 39), and every rank gets them. Not so on Triton where its unsharded kernel
+# sums a float: the top-p target of a row without top-k and the raw log-prob (softmax_stats' s), and
+# float64 rows' masses; those agree to rounding, and the token unless a top-p boundary falls within it.
 
 
 def _mass_units(vocab: int) -> float:
-    """The fixed-point scale of a token's mass e = exp(d) in [0, 1] (step 3): V masses of at most
-    2^(62 - bits of V) + 1/2 each sum below 2^63."""
+    """The fixed-point scale of a token's mass e = exp(d) in [0, 1] (step 3) on the native kernels
+    (csrc/sampling.cpp, top_p_unit_scale) and Triton's float64 rows: V masses of at most
+    2^(62 - bits of V) + 1/2 each sum below 2^63. (Triton's float32 rows weigh in the unsharded
+    kernel's own units, whatever the scale: kernels/sampling/shard.py.)"""
     return 2.0 ** (62 - vocab.bit_length())
 
 
