@@ -22,18 +22,6 @@ from .sample import _FLOAT32_LOWEST
 
 
 @triton.jit
-def _tile_sum(terms, ACC: tl.constexpr):
-    """A tile's sum of masses as the unsharded sampler sums them (sample._select): for float32
-    rows in its fixed point (compact._mass_units, int64: exact, so the tiles' and the ranks'
-    integer sums are the unsharded row's bits), for float64 rows in float64 (a tree of depth
-    log2(BLOCK_V) <= 10 over non-negative terms)."""
-    if ACC == tl.float32:
-        return tl.sum(_mass_units(terms, ACC), axis=0)
-    else:
-        return tl.sum(terms, axis=0)
-
-
-@triton.jit
 def _shard_tile_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V, given_bits_ptr,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p, column_base,
@@ -44,7 +32,7 @@ def _shard_tile_kernel(
 ):  # fmt: skip
     """The first launch of csrc/sampling.h's sample_shard_pass: a program a tile of a row (grid
     axis 1) writes the tile's (s, s_kept, best race score, u = sum_kept e (-d)) to ``masses``
-    ([N, TILES, 4] float64; the three masses as _tile_sum gives them, in its bits) and (number of
+    ([N, TILES, 4] float64; the three masses in _mass_units, in its bits) and (number of
     maxima, first maximum, race winner) as int32 shard indices to ``marks`` ([N, TILES, 3]).
     The race's score d - log E rounds as _sample_kernel's (the same functions, compiled without
     fused multiply-adds), so its winner is the unsharded sampler's; Philox runs only in a tile
@@ -82,10 +70,15 @@ def _shard_tile_kernel(
             race = tl.where(kept, d - tl.log(exponential_variate(w0, w1).to(ACC)), float("-inf"))
             best = tl.max(race, axis=0)
             winner = tl.min(tl.where((race == best) & kept, offs, V), axis=0)  # ties: the lowest index
-            spread = _tile_sum(tl.where(kept, e * -tl.maximum(d, _FLOAT32_LOWEST), 0.0), ACC)
+            spread = tl.sum(_mass_units(tl.where(kept, e * -tl.maximum(d, _FLOAT32_LOWEST), 0.0), ACC), axis=0)
+    # The masses as the unsharded sampler sums them (sample._select): for float32 rows in its fixed
+    # point (compact._mass_units, int64: exact, so the tiles' and the ranks' integer sums are the
+    # unsharded row's bits; one conversion a token for s and s_kept), for float64 rows in float64
+    # (a tree of depth log2(BLOCK_V) <= 10 over non-negative terms).
+    units = _mass_units(e, ACC)
     mass_at = (row * TILES + tile) * 4
-    tl.store(masses_ptr + mass_at, _tile_sum(e, ACC).to(tl.float64, bitcast=True))
-    tl.store(masses_ptr + mass_at + 1, _tile_sum(tl.where(kept, e, 0.0), ACC).to(tl.float64, bitcast=True))
+    tl.store(masses_ptr + mass_at, tl.sum(units, axis=0).to(tl.float64, bitcast=True))
+    tl.store(masses_ptr + mass_at + 1, tl.sum(tl.where(kept, units, 0), axis=0).to(tl.float64, bitcast=True))
     tl.store(masses_ptr + mass_at + 2, best.to(tl.float64))
     tl.store(masses_ptr + mass_at + 3, spread.to(tl.float64, bitcast=True))
     at = (row * TILES + tile) * 3
@@ -96,7 +89,7 @@ def _shard_tile_kernel(
 
 @triton.jit
 def _tiles_mass(at_ptr, on, ACC: tl.constexpr):
-    """The sum of a row's tile masses (_tile_sum's, stored as float64 bits): int64 units
+    """The sum of a row's tile masses (stored as float64 bits): int64 units
     for float32 rows, float64 otherwise, bitcast to float64 for the sums record."""
     if ACC == tl.float32:
         return tl.sum(tl.load(at_ptr, mask=on, other=0.0).to(tl.int64, bitcast=True), axis=0).to(tl.float64,
