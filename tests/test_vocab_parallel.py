@@ -1070,4 +1070,4 @@ def test_the_torchrun_example_runs():
                str(root / "examples" / "tensor_parallel.py")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=root)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert "2 ranks: log-probs and entropy match the unsharded op" in done.stdout
+    assert "2 ranks: log-probs, entropy and samples match the unsharded ops" in done.stdout
