@@ -3,9 +3,8 @@
 // Every filter of the processed distribution keeps the tokens at or above a
 // threshold logit (fastrl/reference.py, truncated_log_distribution), so a row
 // is handled without sorting, on a shrinking list of candidate tokens:
-//   1. the row's max m (row_stats, softmax_stats.h; a greedy row then only scans
-//      for its first argmax), and s = sum_j e_j, e_j = exp((x_j - m) / T), exactly,
-//      in two vectorised reads;
+//   1. the row's max m (a greedy row then only scans for its first argmax), and
+//      s = sum_j e_j, e_j = exp((x_j - m) / T), exactly, in two vectorised reads;
 //   2. the candidates, in one read that also finds the first argmax and any
 //      NaN (a row with NaN or +inf, or of only -inf, is bad: token -1): every
 //      token, or for top-k only the tokens whose order-preserving key has its
@@ -71,6 +70,7 @@ struct Candidates {
   std::vector<KeyOf<Acc>> keys, key_scratch;
   std::vector<int64_t> index;
   std::vector<Acc> weight;
+  std::vector<Acc> terms;  // e_j of every token of the row (row_mass), which the weights gather
   std::vector<int64_t> units, unit_scratch;  // top-p's masses (top_p_units)
   int64_t n = 0;
 
@@ -79,7 +79,7 @@ struct Candidates {
     if (int64_t(c.keys.size()) < vocab) {
       for (auto* v : {&c.keys, &c.key_scratch}) v->resize(vocab);
       for (auto* v : {&c.index, &c.units, &c.unit_scratch}) v->resize(vocab);
-      c.weight.resize(vocab);
+      for (auto* v : {&c.weight, &c.terms}) v->resize(vocab);
     }
     return c;
   }
@@ -311,7 +311,7 @@ int64_t sampled_top_k_bucket(const In* x, int64_t vocab, int64_t k) {
 
 // Ends a row's full read (find_maxima or gather_candidates): a NaN logit, or
 // a max that no token equals, leaves nothing to sample. The verdict is this
-// file's own (it does not rest on how row_stats treats NaN), and it keeps an
+// file's own (it does not rest on how the max pass treats NaN), and it keeps an
 // argmax of -1 from ever indexing the row.
 template <typename Acc>
 void mark_unsampleable(Selection<Acc>& sel, bool has_nan) {
@@ -378,25 +378,38 @@ FASTRL_INLINE double kept_spread(Acc e, Acc d) {
   return e > 0 ? -double(e) * double(d) : 0.0;
 }
 
-// The row's exact mass s = sum_j e_j, e_j = exp((x_j - m) / T), a chunk at a time:
-// the terms in a simd loop, then their ExactMass limbs in one (int64 sums: the
-// same bits in any order). Like all of this file's own code it runs at the
-// baseline ISA, never in an isa.h trampoline: the baseline has no multiply-add,
-// so no product and sum are fused, and each e_j has the same bits here, in
-// select_row's candidate weights and in sample_shard_pass, which the exact sums
-// need (the AVX2 and AVX-512 trampolines contract the exp polynomial into FMAs).
+// The row's max, NaN aside (select_row's full read finds NaN), in a simd loop:
+// a max is exact in any order.
 template <typename In, typename Acc>
-ExactMass row_mass(const In* x, int64_t vocab, Acc m, Acc inv_t) {
+Acc row_max(const In* x, int64_t vocab) {
+  Acc m = neg_inf<Acc>();
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < vocab; ++i) {
+    const Acc v = load_as<Acc>(x, i);
+    m = v > m ? v : m;
+  }
+  return m;
+}
+
+// The row's exact mass s = sum_j e_j, e_j = exp((x_j - m) / T), a chunk at a time:
+// the terms (kept in `terms` [vocab], the candidates' weights) in a simd loop,
+// then their ExactMass limbs in one (int64 sums: the same bits in any order).
+// Like all of this file's own code it runs at the baseline ISA, never in an isa.h
+// trampoline: the baseline has no multiply-add, so no product and sum are fused,
+// and each e_j has the same bits here and in sample_shard_pass, which the exact
+// sums need (the AVX2 and AVX-512 trampolines contract the exp polynomial into FMAs).
+template <typename In, typename Acc>
+ExactMass row_mass(const In* x, int64_t vocab, Acc m, Acc inv_t, Acc* terms) {
   int64_t hi = 0, lo = 0;
-  alignas(64) Acc terms[kStatsChunk];
   for (int64_t start = 0; start < vocab; start += kStatsChunk) {
     const int64_t n = std::min(kStatsChunk, vocab - start);
+    Acc* chunk = terms + start;
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) terms[i] = exp_approx((load_as<Acc>(x, start + i) - m) * inv_t);
+    for (int64_t i = 0; i < n; ++i) chunk[i] = exp_approx((load_as<Acc>(x, start + i) - m) * inv_t);
 #pragma omp simd reduction(+ : hi, lo)
     for (int64_t i = 0; i < n; ++i) {
       ExactMass term;
-      term.add(double(terms[i]));
+      term.add(double(chunk[i]));
       hi += term.hi;
       lo += term.lo;
     }
@@ -410,7 +423,7 @@ Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm,
   Selection<Acc> sel;
   sel.greedy = prm.t == 0;
   sel.inv_t = prm.t > 0 ? Acc(1) / prm.t : Acc(1);
-  sel.m = row_stats<In, Acc>(x, vocab, sel.inv_t, false).m;  // (its s: a float sum; row_mass's is exact)
+  sel.m = row_max<In, Acc>(x, vocab);
   // A row of only -inf has m = -inf, one with +inf m = +inf (where softmax is
   // NaN); NaN is looked for in the full read that follows.
   sel.bad = !(sel.m > neg_inf<Acc>() && sel.m < std::numeric_limits<Acc>::infinity()) || !prm.valid();
@@ -420,7 +433,7 @@ Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm,
     sel.log_s = static_cast<Acc>(mass_logs(count_mass(sel.n_max), {}, {}).log_s);
     return sel;
   }
-  const ExactMass s = row_mass<In, Acc>(x, vocab, sel.m, sel.inv_t);
+  const ExactMass s = row_mass<In, Acc>(x, vocab, sel.m, sel.inv_t, cand.terms.data());
 
   // The candidates: every token, or for top-k the tokens of the top-digit
   // buckets from `lowest` up, which must hold at least k of them (then the
@@ -438,7 +451,7 @@ Selection<Acc> select_row(const In* x, int64_t vocab, const RowParams<Acc>& prm,
     threshold = kth_largest_key(cand.keys.data(), cand.n, prm.top_k, cand.key_scratch.data());
     cand.filter([&](int64_t j) { return cand.keys[j] >= threshold; });
   }
-  for (int64_t j = 0; j < cand.n; ++j) cand.weight[j] = exp_approx((load_as<Acc>(x, cand.index[j]) - sel.m) * sel.inv_t);
+  for (int64_t j = 0; j < cand.n; ++j) cand.weight[j] = cand.terms[cand.index[j]];
   if (prm.top_p < 1) {
     const double unit_scale = top_p_unit_scale(vocab);
     int64_t mass = 0;
