@@ -489,7 +489,8 @@ def test_window_and_top_digit_histograms_give_the_same_bits(device, backend, mon
     near 1 at T = 1e-6, and all three filters."""
     from fastrl.kernels import sampling as kernels
 
-    monkeypatch.setattr(kernels, "_sm_count", lambda device: 10**6)  # every row split
+    sms = {"count": 10**6}  # every row split
+    monkeypatch.setattr(kernels, "_sm_count", lambda device: sms["count"])
     g = torch.Generator().manual_seed(torch.randint(2**31, ()).item())
     vocab = 8200
     far = torch.full((vocab,), -150.0)
@@ -504,18 +505,20 @@ def test_window_and_top_digit_histograms_give_the_same_bits(device, backend, mon
                     dict(top_p=0.9999, temperature=1e-6), dict(top_k=100, top_p=0.9, min_p=0.01)):  # fmt: skip
         kw = dict(temperature=1.0) | filters
         results = {}
-        for window in (False, True):
-            tokens, logprobs, raw, entropy = _triton_sample(x, window, **kw, seed=99, offset=3)
+        # The window's programs read one rep of a tile while the batch's tile slices
+        # leave SMs idle, the statistics pass's reps otherwise (12 SMs: 5 rows of 8).
+        for window, sms["count"] in ((False, 10**6), (True, 10**6), ("reps", 12)):
+            tokens, logprobs, raw, entropy = _triton_sample(x, bool(window), **kw, seed=99, offset=3)
             # (the truncated forward shares the selection: two filters suffice)
             both = "min_p" in kw or kw.get("top_k") == 50
-            truncated = _triton_truncated(x, labels, window, **kw) if both else None
+            truncated = _triton_truncated(x, labels, bool(window), **kw) if both else None
             results[window] = (tokens, logprobs, raw, entropy, truncated)
             if window and filters == dict(top_k=50):
                 # the window lists the candidates of the first three rows; the
                 # crossing row's 0.04 logits fit in its first bin (1/16 of a
                 # logit at T = 1: the whole row), and the far row's top-k in none
                 assert (lists["counters"][:3] > 0).all() and (lists["counters"][3:] == 0).all(), lists["counters"]
-        for a, b in zip(results[False], results[True]):
+        for a, b in (*zip(results[False], results[True]), *zip(results[False], results["reps"])):
             if a is not None:
                 assert torch.equal(a.view(torch.int32) if a.is_floating_point() else a,
                                    b.view(torch.int32) if b.is_floating_point() else b), (filters, a, b)  # fmt: skip
@@ -605,7 +608,8 @@ def test_a_split_row_reads_the_tokens_its_compaction_listed_whatever_its_histogr
     g = torch.Generator().manual_seed(torch.randint(2**31, ()).item())
     x = (torch.randn(2, 8693, generator=g) * 3).bfloat16()
     labels = torch.randint(x.shape[-1], (x.shape[0],), generator=g)
-    monkeypatch.setattr(kernels, "_sm_count", lambda device: 10**6)  # every row split
+    sms = {"count": 10**6}  # every row split
+    monkeypatch.setattr(kernels, "_sm_count", lambda device: sms["count"])
     for filters in (dict(top_k=50, temperature=0.7), dict(temperature=0.0)):
         exact = _triton_sample(x, True, **filters, seed=5), _triton_truncated(x, labels, True, **filters)
         with monkeypatch.context() as patch:

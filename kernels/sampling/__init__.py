@@ -29,12 +29,13 @@ statistics pass instead: of its keys' top 12 bits (``select._top_p_floor``),
 or where triton's tl.histogram is slow (< 3.8), of the window, in launches of
 their own. The thresholds (a radix selection for top-k,
 ``select._kth_largest_key32``; a 16-way descent for top-p and for float64 keys,
-``select._largest_key_reaching``), the kept mass, the first argmax and the race
-then read the list of at most list_capacity(V) entries, so Philox runs for the
-candidates only. A row with more candidates than that (a top tie wider than
-the list, top-p over a flat row) runs the same steps with the row as its list;
-rows with min-p or temperature alone (nothing to list) and float64 rows skip
-the compaction and read the row twice more, for the kept mass and the race.
+``select._largest_key_reaching``), then the kept mass, the first argmax and the
+race in one pass, read the list of at most list_capacity(V) entries, so Philox
+runs for the candidates only. A row with more candidates than that (a top tie
+wider than the list, top-p over a flat row) runs the same steps with the row as
+its list; rows with min-p or temperature alone (nothing to list) and float64
+rows skip the compaction and read the row once more, for the kept mass and the
+race together.
 
 The package, by concern:
 
@@ -74,7 +75,6 @@ from .split import (
     _FOLD_GROUP,
     _SPLIT_RECORD,
     _split_compact_kernel,
-    _split_floor_kernel,
     _split_rows_kernel,
     _split_tiles_kernel,
     _split_window_kernel,
@@ -151,7 +151,7 @@ def _workspace(logits: torch.Tensor, n_rows: int, config: dict, split: bool, win
     row at most) and its counter (zero); for split rows (_split_selection) also
     each row's histogram (top-digit, or with ``window`` the window's; zero, in
     one zeroed buffer with the counters), the tiles' lane statistics and the
-    rows' records."""
+    rows' records, and with ``window`` each program's max (_split_window_kernel)."""
     vocab = logits.shape[-1]
     bins = (_WINDOW_BINS.value if window else _BINS.value) if split else 0
     zeroed = torch.zeros(n_rows * (bins + 1), dtype=torch.int32, device=device)
@@ -167,6 +167,9 @@ def _workspace(logits: torch.Tensor, n_rows: int, config: dict, split: bool, win
                                       dtype=acc_dtypes(logits)[0], device=device),  # fmt: skip
             "records": torch.empty(n_rows, _SPLIT_RECORD.value, dtype=torch.int64, device=device),
         }
+        if window and acc_dtypes(logits)[0] != torch.float64:  # (float64 rows never list: _list_floor)
+            parts = _split_parts(logits, n_rows, config)[0]
+            workspace["part_max"] = torch.empty(n_rows, parts, dtype=torch.float32, device=device)
     return workspace
 
 
@@ -209,36 +212,39 @@ def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice
     ``slice_lanes`` lanes (_split_parts): the tiles' lane statistics and the
     top-digit histogram (_split_tiles_kernel), the row's statistics and its
     list's floor (_split_rows_kernel, one program a row); with ``window``
-    (_uses_window) the tiles' statistics alone, the row's statistics, then
-    the window histogram (_split_window_kernel) and the floor
-    (_split_floor_kernel); last the compaction (_split_compact_kernel), into
-    ``workspace`` (_workspace)."""
+    (_uses_window) the tiles' lane statistics and maxima, the window
+    histogram (_split_window_kernel), then the row's statistics and floor;
+    last the compaction (_split_compact_kernel), into ``workspace``
+    (_workspace)."""
     vocab = logits.shape[-1]
     tiles = _tiles(vocab, config)
     groups = workspace["lane_stats"].shape[1]
     layout = row_layout(logits)
     tile_meta = {k: config[k] for k in ("REPS", "LANES", "VEC")} | {"SLICE_LANES": slice_lanes}
     warps = max(slice_lanes // 32, 1)
+    part_max = workspace.get("part_max")
     _split_tiles_kernel[(n_rows, parts)](
-        logits, *layout, vocab, *params, workspace["lane_stats"], workspace["hist"], groups, **flags, **tile_meta,
-        ALIGNED=config["ALIGNED"], MAX_IN_STORAGE_TYPE=config["MAX_IN_STORAGE_TYPE"], WINDOW=window, ACC=acc_tl,
-        num_warps=warps, **_EXACT,
+        logits, *layout, vocab, *params, workspace["lane_stats"], workspace["hist"], groups, part_max, **flags,
+        **tile_meta, ALIGNED=config["ALIGNED"], MAX_IN_STORAGE_TYPE=config["MAX_IN_STORAGE_TYPE"], WINDOW=window,
+        ACC=acc_tl, num_warps=warps, **_EXACT,
     )  # fmt: skip
+    if window and acc_tl != tl.float64:  # (float64 rows never list: _list_floor)
+        # Its programs read a tile of one rep (half the statistics pass's) while the
+        # batch's tile slices leave SMs idle: at B = 1 (V = 151936 bfloat16) 152 of
+        # them, 8 tokens a thread, halve the window's chain of ~70 SASS a token under
+        # triton 3.6 (sm_90 model, B = 1 top-p 0.9: 30.4 -> 29.3 us).
+        reps = 1 if n_rows * parts < _sm_count(logits.device) else config["REPS"]
+        window_parts = -(-vocab // (reps * config["LANES"] * config["VEC"])) * (config["LANES"] // slice_lanes)
+        _split_window_kernel[(n_rows, window_parts)](
+            logits, *layout, vocab, *params, part_max, parts, workspace["hist"], **flags,
+            **(tile_meta | {"REPS": reps}), ALIGNED=config["ALIGNED"], PARTS=triton.next_power_of_2(parts),
+            ACC=acc_tl, num_warps=warps, **_EXACT,
+        )  # fmt: skip
     _split_rows_kernel[(n_rows,)](
         vocab, *params, workspace["lane_stats"], tiles, groups, workspace["hist"],
         workspace["records"], **flags, LANES=config["LANES"], LIST_CAP=config["LIST_CAP"], WINDOW=window,
         ACC=acc_tl, num_warps=_WARPS, **_EXACT,
     )  # fmt: skip
-    if window:
-        if acc_tl != tl.float64:  # (float64 rows never list: _list_floor)
-            _split_window_kernel[(n_rows, parts)](
-                logits, *layout, vocab, *params, workspace["records"], workspace["hist"], **flags, **tile_meta,
-                ALIGNED=config["ALIGNED"], ACC=acc_tl, num_warps=warps, **_EXACT,
-            )  # fmt: skip
-        _split_floor_kernel[(n_rows,)](
-            vocab, *params, workspace["hist"], workspace["records"], **flags, LIST_CAP=config["LIST_CAP"],
-            ACC=acc_tl, num_warps=4, **_EXACT,
-        )  # fmt: skip
     _split_compact_kernel[(n_rows, parts)](
         logits, *layout, vocab, workspace["records"], workspace["lists"], workspace["counters"], **tile_meta,
         LIST_CAP=config["LIST_CAP"], num_warps=warps, **_EXACT,

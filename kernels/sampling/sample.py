@@ -36,12 +36,14 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
             SPLIT: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
             ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, LIST_BLOCK: tl.constexpr,
             SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr,
-            WITH_ENTROPY: tl.constexpr = False):  # fmt: skip
+            WITH_ENTROPY: tl.constexpr = False, WITH_DRAW: tl.constexpr = False, race_key=None):  # fmt: skip
     """Everything about one row's processed distribution: (bad, greedy, m, first
     argmax, number of maxima, 1/T, log s, threshold key, log min_p, log s_kept,
     whether the row's kept tokens are on its candidate list (compacted; else
-    the list is the row, _list_entries), the list's length, and with
-    WITH_ENTROPY its entropy, else 0) with s = sum_j e_j over the row, e_j =
+    the list is the row, _list_entries), the list's length, with
+    WITH_ENTROPY its entropy, else 0, and with WITH_DRAW the drawn token, the
+    winner of the exponential race over the kept tokens under ``race_key``
+    (keys._race_key), else the first argmax) with s = sum_j e_j over the row, e_j =
     exp(d_j), d_j = (x_j - m) / T, and s_kept over the kept tokens (key >=
     threshold and d >= log min_p); bad as _row_state. The entropy of q_j =
     e_j / s_kept is -sum q_j log q_j = log s_kept + u / s_kept with u = sum_kept
@@ -59,8 +61,8 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
     window histogram (_window_histogram, _list_floor) is a read between the
     two. With SPLIT, other programs made those reads (_split_selection) and
     left the row's statistics and list at split_ptr (_split_rows_kernel).
-    The thresholds, s_kept, the first argmax and the draw then read the list
-    only. A row with more candidates than that (top-p over a flat row) uses the
+    The thresholds, then s_kept, the first argmax and the draw in one more
+    pass, read the list only. A row with more candidates than that (top-p over a flat row) uses the
     row itself as its list: the same code, each step a read of the row."""
     neg_inf = float("-inf")
     inv_t = _inverse_temperature(t, valid, ACC)
@@ -131,6 +133,11 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
     spread_units = tl.zeros([], tl.float64 if ACC == tl.float64 else tl.int64)
     # and the first argmax (the lowest index with x == m), which the list holds
     first = tl.full([LIST_BLOCK], V, tl.int32)
+    # With WITH_DRAW, the race in the same pass: the list's entries draw the
+    # variates of their own tokens (their index), so the winner is the same in
+    # any order of the list or its blocks.
+    best = tl.full([], float("-inf"), ACC)
+    winner = tl.full([], V, tl.int64)
     for start in range(0, n_list, LIST_BLOCK):
         x, index, live = _list_entries(row_ptr, cand_ptr, compacted, n_list, start + tl.arange(0, LIST_BLOCK), ACC)
         d = (x - m_safe) * inv_t
@@ -140,6 +147,18 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
         if WITH_ENTROPY:  # (a kept -inf logit, e = 0, adds 0 * finite: d is held above -inf)
             spread_units += tl.sum(tl.where(kept, _mass_units(e * -tl.maximum(d, _FLOAT32_LOWEST), ACC), 0), axis=0)
         first = tl.minimum(first, tl.where(live & (x == m), index, V))
+        if WITH_DRAW:
+            k0, k1, salt, c2, c3 = race_key
+            zeros = tl.zeros([LIST_BLOCK], tl.uint32)
+            w0, w1, _, _ = philox4x32_10(index.to(tl.uint32), zeros + salt, zeros + c2, zeros + c3, zeros + k0,
+                                         zeros + k1)  # fmt: skip
+            race = tl.where(kept, d - tl.log(exponential_variate(w0, w1).to(ACC)), float("-inf"))
+            b_best = tl.max(race, axis=0)
+            b_arg = tl.min(tl.where(race == b_best, index, V), axis=0).to(tl.int64)
+            # ties to the lowest index whatever the list's order (_compact)
+            wins = (b_best > best) | ((b_best == best) & (b_best > float("-inf")) & (b_arg < winner))
+            winner = tl.where(wins, b_arg, winner)
+            best = tl.maximum(best, b_best)
     s_kept = _mass_value(kept_units, ACC).to(ACC)
     # A greedy row's log s_kept is 0, as the native kernel leaves it (its truncated
     # log-prob is 0 or -inf and its gradient 0, whatever it is): not the mass of its
@@ -148,8 +167,11 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
     entropy = tl.zeros([], ACC)
     if WITH_ENTROPY:
         entropy = tl.where(greedy, 0.0, log_s_kept + _mass_value(spread_units, ACC).to(ACC) / s_kept).to(ACC)
-    arg = tl.min(first, axis=0)
-    return (bad, greedy, m_safe, arg.to(tl.int64), n_max.to(ACC), inv_t, log_s, threshold, log_min_p, log_s_kept,
+    arg = tl.min(first, axis=0).to(tl.int64)
+    if WITH_DRAW:
+        # the first argmax for a greedy row, and where every kept draw lost (E = inf, ~2^-25 each)
+        arg = tl.where(greedy | (best == float("-inf")), arg, winner)
+    return (bad, greedy, m_safe, arg, n_max.to(ACC), inv_t, log_s, threshold, log_min_p, log_s_kept,
             compacted, n_list, entropy)  # fmt: skip
 
 
@@ -170,34 +192,14 @@ def _sample_kernel(
     cand_ptr += row * LIST_CAP
     if SPLIT:  # the row's record (_split_rows_kernel)
         split_ptr += row * _SPLIT_RECORD
-    bad, greedy, m, arg, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept, compacted, n_list, entropy = _select(
+    race_key = _race_key(row, seeds_ptr, seed, offset_ptr, offset, PER_ROW_SEED, OFFSET_FROM_PTR)
+    bad, greedy, m, winner, n_max, inv_t, log_s, threshold, log_min_p, log_s_kept, compacted, n_list, entropy = _select(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
         ), cand_ptr, counter_ptr + row, split_ptr, SPLIT, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
-        LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC, True,
+        LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC, True, True, race_key,
     )  # fmt: skip
-
-    # The list's entries draw the variates of their own tokens.
-    k0, k1, salt, c2, c3 = _race_key(row, seeds_ptr, seed, offset_ptr, offset, PER_ROW_SEED, OFFSET_FROM_PTR)
-    best = tl.full([], float("-inf"), ACC)
-    winner = arg  # only if every kept draw lost (E = inf, ~2^-25 each)
-    if (~bad) & (~greedy):
-        for start in range(0, n_list, LIST_BLOCK):
-            x, index, live = _list_entries(row_ptr, cand_ptr, compacted, n_list,
-                                           start + tl.arange(0, LIST_BLOCK), ACC)  # fmt: skip
-            d = (x - m) * inv_t
-            kept = live & (_order_key(x) >= threshold) & (d >= log_min_p)
-            zeros = tl.zeros([LIST_BLOCK], tl.uint32)
-            w0, w1, _, _ = philox4x32_10(index.to(tl.uint32), zeros + salt, zeros + c2, zeros + c3, zeros + k0,
-                                         zeros + k1)  # fmt: skip
-            race = tl.where(kept, d - tl.log(exponential_variate(w0, w1).to(ACC)), float("-inf"))
-            b_best = tl.max(race, axis=0)
-            b_arg = tl.min(tl.where(race == b_best, index, V), axis=0).to(tl.int64)
-            # ties to the lowest index whatever the list's order (_compact)
-            wins = (b_best > best) | ((b_best == best) & (b_best > float("-inf")) & (b_arg < winner))
-            winner = tl.where(wins, b_arg, winner)
-            best = tl.maximum(best, b_best)
     d_win = (tl.load(row_ptr + winner, mask=~bad, other=0.0).to(ACC) - m) * inv_t  # a bad row's winner may be anything
     logprob = tl.where(greedy, 0.0, d_win - log_s_kept)
     raw = tl.where(greedy, -tl.log(n_max), d_win - log_s)

@@ -4,9 +4,11 @@
 The launches (sampling._split_selection) split the reads of one program's
 selection (sample._select): each program reads a slice of one tile of the
 statistics pass and writes its lanes' statistics of that tile alone, and adds
-its top digits to the row's histogram; one program a row folds the tiles in
-order and finds the list's floor; the slices compact their candidates; the
-last launch works on the list as one program's does. The one-program pass
+its top digits to the row's histogram (where triton's tl.histogram is slow,
+its maximum, and a launch of the same programs then adds the window
+histogram); one program a row folds the tiles in order and finds the list's
+floor; the slices compact their candidates; the last launch works on the list
+as one program's does. The one-program pass
 folds its tiles the same way (reduce.softmax_stats, FOLD_TILES), and every
 launch compiles without fused multiply-adds, so both paths give the same bits
 and a row's result does not depend on the batch it comes in. A split row's
@@ -42,7 +44,7 @@ _SPLIT_RECORD = tl.constexpr(8)
 def _split_tiles_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
-    lane_stats_ptr, hist_ptr, n_groups,
+    lane_stats_ptr, hist_ptr, n_groups, part_max_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
     REPS: tl.constexpr, LANES: tl.constexpr, SLICE_LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
     MAX_IN_STORAGE_TYPE: tl.constexpr, WINDOW: tl.constexpr, ACC: tl.constexpr,
@@ -52,7 +54,8 @@ def _split_tiles_kernel(
     softmax_stats' tiling. Writes each lane's (m, n, t) over that tile alone
     (reduce.tile_lane_stats) to lane_stats (_split_rows_kernel), and adds the
     slice's top-digit counts to the row's histogram (zero at launch) for rows
-    that may list candidates (not with WINDOW: _split_window_kernel)."""
+    that may list candidates; with WINDOW instead the slice's max, the largest
+    of its lanes' m, to part_max [rows, parts] (_split_window_kernel)."""
     SLICES: tl.constexpr = LANES // SLICE_LANES
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -77,7 +80,10 @@ def _split_tiles_kernel(
     tl.store(out, m)
     tl.store(out + _FOLD_GROUP * LANES, n)
     tl.store(out + 2 * _FOLD_GROUP * LANES, tail)
-    if ACC != tl.float64 and not WINDOW:
+    if WINDOW:
+        if ACC != tl.float64:  # (float64 rows never list: _list_floor)
+            tl.store(part_max_ptr + row * tl.num_programs(1) + part, tl.max(m, axis=0))
+    elif ACC != tl.float64:
         if _may_list(V, t, k, p):
             if start + REPS * LANES * VEC <= V:  # a whole tile: no mask to count out
                 counts = _tile_top_digits(x, None)
@@ -98,7 +104,8 @@ def _split_rows_kernel(
     folds and merges them (the same bits as one program's read of the row), to
     the row's record of _SPLIT_RECORD int64 at split_ptr: the float64 bits of
     m, n and t; then which tokens go on its list (_record_list, from the
-    histogram; with WINDOW, _split_floor_kernel does, after the window's)."""
+    histogram: with WINDOW the window's, which _split_window_kernel added
+    before this launch)."""
     row = tl.program_id(0).to(tl.int64)
     t, k, p, _, valid = _row_params(
         row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
@@ -130,8 +137,8 @@ def _split_rows_kernel(
     tl.store(record, m.to(tl.float64).to(tl.int64, bitcast=True))
     tl.store(record + 1, n_max.to(tl.int64, bitcast=True))
     tl.store(record + 2, tail.to(tl.int64, bitcast=True))
-    if not WINDOW:
-        _record_list(record, V, t, k, p, valid, inv_t, m, n_max, tail, hist_ptr + row * _BINS, LIST_CAP, WINDOW, ACC)
+    HIST_BINS: tl.constexpr = _WINDOW_BINS if WINDOW else _BINS
+    _record_list(record, V, t, k, p, valid, inv_t, m, n_max, tail, hist_ptr + row * HIST_BINS, LIST_CAP, WINDOW, ACC)
 
 
 @triton.jit
@@ -160,15 +167,24 @@ def _record_stats(record, ACC: tl.constexpr):
 @triton.jit
 def _split_window_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V,
-    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p, split_ptr, hist_ptr,
+    temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p, part_max_ptr, n_parts, hist_ptr,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
     REPS: tl.constexpr, LANES: tl.constexpr, SLICE_LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
-    ACC: tl.constexpr,
+    PARTS: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """With WINDOW, the third launch of a split row, program (row, part) as in
-    _split_tiles_kernel, for a row that lists: its slice's window bins
-    (_window_bin, from the row's m in its record) added to the row's window
-    histogram (zero at launch)."""
+    """With WINDOW, the second launch of a split row, program (row, part) as in
+    _split_tiles_kernel but over tiles of REPS (which may be fewer than the
+    statistics pass's: a count is the same whichever program adds it), for a
+    row that may list (_may_list): its slice's window bins (_window_bin) added
+    to the row's window histogram (zero at launch). The row's max m is the
+    largest of its n_parts tile slices' (part_max, from _split_tiles_kernel;
+    PARTS >= n_parts): a max is exact in any order, so it is the m
+    _split_rows_kernel folds (the launch after this one, which takes the
+    floor from this histogram) wherever the row is not bad, and only a bad
+    row (a NaN, a +inf, only -inf: _row_state) has a max that is not finite.
+    Such a row, which never lists, is skipped; the bad rows with a finite max
+    (a NaN among finite logits) add bins that no launch reads, their NaNs in
+    the last bin as -inf."""
     SLICES: tl.constexpr = LANES // SLICE_LANES
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -177,37 +193,19 @@ def _split_window_kernel(
         PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
     )  # fmt: skip
     tl.static_assert(ACC != tl.float64, "float64 rows never list")
-    m, n_max, tail = _record_stats(split_ptr + row * _SPLIT_RECORD, ACC)
-    bad, greedy, m_safe, _, _, k_on, p_on = _row_state(V, t, k, p, valid, m, n_max, tail, ACC)
-    if (~bad) & (k_on | p_on | greedy):
+    parts = tl.arange(0, PARTS)
+    m = tl.max(tl.load(part_max_ptr + row * n_parts + parts, mask=parts < n_parts, other=float("-inf")), axis=0)
+    if valid & _may_list(V, t, k, p) & (m > float("-inf")) & (m < float("inf")):
         row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
         if ALIGNED:  # every row starts on a 16-byte boundary (the launcher checked)
             row_ptr = tl.multiple_of(row_ptr, 16)
         lane_offs, rep_offs = slice_offsets(REPS, SLICE_LANES, VEC, (part % SLICES) * SLICE_LANES, LANES)
         offs = ((part // SLICES) * (REPS * LANES * VEC) + lane_offs) + rep_offs
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        counts = _window_counts(_window_bin(x, m_safe, _window_scale(_inverse_temperature(t, valid, ACC))), offs < V)
+        x = tl.where(x == x, x, float("-inf"))  # a NaN's bin: y would be NaN, which bins anywhere
+        counts = _window_counts(_window_bin(x, m, _window_scale(_inverse_temperature(t, valid, ACC))), offs < V)
         tl.atomic_add(hist_ptr + row * _WINDOW_BINS + tl.arange(0, _WINDOW_BINS), counts, mask=counts > 0,
                       sem="relaxed")  # fmt: skip
-
-
-@triton.jit
-def _split_floor_kernel(
-    V, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p, hist_ptr, split_ptr,
-    PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
-    LIST_CAP: tl.constexpr, ACC: tl.constexpr,
-):  # fmt: skip
-    """With WINDOW, the fourth launch of a split row, one program a row: which
-    tokens go on its list, from its window histogram (_record_list)."""
-    row = tl.program_id(0).to(tl.int64)
-    t, k, p, _, valid = _row_params(
-        row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
-        PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
-    )  # fmt: skip
-    record = split_ptr + row * _SPLIT_RECORD
-    m, n_max, tail = _record_stats(record, ACC)
-    _record_list(record, V, t, k, p, valid, _inverse_temperature(t, valid, ACC), m, n_max, tail,
-                 hist_ptr + row * _WINDOW_BINS, LIST_CAP, True, ACC)  # fmt: skip
 
 
 @triton.jit

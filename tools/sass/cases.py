@@ -201,10 +201,9 @@ COMPACTION = ("if found", "LIST_CAP")
 # (kernels/sampling/__init__.py, _split_parts, _split_selection): the tiles' statistics and
 # histogram, the rows' statistics, the compaction, then the final launch's work
 # on the candidate list; where the installed triton's histogram is slow
-# (_uses_window), the window histogram and the rows' floors between the
-# statistics and the compaction.
+# (_uses_window), the window histogram between the tiles' statistics and the rows'.
 SPLIT_ROLES = ("sample tiles", "sample rows", "sample compact", "sample list")
-WINDOW_SPLIT_ROLES = ("sample tiles", "sample rows", "sample window", "sample floor", "sample compact", "sample list")
+WINDOW_SPLIT_ROLES = ("sample tiles", "sample window", "sample rows", "sample compact", "sample list")
 
 
 def _sampling_cases() -> list[Case]:
