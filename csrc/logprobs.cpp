@@ -21,8 +21,12 @@
 // Backward, with g = dL/dlogprob and h = dL/dentropy of the row:
 //   dL/dx_j = inv_t * ( g * ([j == label] - p_j)  -  h * p_j * (log p_j + entropy) )
 // a term with p_j = 0 (a -inf logit, or one so far below the max that
-// (x_j - m) / T overflows) contributes nothing. One read of the row and one
-// write of the gradient, which may alias the logits (inplace_backward): each
+// (x_j - m) / T overflows) contributes nothing. A row with g = h = 0 (an
+// ignore_index label or a zero dL/dlogprob, and no entropy gradient or a zero
+// one: a padding row) gets +0 everywhere without reading its logits, which may
+// then be anything (NaN, all -inf), as if it were not in the batch: 0 * NaN
+// would put NaN into every weight the gradient reaches. One read of the row and
+// one write of the gradient, which may alias the logits (inplace_backward): each
 // chunk is read fully before it is written.
 //
 // Each row is reduced by one thread in a fixed order, so results are bitwise
@@ -219,9 +223,14 @@ void backward_impl(const LogprobsArgs& a, const void* stats_in, const void* entr
         label -= label_base;  // outside [0, vocab): no column of this block
       }
     }
+    const Acc h = g_ent ? g_ent[r] : Acc(0);
+    if (g == 0 && h == 0) {  // nothing flows into this row (the header)
+      In* row = grad + grad_rows.offset(r);
+      for (int64_t i = 0; i < a.vocab; ++i) store_from(row, i, Acc(0));
+      continue;
+    }
     row_grad<In, Acc>(logits + a.rows.offset(r), grad + grad_rows.offset(r), a.vocab, inv_t,
-                      stats[2 * r], stats[2 * r + 1], g, label, g_ent != nullptr, g_ent ? g_ent[r] : Acc(0),
-                      g_ent ? entropy[r] : Acc(0));
+                      stats[2 * r], stats[2 * r + 1], g, label, g_ent != nullptr, h, g_ent ? entropy[r] : Acc(0));
   }
 }
 

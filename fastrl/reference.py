@@ -67,6 +67,40 @@ def _entropy_of_scaled(d: torch.Tensor) -> torch.Tensor:
     return log_s - (d.exp() * d_finite).sum(dim=-1) / s
 
 
+def _quiet_rows(d: torch.Tensor, *outputs: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    """Gives a row of ``d`` into which no output's gradient flows a +0 gradient
+    whatever its values: a padding row (an ignore_index label, an entropy the
+    loss leaves out) may hold NaN or only -inf, and autograd's chain would give
+    it 0 * NaN = NaN, which would reach every weight the gradient does. Each
+    output (per row, computed from ``d``) comes with the rows it depends on d in
+    (None: all; the log-prob: the rows whose label is not ignored); its
+    gradient flows into a row where it is not 0 (a NaN flows). A row it flows
+    into keeps autograd's gradient (NaN in, NaN out). Tensor hooks: the outputs'
+    record where their gradients flow before d's gradient is summed; they
+    compose with create_graph."""
+    if not d.requires_grad:
+        return
+    flows = []
+
+    def quiet(grad):
+        moving = torch.stack(flows).any(0) if flows else None
+        flows.clear()
+        if grad is None:
+            return None
+        if moving is None:
+            return torch.zeros_like(grad)
+        return grad.masked_fill(~moving.to(grad.device).unsqueeze(-1), 0.0)
+
+    def record(grad, rows):
+        if grad is not None:  # (an undefined gradient flows nowhere)
+            flows.append(grad != 0 if rows is None else (grad != 0) & rows)
+
+    for y, rows in outputs:
+        if y.requires_grad:
+            y.register_hook(lambda grad, rows=rows: record(grad, rows))
+    d.register_hook(quiet)
+
+
 def _logprobs_of_scaled(d: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """log_softmax(d)[label] = d[label] - log s, 0 where label == ignore_index."""
     keep = labels != ignore_index
@@ -77,8 +111,12 @@ def _logprobs_of_scaled(d: torch.Tensor, labels: torch.Tensor, ignore_index: int
 
 def entropy_from_logits(logits: torch.Tensor, *, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / T) per row; -inf logits (masked vocabulary)
-    have p = 0 and add nothing."""
-    return _entropy_of_scaled(scaled_logits(logits, temperature))
+    have p = 0 and add nothing. A row with a zero incoming gradient gets a zero
+    gradient (_quiet_rows)."""
+    d = scaled_logits(logits, temperature)
+    out = _entropy_of_scaled(d)
+    _quiet_rows(d, (out, None))
+    return out
 
 
 def logprobs_from_logits(
@@ -88,8 +126,12 @@ def logprobs_from_logits(
     temperature: float | torch.Tensor = 1.0,
     ignore_index: int = -100,
 ) -> torch.Tensor:
-    """log_softmax(logits / T)[label] per token; 0 where label == ignore_index."""
-    return _logprobs_of_scaled(scaled_logits(logits, temperature), labels, ignore_index)
+    """log_softmax(logits / T)[label] per token; 0 where label == ignore_index. A
+    row with a zero incoming gradient gets a zero gradient (_quiet_rows)."""
+    d = scaled_logits(logits, temperature)
+    out = _logprobs_of_scaled(d, labels, ignore_index)
+    _quiet_rows(d, (out, labels != ignore_index))
+    return out
 
 
 def logprobs_and_entropy(
@@ -100,9 +142,13 @@ def logprobs_and_entropy(
     ignore_index: int = -100,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs_from_logits, entropy_from_logits) of the same distribution. z is
-    computed once, so a low-precision input gets one rounded gradient, not two."""
+    computed once, so a low-precision input gets one rounded gradient, not two. A
+    row whose two outputs get zero incoming gradients gets a zero gradient
+    (_quiet_rows)."""
     z = scaled_logits(logits, temperature)
-    return _logprobs_of_scaled(z, labels, ignore_index), _entropy_of_scaled(z)
+    out = _logprobs_of_scaled(z, labels, ignore_index), _entropy_of_scaled(z)
+    _quiet_rows(z, (out[0], labels != ignore_index), (out[1], None))
+    return out
 
 
 def sum_pi_squared(logits: torch.Tensor, *, temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
@@ -112,7 +158,9 @@ def sum_pi_squared(logits: torch.Tensor, *, temperature: float | torch.Tensor = 
     1 keeps its deficit. -inf logits (p = 0) add nothing; a row of only -inf
     gives NaN (as its log-probs)."""
     d = scaled_logits(logits, temperature)
-    return torch.exp(_log_sum_exp_of_scaled(2 * d)[0] - 2 * _log_sum_exp_of_scaled(d)[0])
+    out = torch.exp(_log_sum_exp_of_scaled(2 * d)[0] - 2 * _log_sum_exp_of_scaled(d)[0])
+    _quiet_rows(d, (out, None))
+    return out
 
 
 # ---- fused LM head ---------------------------------------------------------------------------

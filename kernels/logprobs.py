@@ -22,7 +22,9 @@ Backward, one read and one write, with g = dL/dlogprob and h = dL/dentropy:
     dL/dx_j = (1/T) (g ([j == label] - p_j) - h p_j (log p_j + entropy)),
     log p_j = (x_j - m) / T - log s,
 where a term with p_j = 0 (a -inf logit, or (x_j - m) / T beyond the float
-range) contributes 0. The entropy term is compiled out
+range) contributes 0, and a row with g = h = 0 (a padding row) gets +0 whatever
+its logits (NaN, +-inf: 0 * NaN would reach every weight the gradient does).
+The entropy term is compiled out
 when entropy's gradient is not needed. The gradient may be written over the
 logits (inplace_backward): each block is loaded before it is stored.
 
@@ -224,6 +226,9 @@ def _logprobs_bwd_kernel(
     if HAS_GRAD_ENTROPY:
         h = tl.load(grad_entropy_ptr + row).to(ACC)
         entropy = tl.load(entropy_ptr + row).to(ACC)
+    # A row no gradient flows into (g = h = 0: a padding row) gets +0 whatever its
+    # logits, NaN or only -inf among them (csrc/logprobs.cpp).
+    quiet = (g == 0) & (h == 0)
     # Whole blocks unmasked, from the rows' first 16-byte boundary when they start
     # off it at the same place in the logits and the gradient (reduce.aligned_body),
     # then the partial block (masked, still 128-bit) and the head before it.
@@ -236,23 +241,24 @@ def _logprobs_bwd_kernel(
     whole = rest - rest % BLOCK_V
     for start in range(0, whole, BLOCK_V):
         x = tl.load(x_body + start + offs).to(ACC)
-        grad = _logprobs_grad(x, head + start + offs, m, log_s, inv_t, g, h, entropy, label, HAS_GRAD_ENTROPY)
+        grad = _logprobs_grad(x, head + start + offs, m, log_s, inv_t, g, h, entropy, label, quiet, HAS_GRAD_ENTROPY)
         tl.store(grad_body + start + offs, grad.to(grad_ptr.dtype.element_ty))
     if whole < rest:
         in_row = whole + offs < rest
         x = tl.load(x_body + whole + offs, mask=in_row, other=0.0).to(ACC)
-        grad = _logprobs_grad(x, head + whole + offs, m, log_s, inv_t, g, h, entropy, label, HAS_GRAD_ENTROPY)
+        grad = _logprobs_grad(x, head + whole + offs, m, log_s, inv_t, g, h, entropy, label, quiet, HAS_GRAD_ENTROPY)
         tl.store(grad_body + whole + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_row)
     if ALIGN_BODY and head > 0:  # under 16 bytes
         first = tl.arange(0, 16)
         x = tl.load(row_ptr + first, mask=first < head, other=0.0).to(ACC)
-        grad = _logprobs_grad(x, first, m, log_s, inv_t, g, h, entropy, label, HAS_GRAD_ENTROPY)
+        grad = _logprobs_grad(x, first, m, log_s, inv_t, g, h, entropy, label, quiet, HAS_GRAD_ENTROPY)
         tl.store(grad_row_ptr + first, grad.to(grad_ptr.dtype.element_ty), mask=first < head)
 
 
 @triton.jit
-def _logprobs_grad(x, index, m, log_s, inv_t, g, h, entropy, label, HAS_GRAD_ENTROPY: tl.constexpr):
-    """dL/dx at the elements ``index`` of a row whose logits are x (module docstring)."""
+def _logprobs_grad(x, index, m, log_s, inv_t, g, h, entropy, label, quiet, HAS_GRAD_ENTROPY: tl.constexpr):
+    """dL/dx at the elements ``index`` of a row whose logits are x (module
+    docstring); +0 on a ``quiet`` row."""
     logp = (x - m) * inv_t - log_s
     p = tl.exp(logp)
     grad = -g * p
@@ -262,7 +268,7 @@ def _logprobs_grad(x, index, m, log_s, inv_t, g, h, entropy, label, HAS_GRAD_ENT
         logp_finite = tl.where(p == 0, 0.0, logp)
         grad -= h * p * (logp_finite + entropy)
     grad = tl.where(index == label, grad + g, grad)
-    return grad * inv_t
+    return tl.where(quiet, 0.0, grad * inv_t)
 
 
 def logprobs_forward(

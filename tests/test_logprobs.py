@@ -282,6 +282,41 @@ def test_sum_pi_squared_of_extreme_rows(device, backend):
     assert torch.isfinite(x.grad[keep]).all()
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device,backend", BACKENDS)
+def test_rows_no_gradient_reaches_get_zero_whatever_their_logits(device, backend, dtype, inplace):
+    """A row whose outputs all get a zero incoming gradient (an ignore_index label,
+    an entropy and a Σπ² the loss leaves out: veRL's padding rows, issue 40) gets +0
+    everywhere, even where its logits are NaN, +inf or only -inf: 0 * NaN would
+    reach every weight the gradient does. The other rows get the gradient they get
+    alone, bitwise."""
+    vocab = 300
+    logits = make_logits((7,), vocab, dtype=dtype, device=device)
+    logits[1, 17] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 5] = float("inf")
+    logits[4] = float("nan")
+    logits[5] = torch.finfo(dtype).min
+    labels = make_labels(logits, ignore_frac=0.0)
+    labels[1:6] = -100
+    used = [0, 6]
+    x = logits.clone().requires_grad_(True)
+    alone = logits[used].clone().requires_grad_(True)
+    with fastrl.use_backend(backend):
+        for rows, pick in ((x, used), (alone, [0, 1])):
+            lp, ent, sq = fastrl.logprobs_and_entropy(rows.clone() if inplace else rows, labels[used] if rows is alone
+                                                      else labels, inplace_backward=inplace, sum_pi_squared=True)
+            (lp.sum() + ent[pick].sum() + 0.5 * sq[pick].sum()).backward()
+    assert torch.equal(x.grad[1:6].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       torch.zeros_like(x.grad[1:6].view(torch.int16 if dtype == torch.bfloat16 else torch.int32)))
+    if backend == "reference":  # (plain torch: batch invariance is the kernels' promise)
+        torch.testing.assert_close(x.grad[used], alone.grad, rtol=0, atol=0)
+    else:
+        assert torch.equal(x.grad[used], alone.grad), "the other rows' gradient is theirs alone"
+    assert torch.isfinite(alone.grad).all() and torch.count_nonzero(alone.grad) > 0
+
+
 @pytest.mark.parametrize("device,backend", BACKENDS)
 def test_nan_anywhere_in_a_row_gives_nan(device, backend):
     """A NaN logit makes its row's log-prob, entropy and gradient NaN wherever it

@@ -52,12 +52,14 @@ def _micro_batch(lengths, temperature, **options):
     return engine_bench.micro_batch(lengths, VOCAB, temperature, **options)
 
 
-def _step(batch, head, watch=None, mesh=None, **engine_options):
+def _step(batch, head, watch=None, mesh=None, padding_logit=None, **engine_options):
     """veRL's forward step on a bare LM head: prepare_model_inputs, the logits,
     prepare_model_outputs (under ``watch``, a context, if given), and the
     backward of a weighted sum of every output. With a device ``mesh``, the head
     is tensor-parallel as FSDP2's is: its weight sharded on the vocabulary, so the
-    logits are a DTensor sharded on their last dimension (returned whole)."""
+    logits are a DTensor sharded on their last dimension (returned whole). With
+    ``padding_logit`` (the padded layout), the head adds it to every logit of the
+    padding positions, as a model that masks them does."""
     built = engine_bench.engine(**engine_options)
     model_inputs, output_args = built.prepare_model_inputs(batch)
     shape = tuple(model_inputs["input_ids"].shape)  # [1, tokens (+ static pad)] or [batch, longest]
@@ -70,6 +72,9 @@ def _step(batch, head, watch=None, mesh=None, **engine_options):
         whole = lambda t: t.full_tensor()  # noqa: E731
     weight.requires_grad_()
     logits = hidden @ weight.T
+    if padding_logit is not None:
+        padding = torch.arange(shape[1]) >= batch["input_ids"].offsets().diff().unsqueeze(-1)
+        logits = logits + torch.where(padding, padding_logit, 0.0).unsqueeze(-1).to(logits.dtype)
     logits.retain_grad()
     with watch if watch is not None else contextlib.nullcontext():
         output = engine_bench.prepare_outputs(built, SimpleNamespace(logits=logits), output_args, batch)
@@ -121,6 +126,9 @@ def _assert_matches_verl(patched, unpatched, u):
     rounding of each side, (N + 2) u (|G|^T |h|)."""
     assert set(patched.output) == set(unpatched.output), f"{sorted(patched.output)} vs veRL's {sorted(unpatched.output)}"
     z = patched.logits.double().reshape(-1, VOCAB) / patched.temperature.unsqueeze(-1)
+    # (rows a model filled with NaN or inf: padding, whose gradient is 0 on both sides)
+    finite = torch.isfinite(z).all(-1, keepdim=True)
+    z = z.masked_fill(~finite, 0.0)
     max_z = z.abs().max().item()
     for key, expected in unpatched.output.items():
         actual = patched.output[key]
@@ -144,12 +152,12 @@ def _assert_matches_verl(patched, unpatched, u):
     assert bool((w_error <= w_bound).all()), f"the LM head weight's gradient off veRL's by {w_error.max():.3g}"
 
 
-def _patched_and_not(micro_batch, head, **engine_options):
+def _patched_and_not(micro_batch, head, padding_logit=None, **engine_options):
     """The step under veRL's own engine, then patched (the engine built after
     patch(), as veRL's workers build it); the patched one fell back nowhere."""
-    unpatched = _step(micro_batch, head, **engine_options)
+    unpatched = _step(micro_batch, head, padding_logit=padding_logit, **engine_options)
     verl_integration.patch()
-    patched = _step(micro_batch, head, **engine_options)
+    patched = _step(micro_batch, head, padding_logit=padding_logit, **engine_options)
     assert not integrations.fallbacks, f"fell back to veRL's code: {dict(integrations.fallbacks)}"
     return patched, unpatched
 
@@ -174,6 +182,30 @@ def test_engine_outputs_match_verl(remove_padding, entropy, temperature, dtype):
     patched, unpatched = _patched_and_not(micro_batch, _head(dtype))
     _assert_matches_verl(patched, unpatched, _UNIT[dtype])
     assert patched.in_place, "the patched engine writes the logits' gradient into their storage"
+
+
+@pytest.mark.parametrize("entropy", [True, False], ids=["entropy", "logprobs"])
+@pytest.mark.parametrize("padding_logit", [float("nan"), float("-inf"), float("inf")], ids=["nan", "-inf", "inf"])
+def test_engine_padding_rows_give_no_gradient(padding_logit, entropy):
+    """Without remove-padding the patched engine reads the padded [batch, longest,
+    V] logits in place, padding rows included: padding rows that a model filled
+    with NaN or +-inf still give veRL's outputs and gradients, +0 on the padding
+    rows and finite in the LM head's weight (a row no gradient flows into gets 0:
+    their 0 * NaN reached every weight before, issue 40). veRL's own entropy
+    reads the padding rows too, and its gradient is NaN there; it is compared
+    without that NaN."""
+    micro_batch = _micro_batch([5, 11, 1, 8], torch.tensor([0.6, 1.0, 1.3, 0.9]), use_remove_padding=False,
+                               calculate_entropy=entropy)  # fmt: skip
+    patched, unpatched = _patched_and_not(micro_batch, _head(torch.float32), padding_logit=padding_logit)
+    padding = ~torch.isfinite(patched.logits.reshape(-1, VOCAB)).all(-1)
+    assert int(padding.sum()) == 4 * 11 - (5 + 11 + 1 + 8)
+    grad = patched.logits_grad.reshape(-1, VOCAB)
+    assert torch.equal(grad[padding], torch.zeros_like(grad[padding])) and torch.isfinite(patched.weight_grad).all()
+    if entropy:
+        assert not torch.isfinite(unpatched.weight_grad).all(), "veRL's entropy gradient: NaN on padding rows"
+        unpatched.logits_grad = unpatched.logits_grad.reshape(-1, VOCAB).masked_fill(padding.unsqueeze(-1), 0.0)
+        unpatched.weight_grad = unpatched.logits_grad.T @ unpatched.hidden.reshape(-1, HIDDEN)
+    _assert_matches_verl(patched, unpatched, _UNIT[torch.float32])
 
 
 _AUTOMODEL = pytest.mark.skipif(

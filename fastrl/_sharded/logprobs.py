@@ -286,34 +286,40 @@ def sum_pi_squared_grad(rows, temps, temp_scalar, stats, sum_pi_squared, grad):
     """d(sum_j p_j^2)/dx times the incoming ``grad``, 2 p_j (p_j - Σπ²) / T, for the
     rows ``rows`` ([outer, inner, V] or [N, V]; a shard's columns too: p from the
     rows' global (m, log s) ``stats``), in the stats' dtype, shaped like ``rows``
-    (an [N, V] temporary: plain torch). p = 0 (a -inf logit) adds nothing."""
+    (an [N, V] temporary: plain torch). p = 0 (a -inf logit) adds nothing; a row
+    whose ``grad`` is 0 gets +0, whatever its logits (csrc/logprobs.cpp's rule)."""
     acc = stats.dtype
     x = rows.reshape(-1, rows.shape[-1]).to(acc)
     t = temps.unsqueeze(-1) if temps is not None else temp_scalar
     p = torch.exp((x - stats[:, :1]) / t - stats[:, 1:])
     g = grad.to(acc).reshape(-1, 1)
-    return (2 * g * p * (p - sum_pi_squared.reshape(-1, 1).to(acc)) / t).reshape(rows.shape)
+    term = (2 * g * p * (p - sum_pi_squared.reshape(-1, 1).to(acc)) / t).masked_fill(g == 0, 0.0)
+    return term.reshape(rows.shape)
 
 
 def _reference_backward(rows, labels, temps, temp_scalar, ignore_index, stats, entropy, grad_logprob, grad_entropy,
                         shard: Shard):  # fmt: skip
     """dL/dx of the shard in plain torch (the reference backend), from the global
     log p = (x - M) / T - log S: d log p_y / dx = (onehot_y - p) / T and
-    dH / dx = -p (log p + H) / T."""
+    dH / dx = -p (log p + H) / T; +0 on a row both incoming gradients leave at
+    zero, whatever its logits (the kernels' rule, csrc/logprobs.cpp)."""
     acc = stats.dtype
     t = temps.unsqueeze(-1) if temps is not None else temp_scalar
     log_p = (rows.to(acc) - stats[:, :1]) / t - stats[:, 1:]
     p = log_p.exp()
     grad = torch.zeros_like(p)
+    quiet = torch.ones(p.shape[0], dtype=torch.bool, device=p.device)
     if grad_logprob is not None and labels is not None:
         keep = torch.where(labels != ignore_index, grad_logprob, 0.0)  # (an ignored token's NaN upstream: 0)
         grad -= keep.unsqueeze(-1) * p
         offset = labels.long() - shard.start
         here = (offset >= 0) & (offset < shard.local) & (labels != ignore_index)
         grad[here, offset[here]] += keep[here]
+        quiet &= keep == 0
     if grad_entropy is not None:
         grad -= grad_entropy.unsqueeze(-1) * p * (torch.where(p > 0, log_p, 0.0) + entropy.unsqueeze(-1))
-    return (grad / t).to(rows.dtype)
+        quiet &= grad_entropy == 0
+    return (grad / t).masked_fill(quiet.unsqueeze(-1), 0.0).to(rows.dtype)
 
 
 def logprobs_and_entropy_sharded(logits, labels, temperature, ignore_index, with_entropy, group, vocab_start,
