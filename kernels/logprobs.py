@@ -226,13 +226,26 @@ def _logprobs_bwd_kernel(
     if HAS_GRAD_ENTROPY:
         h = tl.load(grad_entropy_ptr + row).to(ACC)
         entropy = tl.load(entropy_ptr + row).to(ACC)
-    # A row no gradient flows into (g = h = 0: a padding row) gets +0 whatever its
-    # logits, NaN or only -inf among them (csrc/logprobs.cpp).
-    quiet = (g == 0) & (h == 0)
+    offs = tl.arange(0, BLOCK_V)
+    if (g == 0) & (h == 0):
+        # A row no gradient flows into (a padding row) gets +0 whatever its logits,
+        # NaN or only -inf among them, which it does not read (csrc/logprobs.cpp).
+        zeros = tl.zeros([BLOCK_V], grad_ptr.dtype.element_ty)
+        for start in range(0, V, BLOCK_V):
+            tl.store(grad_row_ptr + start + offs, zeros, mask=start + offs < V)
+    else:
+        _logprobs_grad_row(row_ptr, grad_row_ptr, V, m, log_s, inv_t, g, h, entropy, label, offs, ALIGN_BODY,
+                           HAS_GRAD_ENTROPY, BLOCK_V, ACC)  # fmt: skip
+
+
+@triton.jit
+def _logprobs_grad_row(row_ptr, grad_row_ptr, V, m, log_s, inv_t, g, h, entropy, label, offs, ALIGN_BODY: tl.constexpr,
+                       HAS_GRAD_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """The gradient of a row a gradient flows into (_logprobs_bwd_kernel): one read
+    of the row and one write."""
     # Whole blocks unmasked, from the rows' first 16-byte boundary when they start
     # off it at the same place in the logits and the gradient (reduce.aligned_body),
     # then the partial block (masked, still 128-bit) and the head before it.
-    offs = tl.arange(0, BLOCK_V)
     if ALIGN_BODY:
         head, x_body, rest = aligned_body(row_ptr, V)
         grad_body = tl.multiple_of(grad_row_ptr + head, 16)
@@ -241,24 +254,23 @@ def _logprobs_bwd_kernel(
     whole = rest - rest % BLOCK_V
     for start in range(0, whole, BLOCK_V):
         x = tl.load(x_body + start + offs).to(ACC)
-        grad = _logprobs_grad(x, head + start + offs, m, log_s, inv_t, g, h, entropy, label, quiet, HAS_GRAD_ENTROPY)
-        tl.store(grad_body + start + offs, grad.to(grad_ptr.dtype.element_ty))
+        grad = _logprobs_grad(x, head + start + offs, m, log_s, inv_t, g, h, entropy, label, HAS_GRAD_ENTROPY)
+        tl.store(grad_body + start + offs, grad.to(grad_row_ptr.dtype.element_ty))
     if whole < rest:
         in_row = whole + offs < rest
         x = tl.load(x_body + whole + offs, mask=in_row, other=0.0).to(ACC)
-        grad = _logprobs_grad(x, head + whole + offs, m, log_s, inv_t, g, h, entropy, label, quiet, HAS_GRAD_ENTROPY)
-        tl.store(grad_body + whole + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_row)
+        grad = _logprobs_grad(x, head + whole + offs, m, log_s, inv_t, g, h, entropy, label, HAS_GRAD_ENTROPY)
+        tl.store(grad_body + whole + offs, grad.to(grad_row_ptr.dtype.element_ty), mask=in_row)
     if ALIGN_BODY and head > 0:  # under 16 bytes
         first = tl.arange(0, 16)
         x = tl.load(row_ptr + first, mask=first < head, other=0.0).to(ACC)
-        grad = _logprobs_grad(x, first, m, log_s, inv_t, g, h, entropy, label, quiet, HAS_GRAD_ENTROPY)
-        tl.store(grad_row_ptr + first, grad.to(grad_ptr.dtype.element_ty), mask=first < head)
+        grad = _logprobs_grad(x, first, m, log_s, inv_t, g, h, entropy, label, HAS_GRAD_ENTROPY)
+        tl.store(grad_row_ptr + first, grad.to(grad_row_ptr.dtype.element_ty), mask=first < head)
 
 
 @triton.jit
-def _logprobs_grad(x, index, m, log_s, inv_t, g, h, entropy, label, quiet, HAS_GRAD_ENTROPY: tl.constexpr):
-    """dL/dx at the elements ``index`` of a row whose logits are x (module
-    docstring); +0 on a ``quiet`` row."""
+def _logprobs_grad(x, index, m, log_s, inv_t, g, h, entropy, label, HAS_GRAD_ENTROPY: tl.constexpr):
+    """dL/dx at the elements ``index`` of a row whose logits are x (module docstring)."""
     logp = (x - m) * inv_t - log_s
     p = tl.exp(logp)
     grad = -g * p
@@ -268,7 +280,7 @@ def _logprobs_grad(x, index, m, log_s, inv_t, g, h, entropy, label, quiet, HAS_G
         logp_finite = tl.where(p == 0, 0.0, logp)
         grad -= h * p * (logp_finite + entropy)
     grad = tl.where(index == label, grad + g, grad)
-    return tl.where(quiet, 0.0, grad * inv_t)
+    return grad * inv_t
 
 
 def logprobs_forward(
