@@ -29,10 +29,10 @@
 #     smoke        100 s   110   37 of the GPU tests (34 node ids, bench/quick.py): every compiled kernel
 #                                family in each dtype against the float64 reference, the sampler's split
 #                                path, CUDA-graph captures, one torch.compile
-#     bench-quick  147 s   rest  python -m bench --plan quick: the canonical shapes beside their
+#     bench-quick  146 s   rest  python -m bench --plan quick: the canonical shapes beside their
 #                                prediction, the peers issue 38 names; bench/results/<gpu>.json
 #     pack          10 s    25   the README's tables regenerated, results.tgz
-#     total        277 s   345   (QUICK_BUDGET: the call's 360 s less the summary's margin)
+#     total        276 s   345   (QUICK_BUDGET: the call's 360 s less the summary's margin)
 #
 # Every stage has a hard limit, cut to what the budget has left (the smoke keeps
 # 200 s for the bench and pack: the measurements come first); a stage cut short
