@@ -44,10 +44,9 @@ import triton.language as tl
 from fastrl._rows import forward_outputs, row_count, row_layout
 
 from ._launch import (
-    _SHORT_ROW,
     CONTRACTED,
     acc_dtypes,
-    launch_config,
+    backward_launch_config,
     row_inv_temperature,
     rows_aligned,
     same_row_alignment,
@@ -72,14 +71,6 @@ from .reduce import aligned_body, fold_segments, log_sum, row_start, segment_sta
 # forward's fell below what the sampler's budget is measured against: left
 # uncapped until that trade is measured on a GPU.)
 _BACKWARD_MAXNREG = {16: 64}
-# The backward's block on short rows (_launch._SHORT_ROW): at most 2048 elements,
-# over 4 warps, a quarter of the longest block. Every element's gradient is its own
-# (_logprobs_grad), so the block changes no bit; a smaller one leaves less of the
-# row's last block idle (V = 50257: 943 lanes against 2991 at 4096) and fits more
-# programs an SM to overlap one's start and end with another's stream (sm_90
-# model, H100, triton 3.6: logprobs fwd+bwd 16384x50257 bf16 91.1% -> 94.8% of
-# copy bandwidth, fwd+bwd 4096x32000 fp32 94.3% -> 95.0%).
-_SHORT_ROW_BACKWARD_BLOCK = 2048
 
 
 def _register_cap(caps: dict[int, int], num_warps: int, logits: torch.Tensor) -> int | None:
@@ -392,9 +383,7 @@ def logprobs_backward(
     label_vocab = vocab if label_vocab is None else label_vocab
     _, acc_tl = acc_dtypes(logits)
     temps, temp_scalar, per_row = temperature_args(temperature)
-    block, num_warps = launch_config(vocab)
-    if vocab <= _SHORT_ROW:
-        block, num_warps = min(block, _SHORT_ROW_BACKWARD_BLOCK), 4
+    block, num_warps = backward_launch_config(vocab)
     _logprobs_bwd_kernel[(n_rows,)](
         logits, *row_layout(logits), grad_out, *row_layout(grad_out), labels, temps, temp_scalar,
         ignore_index, stats, entropy, grad_logprob, grad_entropy, vocab, label_base, label_vocab,

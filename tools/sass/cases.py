@@ -90,7 +90,7 @@ def _logprobs(n: int, v: int, dtype: torch.dtype, entropy: bool, backward: bool)
 
 
 # A log-prob backward's row no gradient flows into (a padding row: kernels/logprobs.py)
-# stores zeros and returns; the canonical rows all take a gradient.
+# stores zeros in a loop of its own; the canonical rows all take a gradient.
 NO_GRADIENT_ROW = "if (g == 0) & (h == 0)"
 
 
