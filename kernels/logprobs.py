@@ -85,7 +85,7 @@ def _logprobs_fwd_kernel(
     HAS_LABELS: tl.constexpr, PER_ROW_TEMP: tl.constexpr, WITH_ENTROPY: tl.constexpr,
     WITH_STATS: tl.constexpr, WITH_SUM_PI_SQUARED: tl.constexpr, REPS: tl.constexpr, SEGS: tl.constexpr,
     REAL: tl.constexpr, SEG_LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
-    MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr,
+    MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
@@ -93,7 +93,7 @@ def _logprobs_fwd_kernel(
     # The row's SEGS segments of SEG logits (fastrl._rows.segment_length), folded left to right.
     tl.static_assert(SEGS == REAL, "the whole row fills its slots")
     m, n, t, w, q = fold_segments(*segment_stats(row_ptr, V, SEG, inv_t, WITH_ENTROPY, WITH_SUM_PI_SQUARED, REPS,
-                                                 SEGS, REAL, SEG_LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE, ACC),
+                                                 SEGS, REAL, SEG_LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE, ACC, TILES),
                                   inv_t, WITH_ENTROPY, WITH_SUM_PI_SQUARED)  # fmt: skip
     label, in_range = _row_label(labels_ptr, row, V, HAS_LABELS)
     x_label = tl.load(row_ptr + label, mask=in_range, other=0.0).to(ACC)
@@ -141,14 +141,14 @@ def _logprobs_segments_kernel(
     logits_ptr, inner, outer_stride, inner_stride, temps_ptr, temp_scalar, segments_ptr, V, SEG,
     PER_ROW_TEMP: tl.constexpr, WITH_ENTROPY: tl.constexpr, WITH_SUM_PI_SQUARED: tl.constexpr, REPS: tl.constexpr,
     SEGS: tl.constexpr, REAL: tl.constexpr, SEG_LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
-    MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr,
+    MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
     """Each of a shard's rows' REAL segments' (m, n, t, w, q), in float64, unfolded."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
     inv_t = row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
     m, n, t, w, q = segment_stats(row_ptr, V, SEG, inv_t, WITH_ENTROPY, WITH_SUM_PI_SQUARED, REPS, SEGS, REAL,
-                                  SEG_LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE, ACC)  # fmt: skip
+                                  SEG_LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE, ACC, TILES)  # fmt: skip
     slot = tl.arange(0, SEGS)
     real = slot < REAL
     out = segments_ptr + (row * REAL + slot) * 5

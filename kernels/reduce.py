@@ -160,7 +160,8 @@ def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, L
 @triton.jit
 def segment_stats(row_ptr, V, SEG, inv_t, WITH_W: tl.constexpr, WITH_Q: tl.constexpr, REPS: tl.constexpr,
                   SEGS: tl.constexpr, REAL: tl.constexpr, SEG_LANES: tl.constexpr, VEC: tl.constexpr,
-                  ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+                  ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr,
+                  TILES: tl.constexpr = 1):  # fmt: skip
     """[SEGS] (m, n, t, w, q) of the REAL segments of SEG logits that make a
     row of V = REAL * SEG (fastrl._rows.segment_length), as softmax_stats gives
     a whole row's (w in base-2 units; q, WITH_Q's tail of squares, else 0), all
@@ -173,7 +174,13 @@ def segment_stats(row_ptr, V, SEG, inv_t, WITH_W: tl.constexpr, WITH_Q: tl.const
     segments. SEGS slots fill whole warps (each thread a lane, as the
     layouts that sum a lane's elements inside its thread need): a shard of
     fewer segments reads them again in the slots past REAL, in the same load
-    instructions (no more memory traffic), and leaves those slots' results."""
+    instructions (no more memory traffic), and leaves those slots' results.
+
+    TILES (1 or 2, dividing a segment's whole tiles: _launch.segment_config):
+    tiles an iteration, all loaded before any is summed, so that a warp has
+    TILES times the bytes in flight while an SM holds few programs (a grid's
+    last wave, a small batch). They are summed one after the other, in the
+    order a tile at a time sums them: the same bits."""
     neg_inf = float("-inf")
     LANES: tl.constexpr = SEGS * SEG_LANES
     k = exp2_scale(inv_t)
@@ -195,12 +202,19 @@ def segment_stats(row_ptr, V, SEG, inv_t, WITH_W: tl.constexpr, WITH_Q: tl.const
     # whole tiles of a segment (V = REAL * SEG), so the loop runs a segment's whole tiles.
     ROW_TILE: tl.constexpr = REAL * REPS * SEG_LANES * VEC
     whole = V - V % ROW_TILE
-    for start in range(0, whole, ROW_TILE):
+    tl.static_assert((TILES == 1) or (TILES == 2), "segment_stats: one or two tiles an iteration")
+    for start in range(0, whole, TILES * ROW_TILE):
         x = lane_tile(tl.load((lane_ptr + (start // REAL + within)) + rep), LANES, VEC)
+        if TILES == 2:
+            x2 = lane_tile(tl.load((lane_ptr + ((start + ROW_TILE) // REAL + within)) + rep), LANES, VEC)
         if WITH_Q:
             m, n, t, w, q = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE, q, True)
+            if TILES == 2:
+                m, n, t, w, q = accumulate_tile(x2, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE, q, True)
         else:
             m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
+            if TILES == 2:
+                m, n, t, w = accumulate_tile(x2, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
     if whole < V:  # each segment's partial tile, masked
         offs = whole // REAL + within + rep
         x = lane_tile(tl.load(lane_ptr + offs, mask=offs < SEG, other=neg_inf), LANES, VEC)

@@ -78,11 +78,12 @@ def test_every_triton_kernel_compiles_for_the_target_gpus(model):
 def test_the_capture_specialises_like_a_real_launch(model):
     """A 16-byte aligned bf16 row read through the JIT binder loads 128 bits at a
     time (without the divisibility attributes it would load 16); the loop over
-    the whole tiles of its eight segments of 18992 (tiles of 2 x 16 lanes x 8)
-    runs 18992 // 256 = 74 times (each segment's partial tile after it)."""
+    the whole tiles of its eight segments of 18992 (tiles of 2 x 16 lanes x 8,
+    two an iteration: 18992 // 256 = 74 of them, an even count) runs 37 times
+    (each segment's partial tile after it)."""
     row = next(r for r in model["launches"] if r["case"] == "logprobs fwd [16384x151936 bfloat16]")
-    assert row["main_loop"]["ldg"] == {"128": 2}, row["main_loop"]
-    assert row["grid"] == 16384 and row["main_loop"]["trips"] == 74
+    assert row["main_loop"]["ldg"] == {"128": 4}, row["main_loop"]
+    assert row["grid"] == 16384 and row["main_loop"]["trips"] == 37
 
 
 def test_the_model_counts_every_loop(model):

@@ -203,7 +203,11 @@ def _loop_runs(k: sm.KernelAnalysis, bound: dict, untaken: tuple[str, ...], grid
             runs.append(sm.LoopRun(loop, 1, 1.0, False, 0.0, executed))
             continue
         span = upper - (loop.lower or 0)
-        trips = max(0, span // loop.step if loop.whole_tiles else math.ceil(span / loop.step))
+        if loop.whole_tiles:  # over the whole tiles of loop.tile, loop.step / loop.tile of them an iteration
+            tile = loop.tile or loop.step
+            trips = max(0, -(-(upper - upper % tile - (loop.lower or 0)) // loop.step))
+        else:
+            trips = max(0, math.ceil(span / loop.step))
         rows = [bound[a] for a in loop.load_args if isinstance(bound.get(a), torch.Tensor)]
         row = any(t.dim() >= 1 and t.shape[-1] == upper for t in rows)
         cached = 0.0
@@ -286,6 +290,8 @@ def _with_edges(k: sm.KernelAnalysis, runs: list[sm.LoopRun]) -> sm.KernelAnalys
     if not tiled:
         return k
     run = max(tiled, key=lambda r: r.trips)
+    # (negative when the loop's last iteration masks off tiles it does not have: the
+    # loop's bytes count them, this takes them back)
     remainder = run.span - run.trips * run.loop.step
     edge = sum(remainder * b for b in k.edge_bytes_per_element.values())
     return dataclasses.replace(k, straight_bytes=k.straight_bytes + edge)

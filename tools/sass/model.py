@@ -77,7 +77,8 @@ class LoopInfo:
     load_args: list[str]  # kernel arguments it loads from
     depth: int
     mapped: bool  # matched to a TTGIR loop (its bound and step are known)
-    whole_tiles: bool = False  # runs floor(upper / step) times (the partial tile is straight-line code)
+    whole_tiles: bool = False  # runs over the floor(upper / tile) whole tiles (the partial tile is straight-line code)
+    tile: int | None = None  # elements of a whole tile: step, or a divisor of it (tiles taken several an iteration)
 
 
 @dataclasses.dataclass
@@ -203,6 +204,7 @@ def analyse_triton(compiled: dict, arch: int, param_names: list[str]) -> KernelA
             hot=sp.summarise(hot), longest_sass=longest, float_load_bits=float_bits, load_args=load_args,
             depth=iloop.depth if iloop else 0, mapped=iloop is not None,
             whole_tiles=iloop.whole_tiles if iloop else False,
+            tile=const(iloop.tile) if iloop and iloop.tile else None,
         ))  # fmt: skip
     straight = _straight_line(cfg)
     tiled = [i for i, lp in enumerate(ir.loops) if lp.whole_tiles]

@@ -415,7 +415,8 @@ class IRLoop:
     step: str
     guards: list[tuple[str, int]]  # the runtime `if`s around it (source lines)
     depth: int
-    whole_tiles: bool = False  # bounded by upper - upper % c: floor(upper / c) trips of step c
+    whole_tiles: bool = False  # bounded by upper - upper % c: the whole tiles of c (c = step, or a divisor of it)
+    tile: str | None = None  # that c (whole_tiles)
     else_guards: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # the ifs it is in the else of
 
 
@@ -512,8 +513,8 @@ def parse_ttgir(text: str) -> TTGIR:
         if re.search(r"\bscf\.for\b", s) and s.endswith("{"):
             fm = re.search(rf"scf\.for ({_SSA}) = ({_SSA}|\d+) to ({_SSA}|\d+) step ({_SSA}|\d+)", s)
             depth = sum(1 for k, _ in stack if k == "for")
-            upper, whole = _whole_tiles_bound(fm.group(3), defs, args)
-            loops.append(IRLoop(None, fm.group(2), upper, fm.group(4), [], depth, whole))
+            upper, tile = _whole_tiles_bound(fm.group(3), defs, args)
+            loops.append(IRLoop(None, fm.group(2), upper, fm.group(4), [], depth, tile is not None, tile=tile))
             guard_markers.append([(marker, k == "else") for k, marker in stack if k in ("if", "else")])
             if "iter_args" in s:
                 for im in re.finditer(rf"({_SSA}) = ({_SSA})", s.split("iter_args", 1)[1]):
@@ -560,20 +561,22 @@ def parse_ttgir(text: str) -> TTGIR:
     return TTGIR([a.lstrip("%") for a in args], constants, loops, memops)
 
 
-def _whole_tiles_bound(upper: str, defs: dict, args: list[str]) -> tuple[str, bool]:
-    """(bound, whole_tiles): a loop over the whole tiles of a row, ``range(0, n - n % c, c)``
+def _whole_tiles_bound(upper: str, defs: dict, args: list[str]) -> tuple[str, str | None]:
+    """(bound, tile): a loop over the whole tiles of a row, ``range(0, n - n % c, step)``
     with n = V or V less a few elements (its partial tile and a head before an
-    aligned boundary handled apart), is bounded by V, in floor(V / c) trips."""
+    aligned boundary handled apart), is bounded by V, over floor(V / c) tiles of
+    c (step = c, or a multiple of it: tiles taken several an iteration); tile is
+    None for any other loop."""
     op, operands = defs.get(upper.split("#")[0], (None, []))
     if op != "arith.subi" or len(operands) != 2:
-        return upper, False
+        return upper, None
     rem_op, rem_operands = defs.get(operands[1].split("#")[0], (None, []))
-    if rem_op not in ("arith.remsi", "arith.remui") or rem_operands[:1] != operands[:1]:
-        return upper, False
+    if rem_op not in ("arith.remsi", "arith.remui") or rem_operands[:1] != operands[:1] or len(rem_operands) != 2:
+        return upper, None
     n = operands[0].split("#")[0]
     while n not in args and defs.get(n, (None,))[0] == "arith.subi":
         n = defs[n][1][0].split("#")[0]
-    return (n if n in args else operands[0]), True
+    return (n if n in args else operands[0]), rem_operands[1].split("#")[0]
 
 
 def _trace_arg(ssa: str, defs: dict, args: list[str]) -> str | None:
