@@ -175,7 +175,7 @@ def _tiles_an_iteration(segment: int, tile: int, vec: int) -> int:
     wave (sm_90 model, H100, bf16 8192x128256, 63 rows an SM: logprobs fwd
     92.4-93.0% -> 94.5-95.8% of copy bandwidth under triton 3.6-3.9;
     logprobs+entropy fwd under 3.7.1 91.2% -> 94.8%, where its registers also
-    rose from 48 to 56, 9 programs an SM: 7 whole waves). An odd count would
+    rose from 48 to 59: 8 programs an SM, 7 waves of 8 and one of 7). An odd count would
     need a masked tile in the last iteration, a tile's arithmetic for nothing
     (4096x32000 fp32, 31 tiles: 92.5% -> 90.4%); one-element loads (vec = 1)
     already have 16 in flight a thread, and a second tile costs them registers

@@ -290,8 +290,6 @@ def _with_edges(k: sm.KernelAnalysis, runs: list[sm.LoopRun]) -> sm.KernelAnalys
     if not tiled:
         return k
     run = max(tiled, key=lambda r: r.trips)
-    # (negative when the loop's last iteration masks off tiles it does not have: the
-    # loop's bytes count them, this takes them back)
     remainder = run.span - run.trips * run.loop.step
     edge = sum(remainder * b for b in k.edge_bytes_per_element.values())
     return dataclasses.replace(k, straight_bytes=k.straight_bytes + edge)
