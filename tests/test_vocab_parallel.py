@@ -812,17 +812,12 @@ def test_segments_fold_to_the_whole_row(device, backend, vocab):
                         f"{name}: {degree} shards, {dtype} {backend} V={vocab}")
 
 
-def _exact_sampler_rows(backend: str, dtype: torch.dtype, kw: dict, n_rows: int, vocab: int) -> torch.Tensor:
+def _exact_sampler_rows(backend: str, dtype: torch.dtype, n_rows: int) -> torch.Tensor:
     """[N] bool: the rows whose sharded sampler outputs are the unsharded ones bit for bit
     (fastrl._sharded.sampling): every row on native; on Triton the float32-computed rows
-    (not float64) but those with top-p and no top-k."""
-    if backend == "reference" or (backend == "triton" and dtype == torch.float64):
-        return torch.zeros(n_rows, dtype=torch.bool)
-    if backend == "native":
-        return torch.ones(n_rows, dtype=torch.bool)
-    top_k = torch.as_tensor(kw.get("top_k", 0)).expand(n_rows)
-    top_p = torch.as_tensor(kw.get("top_p", 1.0)).expand(n_rows)
-    return ~((top_p < 1) & ((top_k <= 0) | (top_k >= vocab)))
+    (not float64)."""
+    exact = backend == "native" or (backend == "triton" and dtype != torch.float64)
+    return torch.full((n_rows,), exact, dtype=torch.bool)
 
 
 def _check_sampling(rank: int, world: int, group, seed: int) -> None:
@@ -846,14 +841,14 @@ def _check_sampling(rank: int, world: int, group, seed: int) -> None:
                per_row]  # fmt: skip
     weights = torch.randn(n_rows, dtype=torch.float64)
     # Every configuration in float32; bfloat16 and float64 (8 radix rounds) on the combined filters and
-    # per-row parameters; the Triton interpreter (~40 ms a row) float32 on three (each sharded call is a
-    # dozen collectives: 4 ranks on 2 cores take ~10 ms each).
+    # per-row parameters; the Triton interpreter (~40 ms a row) float32 on four, top-p alone among them
+    # (each sharded call is a dozen collectives: 4 ranks on 2 cores take ~10 ms each).
     cases = [(torch.float32, configs), (torch.bfloat16, configs[3:4] + configs[6:]), (torch.float64, configs[1:2] + configs[6:])]
     for backend in kernel_backends("cpu") + ["reference"]:
         for dtype, chosen in cases[:1] if backend == "triton" else cases:
             x = logits.to(dtype)
             acc = reference.compute_dtype(x)
-            for kw in chosen[4:] if backend == "triton" else chosen:
+            for kw in chosen[1:2] + chosen[4:] if backend == "triton" else chosen:
                 kw = {k: v.to(acc) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kw.items()}
                 what = f"{backend} {dtype} {sorted(kw)} rank {rank}/{world}"
                 with fastrl.use_backend(backend):
@@ -864,9 +859,9 @@ def _check_sampling(rank: int, world: int, group, seed: int) -> None:
                 assert torch.equal(out.tokens, expected.tokens), (what, out.tokens, expected.tokens)
                 assert all(torch.equal(a, b) for a, b in zip(out, again, strict=True)), what
                 # The unsharded bits (issue 39): exact mass sums on any split. Native: every output. Triton
-                # (float32): the log-prob and entropy, but on rows with top-p and no top-k, whose threshold
-                # the unsharded kernel finds from a float sum over the row, as its raw log-prob.
-                exact = _exact_sampler_rows(backend, dtype, kw, n_rows, vocab)
+                # (float32): the log-prob and entropy; not its raw log-prob, whose log s is the unsharded
+                # kernel's float sum over the row (reduce.softmax_stats).
+                exact = _exact_sampler_rows(backend, dtype, n_rows)
                 for name in ("logprobs", "entropy") if backend == "triton" else out._fields:
                     got, want = getattr(out, name)[exact], getattr(expected, name)[exact]
                     assert torch.equal(got.nan_to_num(0.5), want.nan_to_num(0.5)), f"{name} {what}"
@@ -994,6 +989,57 @@ def _check_sampling(rank: int, world: int, group, seed: int) -> None:
     lo, hi = wide.shape[-1] * rank // world, wide.shape[-1] * (rank + 1) // world
     lp = fastrl.truncated_logprobs(wide[:, lo:hi], torch.tensor([1]), top_p=0.9, group=group)
     assert_close_to_reference(lp, reference.truncated_logprobs(wide.double(), torch.tensor([1]), top_p=0.9), 1e-5)
+
+
+def _check_top_p_edge(rank: int, world: int, group, seed: int) -> None:
+    """One rank of test_top_p_at_a_mass_edge_keeps_the_sharded_set."""
+    import numpy as np
+    from fastrl.kernels import sampling as kernels
+
+    torch.manual_seed(seed)  # every rank draws the same full tensors
+    n_rows, vocab = 12, 8192
+    x = make_logits((n_rows,), vocab, torch.float32, std=2.0)
+    top_p, labels = [], []
+    for row in x.numpy():
+        d = row - row.max()  # (x - m) * 1/T at T = 1, in float32 as the kernels compute it
+        units = np.floor(np.exp(d).astype(np.float64) * 2.0**42).astype(np.int64)  # compact._mass_units
+        order = np.argsort(-row, kind="stable")
+        reached, total = np.cumsum(units[order]), int(units.sum())
+        # the j whose float32 p leaves the least mass between p * total and the top j's
+        best = None
+        for j in range(5, 400):
+            p = np.float32(reached[j - 1] / total)
+            while float(p) * total > reached[j - 1]:
+                p = np.nextafter(p, np.float32(0))
+            gap = reached[j - 1] - float(p) * total
+            if best is None or gap < best[0]:
+                best = (gap, float(p), int(order[j]))
+        top_p.append(best[1])
+        labels.append(best[2])  # the (j + 1)-th largest: kept iff the target passed the top j's mass
+    top_p, labels = torch.tensor(top_p), torch.tensor(labels)
+    bounds = _uneven_bounds(vocab, world)
+    part = x[:, bounds[rank] : bounds[rank + 1]]
+    for split in (False, True):
+        kernels._sm_count = lambda device, split=split: 10**6 if split else 0
+        with fastrl.use_backend("triton"):
+            whole = fastrl.sample(x, top_p=top_p, seed=seed, offset=1)
+            sharded = fastrl.sample(part, top_p=top_p, seed=seed, offset=1, group=group)
+            whole_lp = fastrl.truncated_logprobs(x, labels, top_p=top_p)
+            sharded_lp = fastrl.truncated_logprobs(part, labels, top_p=top_p, group=group)
+        for name in ("tokens", "logprobs", "entropy"):
+            assert torch.equal(getattr(sharded, name), getattr(whole, name)), (name, split)
+        assert torch.equal(sharded_lp, whole_lp), split
+
+
+@pytest.mark.skipif("triton" not in kernel_backends("cpu"), reason="the Triton interpreter's exp")
+def test_top_p_at_a_mass_edge_keeps_the_sharded_set(tmp_path):
+    """Top-p without top-k on Triton weighs its target against the row's exact mass, as the
+    tensor-parallel search does (kernels/sampling/sample.py, ROW_MASS): rows whose p puts the
+    target within 1e-10 of the mass of their top j tokens, below it, keep those j tokens whole
+    and sharded alike, split over programs or not. (The float row sum, ~5e-8 above the exact
+    mass under the interpreter, kept j + 1 unsharded on every such row.) The edge is computed
+    with numpy's float32 exp, the interpreter's; on a GPU the rows are merely random."""
+    _spawn(_check_top_p_edge, 2, tmp_path)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -36,8 +36,9 @@ from .._rows import exact_mass_limbs, mass_logs, row_view
 #
 # With the same masses, threshold and race, the outputs are the unsharded sampler's bits on any split
 # of the vocabulary (issue 39), and every rank gets them. Not so on Triton where its unsharded kernel
-# sums a float: the top-p target of a row without top-k and the raw log-prob (softmax_stats' s), and
-# float64 rows' masses; those agree to rounding, and the token unless a top-p boundary falls within it.
+# sums a float: the raw log-prob (softmax_stats' s) and float64 rows' masses; those agree to rounding,
+# and a float64 row's token unless a top-p boundary falls within it. (A row with top-p and no top-k
+# weighs its target against the row's exact mass there too: kernels/sampling/sample.py, ROW_MASS.)
 
 
 def _mass_units(vocab: int) -> float:

@@ -207,15 +207,15 @@ def _sm_count(device: torch.device) -> int:
     return 132
 
 
-def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes, window, workspace):
+def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes, window, workspace, row_mass):
     """A row's reads over ``parts`` programs each (_select, SPLIT), of
     ``slice_lanes`` lanes (_split_parts): the tiles' lane statistics and the
     top-digit histogram (_split_tiles_kernel), the row's statistics and its
     list's floor (_split_rows_kernel, one program a row); with ``window``
     (_uses_window) the tiles' lane statistics and maxima, the window
     histogram (_split_window_kernel), then the row's statistics and floor;
-    last the compaction (_split_compact_kernel), into ``workspace``
-    (_workspace)."""
+    last the compaction (_split_compact_kernel, with ``row_mass`` the row's
+    exact mass too: _row_mass), into ``workspace`` (_workspace)."""
     vocab = logits.shape[-1]
     tiles = _tiles(vocab, config)
     groups = workspace["lane_stats"].shape[1]
@@ -247,7 +247,7 @@ def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice
     )  # fmt: skip
     _split_compact_kernel[(n_rows, parts)](
         logits, *layout, vocab, workspace["records"], workspace["lists"], workspace["counters"], **tile_meta,
-        LIST_CAP=config["LIST_CAP"], num_warps=warps, **_EXACT,
+        LIST_CAP=config["LIST_CAP"], ROW_MASS=row_mass, num_warps=warps, **_EXACT,
     )  # fmt: skip
 
 
@@ -265,17 +265,30 @@ def _uses_window(device: torch.device) -> bool:
     return device.type != "cpu" and triton_histogram_is_slow()
 
 
-def _selection_args(logits, n_rows, params, flags, config, acc_tl, window) -> tuple[list, dict]:
+def _row_mass(top_k, top_p, vocab: int, acc_tl) -> bool:
+    """Whether the launch's compaction sums each row's exact mass (_select's
+    ROW_MASS): where a float32-computed row may take top-p without top-k, whose
+    target is then p times that mass, the tensor-parallel search's (a per-row
+    top_k or top_p may; float64 rows never compact). Other launches compile
+    without it."""
+    may_top_p = isinstance(top_p, torch.Tensor) or top_p < 1
+    may_lack_top_k = isinstance(top_k, torch.Tensor) or not 0 < top_k < vocab
+    return acc_tl != tl.float64 and may_top_p and may_lack_top_k
+
+
+def _selection_args(logits, n_rows, params, flags, config, acc_tl, window, row_mass) -> tuple[list, dict]:
     """The final launch's (_select) candidate lists, counters and split records
-    (None for one program a row), and its SPLIT flag; ``window``: a split
-    row's histogram (None: the device's, _uses_window)."""
+    (None for one program a row), and its SPLIT and ROW_MASS flags; ``window``:
+    a split row's histogram (None: the device's, _uses_window); ``row_mass``:
+    _row_mass's."""
     window = _uses_window(logits.device) if window is None else window
     parts, slice_lanes = _split_parts(logits, n_rows, config)
     workspace = _workspace(logits, n_rows, config, bool(parts), window, logits.device)
     if parts:
-        _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes, window, workspace)
+        _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes, window, workspace,
+                         row_mass)  # fmt: skip
     records = workspace["records"] if parts else None
-    return [workspace["lists"], workspace["counters"], records], {"SPLIT": bool(parts)}
+    return [workspace["lists"], workspace["counters"], records], {"SPLIT": bool(parts), "ROW_MASS": row_mass}
 
 
 def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset, window=None):
@@ -297,7 +310,8 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset, wi
     args, flags = _params(temperature, top_k, top_p, min_p)
     per_row_seed, offset_from_ptr = isinstance(seed, torch.Tensor), isinstance(offset, torch.Tensor)
     config = _launch_config(logits)
-    selection, split = _selection_args(logits, n_rows, args, flags, config, acc_tl, window)
+    row_mass = _row_mass(top_k, top_p, vocab, acc_tl)
+    selection, split = _selection_args(logits, n_rows, args, flags, config, acc_tl, window, row_mass)
     _sample_kernel[(n_rows,)](
         logits, *row_layout(logits), vocab, *args,
         seed if per_row_seed else None, 0 if per_row_seed else seed,
@@ -318,7 +332,8 @@ def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_
     stats = torch.empty(n_rows, 3, dtype=acc, device=logits.device) if with_stats else None
     args, flags = _params(temperature, top_k, top_p, min_p)
     config = _launch_config(logits)
-    selection, split = _selection_args(logits, n_rows, args, flags, config, acc_tl, window)
+    row_mass = _row_mass(top_k, top_p, vocab, acc_tl)
+    selection, split = _selection_args(logits, n_rows, args, flags, config, acc_tl, window, row_mass)
     _truncated_fwd_kernel[(n_rows,)](
         logits, *row_layout(logits), vocab, labels, *args, out, stats, *selection, **flags, **split,
         WITH_STATS=with_stats, ACC=acc_tl, **config, **_EXACT, maxnreg=_MAXNREG,
@@ -373,8 +388,8 @@ def sample_shard_pass(logits, given, *, temperature, min_p, column_base, seed=No
     rows the unsharded sampler's own fixed point (compact._mass_units, in the
     first int64 of each pair), so that s_kept and u are its bits; for float64
     rows the float64 sums split exactly into two limbs (fastrl._rows.exact_mass_limbs).
-    The unsharded sampler's s is a float sum (reduce.softmax_stats), and so are
-    its float64 rows' masses: those agree to rounding only (issue 39)."""
+    The unsharded sampler's raw log-prob takes a float sum s (reduce.softmax_stats),
+    and its float64 rows' masses are float sums: those agree to rounding only (issue 39)."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
     _, acc_tl = acc_dtypes(logits)
     sums = torch.empty(n_rows, 5, dtype=torch.float64, device=logits.device)

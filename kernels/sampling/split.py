@@ -36,7 +36,7 @@ from .select import (
 
 # A split row's statistics fold 8 tiles a trip (_split_rows_kernel): their loads issued together.
 _FOLD_GROUP = tl.constexpr(8)
-# A split row's record (_split_rows_kernel, _record_list): 5 int64, padded to 8.
+# A split row's record (_split_rows_kernel, _record_list): 7 int64, padded to 8.
 _SPLIT_RECORD = tl.constexpr(8)
 
 
@@ -147,7 +147,9 @@ def _record_list(record, V, t, k, p, valid, inv_t, m, n_max, tail, hist_ptr, LIS
     """A split row's list (_list_floor, from the row's histogram at hist_ptr:
     zero for a row that lists none) to its record after m, n and t: the float64
     bits of its lowest logit, and whether it compacts (the list's length is
-    the compaction's count: _select)."""
+    the compaction's count: _select); then the row's exact mass, zero for the
+    compaction's slices to add theirs to (_split_compact_kernel's ROW_MASS),
+    and the float64 bits of its 1/T, which they weigh the tokens with."""
     bad, greedy, m_safe, s, _, k_on, p_on = _row_state(V, t, k, p, valid, m, n_max, tail, ACC)
     HIST_BINS: tl.constexpr = _WINDOW_BINS if WINDOW else _BINS
     counts = tl.load(hist_ptr + tl.arange(0, HIST_BINS))
@@ -155,6 +157,8 @@ def _record_list(record, V, t, k, p, valid, inv_t, m, n_max, tail, hist_ptr, LIS
                                                    LIST_CAP, WINDOW, ACC)  # fmt: skip
     tl.store(record + 3, lowest.to(tl.float64).to(tl.int64, bitcast=True))
     tl.store(record + 4, compacted.to(tl.int64))
+    tl.store(record + 5, tl.zeros([], tl.int64))
+    tl.store(record + 6, inv_t.to(tl.float64).to(tl.int64, bitcast=True))
 
 
 @triton.jit
@@ -212,9 +216,12 @@ def _split_window_kernel(
 def _split_compact_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V, split_ptr, cand_ptr, counter_ptr,
     REPS: tl.constexpr, LANES: tl.constexpr, SLICE_LANES: tl.constexpr, VEC: tl.constexpr, LIST_CAP: tl.constexpr,
+    ROW_MASS: tl.constexpr,
 ):  # fmt: skip
     """The last launch before the list's of a split row, program (row, part) as
-    in _split_tiles_kernel: its slice's candidates onto the row's list (_compact)."""
+    in _split_tiles_kernel: its slice's candidates onto the row's list
+    (_compact), and with ROW_MASS its slice's exact mass onto the record's
+    (integers: the slices' order changes no bit)."""
     SLICES: tl.constexpr = LANES // SLICE_LANES
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -222,7 +229,12 @@ def _split_compact_kernel(
     compacted = tl.load(record + 4)
     if compacted != 0:
         lowest = tl.load(record + 3).to(tl.float64, bitcast=True).to(tl.float32)
+        # (a row that compacts is not bad: its m is m_safe, _select's)
+        m = tl.load(record).to(tl.float64, bitcast=True).to(tl.float32)
+        inv_t = tl.load(record + 6).to(tl.float64, bitcast=True).to(tl.float32)
         row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
         start = (part // SLICES) * (REPS * LANES * VEC)
-        _compact(row_ptr, start, start + 1, V, (part % SLICES) * SLICE_LANES, lowest, cand_ptr + row * LIST_CAP,
-                 counter_ptr + row, REPS, SLICE_LANES, VEC, LANES, LIST_CAP)  # fmt: skip
+        mass = _compact(row_ptr, start, start + 1, V, (part % SLICES) * SLICE_LANES, lowest, cand_ptr + row * LIST_CAP,
+                        counter_ptr + row, m, inv_t, REPS, SLICE_LANES, VEC, LANES, LIST_CAP, ROW_MASS)  # fmt: skip
+        if ROW_MASS:
+            tl.atomic_add(record + 5, mass, sem="relaxed")
