@@ -32,7 +32,7 @@ from types import ModuleType
 
 import torch
 
-from ._rows import compute_dtype, row_view
+from ._rows import compute_dtype, row_view, segment_length
 
 __all__ = ["launchers", "refuse_double_backward", "row_param", "split_row_param"]
 
@@ -54,11 +54,17 @@ LAUNCHERS = {
     "policy": ("stats_shape", "policy_forward", "policy_finalize", "policy_backward", "rollout_correction_forward",
                "rollout_finalize"),
 }  # fmt: skip
+# Launchers of the Triton backend alone, and why the native one has no twin: the tensor-parallel
+# sampler's segment statistics, which give the ranks the Triton sampler's float row sum (its raw
+# log-prob and its top-p target without top-k); the native sampler weighs exact integer masses,
+# which the shard passes already add up (fastrl._sharded.sampling).
+TRITON_LAUNCHERS = {"sampling": ("sample_segments", "sample_segments_fold")}
 
 
 def launchers(backend: str, family: str) -> ModuleType:
     """The launcher module of a kernel backend for an op family: ``fastrl.kernels.<family>``
-    (Triton) or ``fastrl._native`` (C++); both define ``LAUNCHERS[family]`` alike."""
+    (Triton) or ``fastrl._native`` (C++); both define ``LAUNCHERS[family]`` alike
+    (``TRITON_LAUNCHERS[family]``: the Triton module alone)."""
     if backend == "triton":
         return importlib.import_module(f"fastrl.kernels.{family}")
     if backend == "native":
@@ -362,6 +368,47 @@ sample_shard_pass = _define(
 sample_mass_logs = _define(
     "sample_mass_logs(Tensor masses, bool float64, str backend) -> Tensor",
     _sample_mass_logs, _sample_mass_logs_fake,
+)  # fmt: skip
+
+
+
+def _triton_backend(backend: str, name: str) -> str:
+    """``backend``, which must be "triton" for a TRITON_LAUNCHERS operator."""
+    if backend != "triton":
+        raise ValueError(f"backend of fastrl::{name} must be 'triton' (a Triton-only launcher); got {backend!r}")
+    return backend
+
+
+def _sample_segments(logits, temperature_rows, temperature, vocab, backend):
+    return launchers(_triton_backend(backend, "sample_segments"), "sampling").sample_segments(
+        logits, temperature=row_param(temperature_rows, temperature), vocab=vocab
+    )
+
+
+def _sample_segments_fake(logits, temperature_rows, temperature, vocab, backend):
+    return _new(logits, math.prod(logits.shape[:-1]), logits.shape[-1] // segment_length(vocab), 3,
+                dtype=torch.float64)  # fmt: skip
+
+
+def _sample_segments_fold(segments, acc, temperature_rows, temperature, backend):
+    return launchers(_triton_backend(backend, "sample_segments_fold"), "sampling").sample_segments_fold(
+        segments, acc, temperature=row_param(temperature_rows, temperature)
+    )
+
+
+def _sample_segments_fold_fake(segments, acc, *args):
+    return _new(segments, segments.shape[0], 3, dtype=torch.float64)
+
+
+# The tensor-parallel Triton sampler's segment statistics of a vocabulary shard of whole segments, and
+# their fold into each row's (m, s, log s), gathered from the ranks (fastrl._sharded.sampling).
+sample_segments = _define(
+    "sample_segments(Tensor logits, " + _TEMPERATURE + ", int vocab, str backend) -> Tensor",
+    _sample_segments, _sample_segments_fake,
+)  # fmt: skip
+sample_segments_fold = _define(
+    "sample_segments_fold(Tensor segments, ScalarType acc, " + _TEMPERATURE + ", str backend) -> Tensor",
+    _sample_segments_fold, _sample_segments_fold_fake,
 )  # fmt: skip
 
 

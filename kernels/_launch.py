@@ -124,6 +124,15 @@ def tile_config(*rows: torch.Tensor, num_warps: int | None = None) -> dict:
                              num_warps))  # fmt: skip
 
 
+def whole_row_tile_config(vocab: int, shard: torch.Tensor, num_warps: int | None = None) -> dict:
+    """tile_config of whole rows of ``vocab`` logits in the dtype and on the
+    device of ``shard``, a vocabulary shard of them (its ALIGNED False: the
+    shard's own rows say, _launch.rows_aligned): the tile that reduces the
+    whole row's segments, which a shard of whole segments reduces them with."""
+    whole_lines = vocab * shard.element_size() % 16 == 0
+    return dict(_tile_config(vocab, shard.element_size(), whole_lines, False, shard.device.type != "cpu", num_warps))
+
+
 @functools.cache
 def _tile_config(vocab: int, element_size: int, whole_lines: bool, aligned: bool, compiled: bool,
                  num_warps: int | None) -> dict:  # fmt: skip

@@ -21,7 +21,7 @@ inverse temperature inv_t = 1/T, read once each:
     s = sum e^{d_v},  s' = sum e^{d'_v},  t = sum e^{d_v} ((x_v - m) - (y_v - m'))
     KL = sum p_v (log p_v - log q_v) = inv_t t / s - log s + log s'
 
-Online over tiles, per lane (reduce.softmax_stats' lanes, merged once after the
+Online over tiles, per lane (reduce.segment_stats' lanes, merged once after the
 loop in the same way): when the logits' running max grows from m to M (c = (m - M) inv_t
 <= 0, a = e^c) every e^{d_v} is scaled by a and every x_v - m grows by m - M;
 when the reference max grows from m' to M' every y_v - m' grows by m' - M'. Hence
@@ -171,7 +171,7 @@ def _full_kl_fwd_kernel(
     inv_t = row_inv_temperature(temps_ptr, temp_scalar, row, PER_ROW_TEMP, ACC)
     k = inv_t * 1.4426950408889634
     neg_inf = float("-inf")
-    # Per-lane sums (reduce.softmax_stats' tiles: no reduction across threads in the
+    # Per-lane sums (reduce.segment_stats' tiles: no reduction across threads in the
     # loop), merged once after it.
     m = tl.full([LANES], neg_inf, ACC)
     m_ref = tl.full([LANES], neg_inf, ACC)

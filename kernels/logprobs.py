@@ -3,14 +3,14 @@
 One program per row of logits (so a row's result never depends on the batch),
 in fp32 (fp64 for float64 logits), never on a scaled copy of the logits.
 
-Forward, one read of the row (``reduce.softmax_stats`` gives m, s = n + t and w;
+Forward, one read of the row (``reduce.segment_stats`` gives m, s = n + t and w;
 log s is ``reduce.log_sum(n, t)``):
     logprob = (x[label] - m) / T - log s    (0 for ignore_index, NaN for a label outside [0, V))
     entropy = log s - w / s
-    sum_pi_squared = sum_j p_j^2 = (n + q) / s^2    (q: softmax_stats' WITH_Q, when asked for)
+    sum_pi_squared = sum_j p_j^2 = (n + q) / s^2    (q: segment_stats' WITH_Q, when asked for)
 and, when a gradient will be needed, the row's (m, log s) are saved. The row is
 reduced as segments (fastrl._rows.segment_length: V / 8 when V is a multiple of
-64), each by softmax_stats from its own first element, their statistics folded
+64), each by segment_stats from its own first element, their statistics folded
 left to right (reduce.fold_segment). A rank holding a vocabulary shard of such
 rows (1, 2, 4 or 8 ranks) holds whole segments: it reduces them with the same
 tile (_logprobs_segments_kernel), the ranks gather every segment's

@@ -1,6 +1,6 @@
 """Row reductions shared by the Triton kernels.
 
-``softmax_stats`` is the one-read online softmax statistic that every
+``segment_stats`` is the one-read online softmax statistic that every
 log-prob-like kernel starts from. For a row of V logits x at inverse
 temperature inv_t = 1/T (T > 0, so the max of x is the max of x / T):
 
@@ -21,7 +21,7 @@ sums move to the new reference point:
     s' = a s,   w' = a (w + c s),   c = (m - m') * inv_t,   a = exp(c).
 
 The exponentials are taken in base 2, e = 2^((x - m) k) with k = inv_t log2(e)
-(one multiply; w is kept in base-2 units, also by softmax_stats' result, and
+(one multiply; w is kept in base-2 units, also by segment_stats' result, and
 scaled by ln 2 where the entropy is formed); on a
 GPU tl.exp is that same exp2 of a rounded product, so a term at depth d is
 within about 2 |d| + 3 ulps of float32 whichever is written.
@@ -59,128 +59,55 @@ def row_start(base_ptr, row, inner, outer_stride, inner_stride):
 
 
 @triton.jit
-def softmax_stats(row_ptr, V, inv_t, WITH_W: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr,
-                  VEC: tl.constexpr, ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr,
-                  ACC: tl.constexpr, FOLD_TILES: tl.constexpr = False, HISTOGRAM: tl.constexpr = None,
-                  BINS: tl.constexpr = 1, SUB_MAX: tl.constexpr = False, WITH_Q: tl.constexpr = False):  # fmt: skip
-    """(m, n, t, w) of the row as defined above (n, t, w in float64; s = n + t;
-    w in base-2 units: w ln 2 is the docstring's w); w is 0 unless WITH_W.
-
-    WITH_Q (not with FOLD_TILES, HISTOGRAM or SUB_MAX): also q, the tail of the
-    squared terms, sum e_j^2 over the terms below the max (float64), so that
-    sum_j p_j^2 = (n + q) / (n + t)^2: a term at the max is exactly 1 squared
-    too, and q is kept apart from n as t is (a peaked row's sum is about 1).
-
-    SUB_MAX (not with HISTOGRAM): softmax_stats also returns the max of each
-    of the row's LANES x VEC sub-lanes (the elements at one place of a lane's
-    VEC in every tile), [LANES, VEC] in ACC, -inf for a sub-lane with no
-    element: a max for each two elements of a tile of REPS = 2 (the
-    sampler's list floor, kernels/sampling/select.py, _lane_floor).
-
-    HISTOGRAM: a jit function (x, mask) -> int32 counts [BINS] of a tile x
-    [REPS, LANES, VEC] in the storage type (mask None for a whole tile, else
-    which elements are in the row); softmax_stats then returns (m, n, t, w,
-    counts summed over the row's tiles), both from the same read of the row
-    (the sampler's top-digit histogram, kernels/sampling/).
-
-    FOLD_TILES (not with WITH_W): each lane sums each tile from scratch
-    (tile_lane_stats) and folds it into its running statistics (fold_lanes), so
-    that a row split over several programs, a tile (or part of one) each, gets
-    the same bits by folding their results in tile order (kernels/sampling/split.py).
-
-    The loop keeps LANES partial statistics, one per thread (``tile_offsets``),
-    and merges them once after it, so that an iteration has no reduction across
-    threads (no barrier, no shuffle): a thread's REPS x VEC elements of a tile
-    are VEC contiguous ones (one 128-bit load when ALIGNED; VEC = 1 otherwise,
-    _launch.tile_config) at REPS places LANES * VEC apart.
-    The exponent is taken in base 2, d2 = (x - ref) * k with k = inv_t log2(e)
-    (the scale folded into one multiply; w is summed, and returned, in base-2
-    units). A lane's sums are float32 sums of at most
-    REPS * VEC terms per tile, one float32 add per tile into its running sums,
-    and float64 only in the merge."""
-    tl.static_assert(not (FOLD_TILES and WITH_W), "FOLD_TILES folds m, n and t only")
-    tl.static_assert(not (WITH_Q and (FOLD_TILES or SUB_MAX or HISTOGRAM is not None)), "WITH_Q: the plain loop")
-    neg_inf = float("-inf")
-    k = exp2_scale(inv_t)
-    m = tl.full([LANES], neg_inf, ACC)
-    n = tl.zeros([LANES], ACC)  # terms at the lane's max: an exact integer count
-    t = tl.zeros([LANES], ACC)
-    w = tl.zeros([LANES], ACC)
-    q = tl.zeros([LANES], ACC)
-    lane_offs, rep_offs = tile_offsets(REPS, LANES, VEC)
-    tile = REPS * LANES * VEC
-    # Tiles are counted from the row's first element, never from an address: which
-    # lane sums which elements, and in what order, is a function of the element's
-    # index and the launch alone, so a row's statistics do not depend on where it
-    # sits in the batch (the rows of a contiguous batch of odd V start at a
-    # different place in a 16-byte line at each position).
-    if ALIGNED:  # every row starts on a 16-byte boundary (the launcher checked)
-        row_ptr = tl.multiple_of(row_ptr, 16)
-    counts = tl.zeros([BINS], tl.int32)
-    sub = tl.full([LANES, VEC], neg_inf, ACC)
-    whole = V - V % tile
-    for start in range(0, whole, tile):  # the whole tiles, unmasked
-        x = lane_tile(tl.load((row_ptr + start + lane_offs) + rep_offs), LANES, VEC)
-        if FOLD_TILES:
-            m, n, t = fold_lanes(m, n, t, *tile_lane_stats(x, k, MAX_IN_STORAGE_TYPE), k)
-        elif WITH_Q:
-            m, n, t, w, q = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE, q, True)
-        else:
-            m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
-        if HISTOGRAM is not None:
-            counts += HISTOGRAM(x, None)
-        if SUB_MAX:
-            sub = tl.maximum(sub, tl.max(x.to(ACC), axis=0))
-    if whole < V:  # the partial tile, masked
-        offs = whole + lane_offs + rep_offs
-        x = lane_tile(tl.load(row_ptr + offs, mask=offs < V, other=neg_inf), LANES, VEC)
-        if FOLD_TILES:
-            m, n, t = fold_lanes(m, n, t, *tile_lane_stats(x, k, MAX_IN_STORAGE_TYPE), k)
-        elif WITH_Q:
-            m, n, t, w, q = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE, q, True)
-        else:
-            m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
-        if HISTOGRAM is not None:
-            counts += HISTOGRAM(x, lane_tile(offs < V, LANES, VEC))
-        if SUB_MAX:
-            sub = tl.maximum(sub, tl.max(x.to(ACC), axis=0))
-    if WITH_Q:
-        q = merge_square_lanes(m, n, q, k)  # (from the lanes' own m and n: before merge_lanes)
-    m, n, t, w = merge_lanes(m, n, t, w, k, WITH_W)
-    if WITH_Q:
-        return m, n, t, w, q
-    elif HISTOGRAM is not None:
-        return m, n, t, w, counts
-    elif SUB_MAX:
-        return m, n, t, w, sub
-    else:
-        return m, n, t, w
-
-
-@triton.jit
 def segment_stats(row_ptr, V, SEG, inv_t, WITH_W: tl.constexpr, WITH_Q: tl.constexpr, REPS: tl.constexpr,
                   SEGS: tl.constexpr, REAL: tl.constexpr, SEG_LANES: tl.constexpr, VEC: tl.constexpr,
                   ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr,
-                  TILES: tl.constexpr = 1):  # fmt: skip
+                  TILES: tl.constexpr = 1, FOLD_TILES: tl.constexpr = False, SUB_MAX: tl.constexpr = False):  # fmt: skip
     """[SEGS] (m, n, t, w, q) of the REAL segments of SEG logits that make a
-    row of V = REAL * SEG (fastrl._rows.segment_length), as softmax_stats gives
-    a whole row's (w in base-2 units; q, WITH_Q's tail of squares, else 0), all
-    segments at once: slot g is lanes g * SEG_LANES .. (g + 1) * SEG_LANES - 1,
-    which read segment g % REAL a tile of REPS * SEG_LANES * VEC at a time
-    from its own first element, as softmax_stats reads a row, and are merged
-    apart from the other slots. So a segment's statistics are a function of
-    its logits and (REPS, SEG_LANES, VEC) alone, the same in a program that
-    holds the whole row and in one that holds a vocabulary shard of whole
-    segments. SEGS slots fill whole warps (each thread a lane, as the
+    row of V = REAL * SEG (fastrl._rows.segment_length), the module
+    docstring's statistics of each (w in base-2 units; q, WITH_Q's tail of
+    squares, sum e_j^2 over the terms below the max, so that sum_j p_j^2 =
+    (n + q) / (n + t)^2; else 0), all segments at once: slot g is lanes
+    g * SEG_LANES .. (g + 1) * SEG_LANES - 1, which read segment g % REAL a
+    tile of REPS * SEG_LANES * VEC at a time from its own first element
+    (tiles count from a segment's first element, never from an address, so a
+    row's statistics do not depend on where it sits in the batch), and are
+    merged apart from the other slots. So a segment's statistics are a
+    function of its logits and (REPS, SEG_LANES, VEC) alone, the same in a
+    program that holds the whole row and in one that holds a vocabulary shard
+    of whole segments. SEGS slots fill whole warps (each thread a lane, as the
     layouts that sum a lane's elements inside its thread need): a shard of
     fewer segments reads them again in the slots past REAL, in the same load
     instructions (no more memory traffic), and leaves those slots' results.
+
+    The loop keeps a lane's partial statistics in its own thread: a thread's
+    REPS x VEC elements of a tile are VEC contiguous ones (one 128-bit load
+    when ALIGNED; VEC = 1 otherwise, _launch.tile_config) at REPS places
+    SEG_LANES * VEC apart, summed in float32 (at most REPS * VEC terms a tile,
+    then one add a tile into the lane's sums), with no reduction across
+    threads in the loop (no barrier, no shuffle); the lanes are merged once
+    after it, in float64 (merge_lanes).
 
     TILES (1 or 2, dividing a segment's whole tiles: _launch.segment_config):
     tiles an iteration, all loaded before any is summed, so that a warp has
     TILES times the bytes in flight while an SM holds few programs (a grid's
     last wave, a small batch). They are summed one after the other, in the
-    order a tile at a time sums them: the same bits."""
+    order a tile at a time sums them: the same bits.
+
+    FOLD_TILES (not with WITH_W or WITH_Q; the sampler's): each lane sums each
+    tile from scratch (tile_lane_stats) and folds it into its running
+    statistics (fold_lanes), and a segment's lanes merge along a fixed tree of
+    pairs (merge_lanes' PAIRS), so that a row split over several programs, a
+    tile (or part of one) each, gets the same bits by folding their lanes'
+    results in tile order (kernels/sampling/split.py), and so does a shard's
+    kernel of another shape (kernels/sampling/shard.py).
+
+    SUB_MAX (with FOLD_TILES): also the max of each of the LANES x VEC
+    sub-lanes (the elements at one place of a lane's VEC in every tile of
+    its segment), [LANES, VEC] in ACC, -inf for a sub-lane with no element
+    (the sampler's list floor, kernels/sampling/select.py, _lane_floor)."""
+    tl.static_assert(not (FOLD_TILES and (WITH_W or WITH_Q)), "FOLD_TILES folds m, n and t only")
+    tl.static_assert(FOLD_TILES or not SUB_MAX, "SUB_MAX: with FOLD_TILES")
     neg_inf = float("-inf")
     LANES: tl.constexpr = SEGS * SEG_LANES
     k = exp2_scale(inv_t)
@@ -203,11 +130,20 @@ def segment_stats(row_ptr, V, SEG, inv_t, WITH_W: tl.constexpr, WITH_Q: tl.const
     ROW_TILE: tl.constexpr = REAL * REPS * SEG_LANES * VEC
     whole = V - V % ROW_TILE
     tl.static_assert((TILES == 1) or (TILES == 2), "segment_stats: one or two tiles an iteration")
+    sub = tl.full([LANES, VEC], neg_inf, ACC)
     for start in range(0, whole, TILES * ROW_TILE):
         x = lane_tile(tl.load((lane_ptr + (start // REAL + within)) + rep), LANES, VEC)
         if TILES == 2:
             x2 = lane_tile(tl.load((lane_ptr + ((start + ROW_TILE) // REAL + within)) + rep), LANES, VEC)
-        if WITH_Q:
+        if FOLD_TILES:
+            m, n, t = fold_lanes(m, n, t, *tile_lane_stats(x, k, MAX_IN_STORAGE_TYPE), k)
+            if SUB_MAX:
+                sub = tl.maximum(sub, tl.max(x.to(ACC), axis=0))
+            if TILES == 2:
+                m, n, t = fold_lanes(m, n, t, *tile_lane_stats(x2, k, MAX_IN_STORAGE_TYPE), k)
+                if SUB_MAX:
+                    sub = tl.maximum(sub, tl.max(x2.to(ACC), axis=0))
+        elif WITH_Q:
             m, n, t, w, q = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE, q, True)
             if TILES == 2:
                 m, n, t, w, q = accumulate_tile(x2, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE, q, True)
@@ -218,7 +154,11 @@ def segment_stats(row_ptr, V, SEG, inv_t, WITH_W: tl.constexpr, WITH_Q: tl.const
     if whole < V:  # each segment's partial tile, masked
         offs = whole // REAL + within + rep
         x = lane_tile(tl.load(lane_ptr + offs, mask=offs < SEG, other=neg_inf), LANES, VEC)
-        if WITH_Q:
+        if FOLD_TILES:
+            m, n, t = fold_lanes(m, n, t, *tile_lane_stats(x, k, MAX_IN_STORAGE_TYPE), k)
+            if SUB_MAX:
+                sub = tl.maximum(sub, tl.max(x.to(ACC), axis=0))
+        elif WITH_Q:
             m, n, t, w, q = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE, q, True)
         else:
             m, n, t, w = accumulate_tile(x, m, n, t, w, k, WITH_W, MAX_IN_STORAGE_TYPE)
@@ -227,8 +167,12 @@ def segment_stats(row_ptr, V, SEG, inv_t, WITH_W: tl.constexpr, WITH_Q: tl.const
     q_seg = tl.zeros([SEGS], tl.float64)
     if WITH_Q:
         q_seg = merge_square_lanes(m, n, tl.reshape(q, [SEGS, SEG_LANES]), k)
-    m, n, t, w = merge_lanes(m, n, tl.reshape(t, [SEGS, SEG_LANES]), tl.reshape(w, [SEGS, SEG_LANES]), k, WITH_W)
-    return m, n, t, w, q_seg
+    m, n, t, w = merge_lanes(m, n, tl.reshape(t, [SEGS, SEG_LANES]), tl.reshape(w, [SEGS, SEG_LANES]), k, WITH_W,
+                             FOLD_TILES)  # fmt: skip
+    if SUB_MAX:
+        return m, n, t, w, q_seg, sub
+    else:
+        return m, n, t, w, q_seg
 
 
 @triton.jit
@@ -329,7 +273,7 @@ def _fold_pair_wq(m, n, t, w, q, k, m2, n2, t2, w2, q2, k2):
 
 @triton.jit
 def exp2_scale(inv_t):
-    """k = inv_t log2(e): softmax_stats' exponentials are 2^((x - m) k)."""
+    """k = inv_t log2(e): segment_stats' exponentials are 2^((x - m) k)."""
     return inv_t * 1.4426950408889634
 
 
@@ -367,7 +311,7 @@ def fold_lanes(m, n, t, m2, n2, t2, k):
 def accumulate_tile(x, m, n, t, w, k, WITH_W: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, q=None,
                     WITH_Q: tl.constexpr = False):  # fmt: skip
     """Each lane's (m, n, t, w) after its elements of one tile x [REPS, LANES, VEC]
-    (softmax_stats), all inside the lane's thread; and q, the tail of the squared
+    (segment_stats), all inside the lane's thread; and q, the tail of the squared
     terms, with WITH_Q (it moves by a^2 where t moves by a)."""
     neg_inf = float("-inf")
     ACC = m.dtype
@@ -449,7 +393,7 @@ def aligned_body(row_ptr, V):
     whatever V and the row's alignment (a GPT-2 row of 50257 bf16 logits starts
     at any even byte). For loops whose every element's result is its own (the
     log-prob backward): a reduction must count its tiles from the row's first
-    element instead (softmax_stats), or a row's result would depend on its address."""
+    element instead (segment_stats), or a row's result would depend on its address."""
     es: tl.constexpr = row_ptr.dtype.element_ty.primitive_bitwidth // 8
     head = ((16 - row_ptr.to(tl.int64) % 16) % 16 // es).to(tl.int32)
     head = tl.minimum(head, V)
@@ -492,14 +436,17 @@ def lane_tile(block, LANES: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def merge_lanes(m, n, t, w, k, WITH_W: tl.constexpr = True):
+def merge_lanes(m, n, t, w, k, WITH_W: tl.constexpr = True, PAIRS: tl.constexpr = False):
     """The row's (m, n, t, w) from per-lane ones (w in base-2 units of k, in and
     out), once, in float64, over the last axis (lanes [LANES], or each
     segment's [SEGS, SEG_LANES]: segment_stats): a lane at the row max M keeps its count and tail
     apart; any other lane's terms, scaled by a = 2^((m_l - M) k), join the
     tail, and its w moves by c s (the module docstring's w'). A lane with
     nothing finite (m_l = -inf) adds its sums times 0 (NaN stays NaN). w is 0
-    unless WITH_W."""
+    unless WITH_W. PAIRS: the lanes' float64 sums run along a fixed tree of
+    pairs (pair_sum), whose bits do not depend on how a kernel lays the lanes
+    out over its threads and warps (tl.sum's order does); the maxima and the
+    counts are exact in any order."""
     neg_inf = float("-inf")
     row_max = tl.max(m, axis=-1, keep_dims=True)
     ref = tl.where(row_max == neg_inf, 0.0, row_max)
@@ -510,13 +457,53 @@ def merge_lanes(m, n, t, w, k, WITH_W: tl.constexpr = True):
     t64 = t.to(tl.float64)
     s64 = n64 + t64
     n_row = tl.sum(tl.where(at_max, n64, 0.0), axis=-1)
-    t_row = tl.sum(tl.where(at_max, t64, a * s64), axis=-1)
+    if PAIRS:
+        tl.static_assert(not WITH_W, "merge_lanes: PAIRS sums n and t only")
+        t_row = pair_sum(tl.where(at_max, t64, a * s64))
+    else:
+        t_row = tl.sum(tl.where(at_max, t64, a * s64), axis=-1)
     if WITH_W:
         w_lane = tl.where(a == 0, 0.0, a * (w.to(tl.float64) + c2.to(tl.float64) * s64))
         w_row = tl.sum(w_lane, axis=-1)
     else:
         w_row = tl.zeros_like(t_row)
     return tl.max(m, axis=-1), n_row, t_row, w_row
+
+
+@triton.jit
+def _pair_halve(v):
+    """[S, L] -> [S, L / 2]: elements 2i and 2i + 1 of each row added (an add of
+    two, commutative: the same bits whichever thread holds which)."""
+    return tl.sum(tl.reshape(v, [v.shape[0], v.shape[1] // 2, 2]), axis=2)
+
+
+@triton.jit
+def pair_sum(v):
+    """The sums of the rows of v [S, L] (L a power of 2, at most 1024) along a
+    fixed tree of pairs: (0 1) (2 3) ..., then pairs of those."""
+    L: tl.constexpr = v.shape[1]
+    tl.static_assert(L <= 1024, "pair_sum: at most 1024 lanes")
+    if L >= 1024:
+        v = _pair_halve(v)
+    if L >= 512:
+        v = _pair_halve(v)
+    if L >= 256:
+        v = _pair_halve(v)
+    if L >= 128:
+        v = _pair_halve(v)
+    if L >= 64:
+        v = _pair_halve(v)
+    if L >= 32:
+        v = _pair_halve(v)
+    if L >= 16:
+        v = _pair_halve(v)
+    if L >= 8:
+        v = _pair_halve(v)
+    if L >= 4:
+        v = _pair_halve(v)
+    if L >= 2:
+        v = _pair_halve(v)
+    return tl.reshape(v, [v.shape[0]])
 
 
 @triton.jit
@@ -556,7 +543,7 @@ def fold_segment(m, n, t, w, q, m2, n2, t2, w2, q2, k):
 
 @triton.jit
 def merge_square_lanes(m, n, q, k):
-    """The row's q (softmax_stats' WITH_Q) from the per-lane m, n and q, as
+    """The row's q (segment_stats' WITH_Q) from the per-lane m, n and q, as
     merge_lanes merges t: a lane at the row max keeps its tail of squares apart
     from its count; any other lane's squared terms, scaled by a^2 = 2^(2 (m_l - M) k),
     join the tail (0 for a lane with nothing finite; NaN stays NaN)."""
@@ -571,7 +558,7 @@ def merge_square_lanes(m, n, q, k):
 
 @triton.jit
 def log_sum(n, t):
-    """log(n + t) for softmax_stats' float64 n and t, without rounding t away:
+    """log(n + t) for segment_stats' float64 n and t, without rounding t away:
     log n + log1p(t / n), log1p by Goldberg's identity log1p(q) = log(u) q / (u - 1)
     with u = 1 + q (a few ulps; q where u rounds to 1). n = 0 (a row of only
     -inf, or NaN) gives log t."""

@@ -101,6 +101,11 @@ def test_both_backends_offer_every_launcher_with_one_signature():
             for extra in native_params[common:] + triton_params[common:]:
                 assert extra.kind == extra.KEYWORD_ONLY and extra.default is not extra.empty, (family, name, extra)
                 assert f"{extra.name}=" not in source, f"{family}.{name}: the operators pass {extra.name}"
+    for family, names in fastrl._ops.TRITON_LAUNCHERS.items():
+        triton = importlib.import_module(f"fastrl.kernels.{family}")
+        for name in names:  # (Triton's alone: the operator refuses another backend)
+            assert callable(getattr(triton, name)) and not hasattr(fastrl._native, name), (family, name)
+            assert f'launchers(_triton_backend(backend, "{name}"), "{family}").{name}' in source, (family, name)
     called = set(re.findall(r'launchers\(backend, "(\w+)"\)\.(\w+)', source))
     declared = {(family, name) for family, names in fastrl._ops.LAUNCHERS.items() for name in names}
     assert called == declared, f"called but not declared: {sorted(called - declared)}"

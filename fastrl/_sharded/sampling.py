@@ -9,19 +9,22 @@ import torch
 from .. import _ops, reference
 from .._backend import select_backend
 from .._distributed import LABELED, Shard, agree, all_reduce_sum, gather_ranks, label_range, logits_layout
-from .._rows import exact_mass_limbs, mass_logs, row_view
+from .._rows import exact_mass_limbs, mass_logs, row_view, segment_length
 
 # The processed distribution's kept set is {x >= tau} (with min-p's per-token test; sampling.py),
 # so the ranks agree on the row's max M and on tau, then each reads its shard once:
 #
 #   1. one all-gather of the shards' maxima: M, and the rows with nothing to sample (NaN, +inf, all -inf);
+#      on Triton, where every shard is whole segments of the row, of the shards' segments' statistics
+#      instead (_row_sums: M with the unsharded kernel's float row sum s and log s);
 #   2. top-k: a radix select of the k-th largest order key (the kernels' keys) over the whole row,
 #      8 bits a round, over the bits the logits' dtype sets (2 rounds for bf16, 3 fp16, 4 fp32, 8
 #      fp64): each rank counts its tokens of each digit under the prefix found so far (the kernel
 #      shard_digit_histogram, or plain torch), one all-reduce (int64, exact in any order) sums the
 #      counts;
 #   3. top-p: the same descent weighted by mass, among the top-k tokens: the largest key u with
-#      mass(key >= u) >= p * mass(top-k set), masses in the unsharded kernels' integer fixed point
+#      mass(key >= u) >= p * mass(top-k set) (on Triton, a row without top-k: p * s, as its unsharded
+#      kernel weighs it, where step 1 gave s), masses in the unsharded kernels' integer fixed point
 #      (native: e * 2^(62 - bits of V) rounded to an int64, so that V of them cannot overflow;
 #      Triton, float32 rows: its own 2^-42 units, kernels/sampling/compact.py), exact sums in any
 #      order, with their counts, one all-reduce a round;
@@ -35,10 +38,11 @@ from .._rows import exact_mass_limbs, mass_logs, row_view
 #      log S_kept + U / S_kept).
 #
 # With the same masses, threshold and race, the outputs are the unsharded sampler's bits on any split
-# of the vocabulary (issue 39), and every rank gets them. Not so on Triton where its unsharded kernel
-# sums a float: the raw log-prob (softmax_stats' s) and float64 rows' masses; those agree to rounding,
-# and a float64 row's token unless a top-p boundary falls within it. (A row with top-p and no top-k
-# weighs its target against the row's exact mass there too: kernels/sampling/sample.py, ROW_MASS.)
+# of the vocabulary (issue 39), and every rank gets them. On Triton, what its unsharded kernel weighs
+# against the float row sum s (the raw log-prob's log s, a top-p target without top-k) is its bits
+# where step 1 folds the segments (an even split of a V that is a multiple of 64 over 1, 2, 4 or 8
+# ranks), else agrees to rounding; float64 rows' masses are float sums there, to rounding too (a
+# float64 row's token unless a top-p boundary falls within that rounding).
 
 
 def _mass_units(vocab: int) -> float:
@@ -156,10 +160,13 @@ def _top_k_threshold(rows, shard: Shard, k: torch.Tensor, backend, params) -> to
     return _key_values(_completed_key(prefix, dtype), reference.compute_dtype(rows))
 
 
-def _top_p_threshold(rows, shard: Shard, p, floor, m, backend, params) -> torch.Tensor:
+def _top_p_threshold(rows, shard: Shard, p, floor, m, backend, params, row_mass=None) -> torch.Tensor:
     """The largest logit u with mass(x >= u) >= p * mass(x >= floor) among the tokens x >= floor
     (the top-k set), per row over all shards; the lowest such logit when rounding leaves every
-    mass short of the target (as csrc/sampling.cpp's mass_threshold_key)."""
+    mass short of the target (as csrc/sampling.cpp's mass_threshold_key). ``row_mass`` [N]
+    (float64, NaN for a row that weighs its units): the mass against which a row without top-k
+    weighs p instead, the Triton sampler's float row sum s (_row_sums), as its unsharded kernel
+    does."""
     dtype = rows.dtype
     prefix = torch.zeros(p.shape[0], dtype=torch.int64, device=p.device)
     above = torch.zeros_like(prefix)  # mass units strictly above the current prefix's range
@@ -169,6 +176,9 @@ def _top_p_threshold(rows, shard: Shard, p, floor, m, backend, params) -> torch.
         counts, units = _digit_histograms(rows, shard, prefix, shift, backend, params, floor, m).unbind(1)
         if target is None:
             target = p.double() * units.sum(-1).double()
+            if row_mass is not None:  # (in the units: a power of 2 times s, exact)
+                scale = 2.0**42 if rows.dtype != torch.float64 else _mass_units(shard.vocab)
+                target = torch.where(row_mass.isnan(), target, p.double() * row_mass * scale)
         reached = above.unsqueeze(-1) + units.flip(-1).cumsum(-1).flip(-1)  # mass of this digit and up
         present = counts > 0
         ok = present & (reached.double() >= target.unsqueeze(-1))
@@ -250,31 +260,61 @@ def _shard_pass(rows, given, params, shard: Shard, backend, seed=None, offset=0,
                                   seed_scalar, offset_tensor, offset_scalar, labels, backend)  # fmt: skip
 
 
+def _row_sums(rows, params, shard: Shard, backend) -> torch.Tensor | None:
+    """(m, s, log s) [N, 3] float64 of the whole rows as the unsharded Triton sampler's statistics
+    pass gives them (kernels/sampling/sample.py, _select: its raw log-prob's log s, and the mass a
+    row without top-k weighs its top-p target against), from every rank's segments
+    (_ops.sample_segments, one all-gather of 24 bytes a segment) folded in vocabulary order
+    (_ops.sample_segments_fold): bitwise the unsharded ones, where every shard is whole segments
+    (fastrl._rows.segment_length: an even split of a V that is a multiple of 64 over 1, 2, 4 or 8
+    ranks). None elsewhere: on the native backend, whose sampler weighs exact masses that the shard
+    passes add up, and on another split (then to rounding)."""
+    segment = segment_length(shard.vocab)
+    if backend != "triton" or any(start % segment or size % segment for start, size in zip(shard.starts, shard.sizes)):
+        return None
+    temps, temp = _ops.split_row_param(params["temperature"])
+    n_rows = rows.shape[0] * rows.shape[1]
+    counts = [size // segment for size in shard.sizes]
+    local = torch.zeros(n_rows, max(counts) * 3, dtype=torch.float64, device=rows.device)
+    local[:, : shard.local // segment * 3] = _ops.sample_segments(rows, temps, temp, shard.vocab, backend).reshape(
+        n_rows, -1)  # fmt: skip
+    gathered = gather_ranks(local, shard)
+    ranks = sorted(range(len(shard.starts)), key=lambda rank: shard.starts[rank])
+    in_order = torch.cat([gathered[rank, :, : counts[rank] * 3] for rank in ranks], dim=1).reshape(n_rows, -1, 3)
+    return _ops.sample_segments_fold(in_order.contiguous(), reference.compute_dtype(rows), temps, temp, backend)
+
+
 def _kept_threshold(rows, params, shard: Shard, top_k_on: bool, top_p_on: bool, backend):
-    """(given [N, 2] = (M, tau) in the compute dtype, bad [N]): the row's global max and kept
-    threshold (module comment, steps 1-3), and the rows with nothing to sample or an invalid
-    parameter."""
+    """(given [N, 2] = (M, tau) in the compute dtype, bad [N], row sums [N, 3] or None): the row's
+    global max and kept threshold (module comment, steps 1-3), the rows with nothing to sample or
+    an invalid parameter, and _row_sums' (m, s, log s)."""
     outer, inner, vocab = rows.shape
     n_rows = outer * inner
     acc = reference.compute_dtype(rows)
-    local_max = rows.amax(-1).reshape(n_rows).to(acc)
-    maxima = gather_ranks(local_max, shard)
-    m = maxima.amax(0)
+    sums = _row_sums(rows, params, shard, backend)
+    if sums is None:
+        maxima = gather_ranks(rows.amax(-1).reshape(n_rows).to(acc), shard)
+        m, nan = maxima.amax(0), maxima.isnan().any(0)
+    else:  # (a NaN makes s NaN: kernels/reduce.py)
+        m, nan = sums[:, 0].to(acc), sums[:, 1].isnan()
     t, k, p, mp = (reference._per_row(params[name], (n_rows,), dtype, rows.device)[:, 0]
                    for name, dtype in (("temperature", acc), ("top_k", torch.int64), ("top_p", acc), ("min_p", acc)))  # fmt: skip
     t_ok = (t == 0) | ((t > 0) & torch.isfinite(t) & torch.isfinite(1.0 / t))
     valid = t_ok & (k >= 0) & (p > 0) & (p <= 1) & (mp >= 0) & (mp <= 1)
-    bad = maxima.isnan().any(0) | ~torch.isfinite(m) | ~valid
+    bad = nan | m.isnan() | ~torch.isfinite(m) | ~valid
     active = ~bad & (t > 0)
     m_safe = torch.where(bad, 0.0, m)
     tau = torch.full_like(m, -torch.inf)
+    k_on = torch.zeros_like(active)
     if top_k_on:
         k_on = active & (k > 0) & (k < shard.vocab)
         tau = torch.where(k_on, _top_k_threshold(rows, shard, torch.where(k_on, k, 1), backend, params), tau)
     if top_p_on:
         p_on = active & (p < 1)
-        tau = torch.where(p_on, _top_p_threshold(rows, shard, p, tau, m_safe, backend, params), tau)
-    return torch.stack([torch.where(bad, torch.nan, m), tau], -1), bad
+        # a row without top-k weighs p against the unsharded kernel's s where the ranks have it
+        row_mass = None if sums is None else torch.where(k_on, torch.nan, sums[:, 1])
+        tau = torch.where(p_on, _top_p_threshold(rows, shard, p, tau, m_safe, backend, params, row_mass), tau)
+    return torch.stack([torch.where(bad, torch.nan, m), tau], -1), bad, sums
 
 
 def _combine_shard_passes(scores, masses, picks, shard: Shard, backend, float64: bool):
@@ -340,12 +380,14 @@ def sample_sharded(logits, check, group, vocab_start):
         empty = lambda dt: torch.empty(n_rows, dtype=dt, device=logits.device)  # noqa: E731
         return empty(torch.int64), empty(acc), empty(acc), empty(acc)
     backend = select_backend(logits.device)
-    given, bad = _kept_threshold(rows, params, shard, *_filters_on(params), backend)
+    given, bad, sums = _kept_threshold(rows, params, shard, *_filters_on(params), backend)
     token, d, logs, _, _ = _combine_shard_passes(*_shard_pass(rows, given, params, shard, backend, seed=seed,
                                                               offset=offset), shard, backend,
                                                  acc == torch.float64)  # fmt: skip
     greedy = reference._per_row(params["temperature"], (n_rows,), acc, logits.device)[:, 0] == 0
     log_s, log_kept, entropy = logs.to(acc).unbind(-1)
+    if sums is not None:  # the unsharded Triton sampler's float log s (a greedy row's: the count of maxima)
+        log_s = torch.where(greedy, log_s, sums[:, 2].to(acc))
     d = d.to(acc)
     logprob = torch.where(greedy, 0.0, d - log_kept)
     raw = torch.where(greedy, -log_s, d - log_s)
@@ -359,7 +401,7 @@ class _ShardedTruncated(torch.autograd.Function):
     def forward(ctx, logits, labels, params, shard, backend):
         rows = row_view(logits)
         n_rows = labels.shape[0]
-        given, bad = _kept_threshold(rows, params, shard, *_filters_on(params), backend)
+        given, bad, _ = _kept_threshold(rows, params, shard, *_filters_on(params), backend)
         passes = _shard_pass(rows, given, params, shard, backend, labels=labels)
         _, _, logs, label_d, first_max = _combine_shard_passes(*passes, shard, backend, given.dtype == torch.float64)
         acc = given.dtype

@@ -17,7 +17,9 @@ row:
               with its processed probability; ties go to the lowest index.
 
 A row is read twice (``sample._select``): its softmax statistics
-(reduce.softmax_stats) with the maxima of its sub-lanes from the same loads,
+(reduce.segment_stats: 8 segments of V / 8 where V is a multiple of 64, folded
+along a fixed tree, as a vocabulary shard's ranks fold theirs) with the maxima
+of its sub-lanes from the same loads,
 and the compaction into the row's candidate list of the tokens at or above the
 floor those maxima give (``select._lane_floor``: the lowest max of enough
 sub-lanes to hold k tokens, or p of the mass; for greedy rows the max), on
@@ -62,15 +64,31 @@ import torch
 import triton
 import triton.language as tl
 
-from fastrl._rows import exact_mass_limbs, mass_logs, row_count, row_layout
+from fastrl._rows import exact_mass_limbs, mass_logs, row_count, row_layout, segment_length
 
-from .._launch import CONTRACTED, acc_dtypes, float_scalar_arg, tile_config, triton_histogram_is_slow
+from .._launch import (
+    CONTRACTED,
+    acc_dtypes,
+    float_scalar_arg,
+    rows_aligned,
+    tile_config,
+    triton_acc,
+    triton_histogram_is_slow,
+    whole_row_tile_config,
+)
 from .compact import list_capacity
 from .keys import _BINS
 from .params import _params
 from .sample import _sample_kernel, _truncated_bwd_kernel, _truncated_fwd_kernel
 from .select import _WINDOW_BINS
-from .shard import _digit_histogram_kernel, _mass_logs_kernel, _shard_fold_kernel, _shard_tile_kernel
+from .shard import (
+    _digit_histogram_kernel,
+    _mass_logs_kernel,
+    _segments_fold_kernel,
+    _shard_fold_kernel,
+    _shard_segments_kernel,
+    _shard_tile_kernel,
+)
 from .split import (
     _FOLD_GROUP,
     _SPLIT_RECORD,
@@ -121,9 +139,24 @@ def _row_block(vocab: int) -> int:
 def _launch_config(logits: torch.Tensor) -> dict:
     """The forward kernels' meta-parameters for rows of ``logits`` (V, dtype and
     alignment only, never the batch): the statistics and compaction passes'
-    tile (_launch.tile_config, whose num_warps the launch takes), the block of
-    the passes over the candidate list, and of the digit search."""
-    return tile_config(logits, num_warps=_WARPS) | _list_config(logits.shape[-1])
+    tile (_launch.tile_config, whose num_warps the launch takes) and the
+    statistics pass's segments (_segments), the block of the passes over the
+    candidate list, and of the digit search."""
+    tile = tile_config(logits, num_warps=_WARPS)
+    return tile | _segments(logits.shape[-1], tile["LANES"]) | _list_config(logits.shape[-1])
+
+
+@functools.cache
+def _segments(vocab: int, lanes: int) -> dict:
+    """The statistics pass's segments (reduce.segment_stats, FOLD_TILES) of a row
+    of ``vocab`` logits read by ``lanes`` lanes: SEGS segments of SEG logits
+    (fastrl._rows.segment_length: 8 of V / 8 where V is a multiple of 64, else
+    the row), SEG_LANES = lanes / SEGS lanes each, the tile's REPS and VEC. A
+    function of V and the dtype alone, so that a vocabulary shard of whole
+    segments reduces each to the same bits (shard._shard_segments_kernel)."""
+    seg = segment_length(vocab)
+    segs = vocab // seg
+    return {"SEG": seg, "SEGS": segs, "SEG_LANES": lanes // segs}
 
 
 @functools.cache
@@ -194,8 +227,9 @@ def _split_parts(logits: torch.Tensor, n_rows: int, config: dict) -> tuple[int, 
 
 
 def _tiles(vocab: int, config: dict) -> int:
-    """Tiles of the statistics pass (reduce.softmax_stats) in a row."""
-    return -(-vocab // (config["REPS"] * config["LANES"] * config["VEC"]))
+    """Tiles of the statistics pass (reduce.segment_stats) in each segment of a row:
+    also the compaction's tiles of the row (its tile is a segment's tile of each)."""
+    return -(-config["SEG"] // (config["REPS"] * config["SEG_LANES"] * config["VEC"]))
 
 
 @functools.cache
@@ -207,15 +241,15 @@ def _sm_count(device: torch.device) -> int:
     return 132
 
 
-def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes, window, workspace, row_mass):
+def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes, window, workspace):
     """A row's reads over ``parts`` programs each (_select, SPLIT), of
     ``slice_lanes`` lanes (_split_parts): the tiles' lane statistics and the
     top-digit histogram (_split_tiles_kernel), the row's statistics and its
     list's floor (_split_rows_kernel, one program a row); with ``window``
     (_uses_window) the tiles' lane statistics and maxima, the window
     histogram (_split_window_kernel), then the row's statistics and floor;
-    last the compaction (_split_compact_kernel, with ``row_mass`` the row's
-    exact mass too: _row_mass), into ``workspace`` (_workspace)."""
+    last the compaction (_split_compact_kernel), into ``workspace``
+    (_workspace)."""
     vocab = logits.shape[-1]
     tiles = _tiles(vocab, config)
     groups = workspace["lane_stats"].shape[1]
@@ -224,8 +258,9 @@ def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice
     warps = max(slice_lanes // 32, 1)
     part_max = workspace.get("part_max")
     _split_tiles_kernel[(n_rows, parts)](
-        logits, *layout, vocab, *params, workspace["lane_stats"], workspace["hist"], groups, part_max, **flags,
-        **tile_meta, ALIGNED=config["ALIGNED"], MAX_IN_STORAGE_TYPE=config["MAX_IN_STORAGE_TYPE"], WINDOW=window,
+        logits, *layout, vocab, config["SEG"], *params, workspace["lane_stats"], workspace["hist"], groups, part_max, **flags,
+        **tile_meta, SEG_LANES=config["SEG_LANES"], ALIGNED=config["ALIGNED"],
+        MAX_IN_STORAGE_TYPE=config["MAX_IN_STORAGE_TYPE"], WINDOW=window,
         ACC=acc_tl, num_warps=warps, **_EXACT,
     )  # fmt: skip
     if window and acc_tl != tl.float64:  # (float64 rows never list: _list_floor)
@@ -242,12 +277,13 @@ def _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice
         )  # fmt: skip
     _split_rows_kernel[(n_rows,)](
         vocab, *params, workspace["lane_stats"], tiles, groups, workspace["hist"],
-        workspace["records"], **flags, LANES=config["LANES"], LIST_CAP=config["LIST_CAP"], WINDOW=window,
+        workspace["records"], **flags, LANES=config["LANES"], SEGS=config["SEGS"], SEG_LANES=config["SEG_LANES"],
+        LIST_CAP=config["LIST_CAP"], WINDOW=window,
         ACC=acc_tl, num_warps=_WARPS, **_EXACT,
     )  # fmt: skip
     _split_compact_kernel[(n_rows, parts)](
         logits, *layout, vocab, workspace["records"], workspace["lists"], workspace["counters"], **tile_meta,
-        LIST_CAP=config["LIST_CAP"], ROW_MASS=row_mass, num_warps=warps, **_EXACT,
+        LIST_CAP=config["LIST_CAP"], num_warps=warps, **_EXACT,
     )  # fmt: skip
 
 
@@ -265,30 +301,17 @@ def _uses_window(device: torch.device) -> bool:
     return device.type != "cpu" and triton_histogram_is_slow()
 
 
-def _row_mass(top_k, top_p, vocab: int, acc_tl) -> bool:
-    """Whether the launch's compaction sums each row's exact mass (_select's
-    ROW_MASS): where a float32-computed row may take top-p without top-k, whose
-    target is then p times that mass, the tensor-parallel search's (a per-row
-    top_k or top_p may; float64 rows never compact). Other launches compile
-    without it."""
-    may_top_p = isinstance(top_p, torch.Tensor) or top_p < 1
-    may_lack_top_k = isinstance(top_k, torch.Tensor) or not 0 < top_k < vocab
-    return acc_tl != tl.float64 and may_top_p and may_lack_top_k
-
-
-def _selection_args(logits, n_rows, params, flags, config, acc_tl, window, row_mass) -> tuple[list, dict]:
+def _selection_args(logits, n_rows, params, flags, config, acc_tl, window) -> tuple[list, dict]:
     """The final launch's (_select) candidate lists, counters and split records
-    (None for one program a row), and its SPLIT and ROW_MASS flags; ``window``:
-    a split row's histogram (None: the device's, _uses_window); ``row_mass``:
-    _row_mass's."""
+    (None for one program a row), and its SPLIT flag; ``window``: a split
+    row's histogram (None: the device's, _uses_window)."""
     window = _uses_window(logits.device) if window is None else window
     parts, slice_lanes = _split_parts(logits, n_rows, config)
     workspace = _workspace(logits, n_rows, config, bool(parts), window, logits.device)
     if parts:
-        _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes, window, workspace,
-                         row_mass)  # fmt: skip
+        _split_selection(logits, n_rows, params, flags, config, acc_tl, parts, slice_lanes, window, workspace)
     records = workspace["records"] if parts else None
-    return [workspace["lists"], workspace["counters"], records], {"SPLIT": bool(parts), "ROW_MASS": row_mass}
+    return [workspace["lists"], workspace["counters"], records], {"SPLIT": bool(parts)}
 
 
 def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset, window=None):
@@ -310,8 +333,7 @@ def sample_forward(logits, *, temperature, top_k, top_p, min_p, seed, offset, wi
     args, flags = _params(temperature, top_k, top_p, min_p)
     per_row_seed, offset_from_ptr = isinstance(seed, torch.Tensor), isinstance(offset, torch.Tensor)
     config = _launch_config(logits)
-    row_mass = _row_mass(top_k, top_p, vocab, acc_tl)
-    selection, split = _selection_args(logits, n_rows, args, flags, config, acc_tl, window, row_mass)
+    selection, split = _selection_args(logits, n_rows, args, flags, config, acc_tl, window)
     _sample_kernel[(n_rows,)](
         logits, *row_layout(logits), vocab, *args,
         seed if per_row_seed else None, 0 if per_row_seed else seed,
@@ -332,8 +354,7 @@ def truncated_forward(logits, labels, *, temperature, top_k, top_p, min_p, with_
     stats = torch.empty(n_rows, 3, dtype=acc, device=logits.device) if with_stats else None
     args, flags = _params(temperature, top_k, top_p, min_p)
     config = _launch_config(logits)
-    row_mass = _row_mass(top_k, top_p, vocab, acc_tl)
-    selection, split = _selection_args(logits, n_rows, args, flags, config, acc_tl, window, row_mass)
+    selection, split = _selection_args(logits, n_rows, args, flags, config, acc_tl, window)
     _truncated_fwd_kernel[(n_rows,)](
         logits, *row_layout(logits), vocab, labels, *args, out, stats, *selection, **flags, **split,
         WITH_STATS=with_stats, ACC=acc_tl, **config, **_EXACT, maxnreg=_MAXNREG,
@@ -388,8 +409,9 @@ def sample_shard_pass(logits, given, *, temperature, min_p, column_base, seed=No
     rows the unsharded sampler's own fixed point (compact._mass_units, in the
     first int64 of each pair), so that s_kept and u are its bits; for float64
     rows the float64 sums split exactly into two limbs (fastrl._rows.exact_mass_limbs).
-    The unsharded sampler's raw log-prob takes a float sum s (reduce.softmax_stats),
-    and its float64 rows' masses are float sums: those agree to rounding only (issue 39)."""
+    The unsharded sampler's s is a float sum (its segments' statistics,
+    which sample_segments gives the ranks), and so are its float64 rows'
+    masses: those agree to rounding only (issue 39)."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
     _, acc_tl = acc_dtypes(logits)
     sums = torch.empty(n_rows, 5, dtype=torch.float64, device=logits.device)
@@ -431,3 +453,46 @@ def sample_mass_logs(masses, float64):
     block = 128
     _mass_logs_kernel[(triton.cdiv(n_rows, block),)](masses, logs, n_rows, BLOCK=block, num_warps=4, **_EXACT)
     return logs
+
+
+def sample_segments(logits, *, temperature, vocab):
+    """[N, G, 3] float64: the (m, n, t) of each of the G segments of the rows of a
+    vocabulary shard ``logits`` [N, V_r] (or [outer, inner, V_r]) of rows of
+    ``vocab`` logits, whole segments of them (fastrl._rows.segment_length), as
+    the unsharded sampler's statistics pass reduces them (_segments, with the
+    whole row's tile), m in the accumulation dtype's value. The ranks gather
+    them and fold them with sample_segments_fold: the unsharded sampler's
+    (m, s, log s), from which its top-p target (without top-k) and its raw
+    log-prob come, bit for bit."""
+    n_rows, local = row_count(logits), logits.shape[-1]
+    _, acc_tl = acc_dtypes(logits)
+    tile = whole_row_tile_config(vocab, logits, _WARPS)
+    segments = _segments(vocab, tile["LANES"])
+    real = local // segments["SEG"]
+    slots = triton.next_power_of_2(real)
+    out = torch.empty(n_rows, real, 3, dtype=torch.float64, device=logits.device)
+    per_row_t = isinstance(temperature, torch.Tensor)
+    _shard_segments_kernel[(n_rows,)](
+        logits, *row_layout(logits), local, segments["SEG"], temperature if per_row_t else None,
+        0 if per_row_t else float_scalar_arg(temperature), out, PER_ROW_T=per_row_t, REPS=tile["REPS"], SEGS=slots,
+        REAL=real, SEG_LANES=segments["SEG_LANES"], VEC=tile["VEC"], ALIGNED=rows_aligned(logits),
+        MAX_IN_STORAGE_TYPE=tile["MAX_IN_STORAGE_TYPE"], ACC=acc_tl,
+        num_warps=max(1, slots * segments["SEG_LANES"] // 32), **_EXACT,
+    )  # fmt: skip
+    return out
+
+
+def sample_segments_fold(segments, acc, *, temperature):
+    """[N, 3] float64: each row's (m, s, log s) as the unsharded sampler's
+    statistics (sample._select, sample._row_state; log s rounded to the
+    accumulation dtype ``acc``) from its segments [N, G, 3] (sample_segments',
+    gathered from the ranks in vocabulary order; G a power of 2, at most 8)."""
+    n_rows = segments.shape[0]
+    stats = torch.empty(n_rows, 3, dtype=torch.float64, device=segments.device)
+    per_row_t = isinstance(temperature, torch.Tensor)
+    _segments_fold_kernel[(n_rows,)](
+        segments.contiguous(), temperature if per_row_t else None, 0 if per_row_t else float_scalar_arg(temperature),
+        stats, PER_ROW_T=per_row_t, SEGS=segments.shape[1], ACC=triton_acc(acc),
+        num_warps=1, **_EXACT,
+    )  # fmt: skip
+    return stats

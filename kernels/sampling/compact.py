@@ -26,9 +26,8 @@ def list_capacity(vocab: int) -> int:
 
 
 @triton.jit
-def _compact(row_ptr, begin, end, V, first_lane, lowest, cand_ptr, counter_ptr, m, inv_t, REPS: tl.constexpr,
-             LANES: tl.constexpr, VEC: tl.constexpr, TILE_LANES: tl.constexpr, LIST_CAP: tl.constexpr,
-             WITH_MASS: tl.constexpr):  # fmt: skip
+def _compact(row_ptr, begin, end, V, first_lane, lowest, cand_ptr, counter_ptr, REPS: tl.constexpr,
+             LANES: tl.constexpr, VEC: tl.constexpr, TILE_LANES: tl.constexpr, LIST_CAP: tl.constexpr):  # fmt: skip
     """Writes the row's tokens x >= lowest (a float32 logit above -inf) to the
     candidate list at cand_ptr, one int64 per token: the bits of its logit as a
     float32 (exact for the 16- and 32-bit types) above its index (_list_entries
@@ -40,7 +39,7 @@ def _compact(row_ptr, begin, end, V, first_lane, lowest, cand_ptr, counter_ptr, 
     - 1 of a tile of TILE_LANES lanes: the whole row (0, V, 0, LANES), or one
     program's slice of a tile (_split_compact_kernel).
 
-    One read, in softmax_stats' tile (a thread's REPS x VEC elements,
+    One read, in the row's tile (a thread's REPS x VEC elements,
     reduce.slice_offsets): each thread counts its tile's candidates, takes a range
     of the list with one atomic add on the row's counter (zero at launch), and
     stores its candidates there one element at a time: element (r, v) of every
@@ -51,19 +50,11 @@ def _compact(row_ptr, begin, end, V, first_lane, lowest, cand_ptr, counter_ptr, 
     first), and each candidate costs one 64-bit store. The ranges' order is the
     atomics' (any): everything computed from the list is independent of its
     order (counts, a max with ties to the lowest index, and masses summed in
-    fixed point, _mass_units).
-
-    Returns, WITH_MASS, the exact mass of those tiles' tokens, every one, in
-    _mass_units (int64; e = exp((x - m) / T) with ``m`` the row's max and
-    ``inv_t`` its 1/T, as the list's passes compute it), else 0: a row with
-    top-p and no top-k weighs its target against it, so that the target is the
-    tensor-parallel search's, which adds the same units over the ranks
-    (fastrl._sharded.sampling)."""
+    fixed point, _mass_units)."""
     lane_offs, rep_offs = slice_offsets(REPS, LANES, VEC, first_lane, TILE_LANES)
     rep_of = tl.arange(0, REPS)[:, None, None]
     vec_of = tl.arange(0, VEC)[None, None, :]
     lane = first_lane + tl.arange(0, LANES)
-    mass = tl.zeros([LANES], tl.int64)  # each thread's own sum: no value crosses threads in the loop
     for start in range(begin, end, REPS * TILE_LANES * VEC):
         offs = (start + lane_offs) + rep_offs
         x = lane_tile(tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")), LANES, VEC).to(tl.float32)
@@ -83,10 +74,7 @@ def _compact(row_ptr, begin, end, V, first_lane, lowest, cand_ptr, counter_ptr, 
                 tl.store(cand_ptr + at, (bits_here.to(tl.int64) << 32) | index.to(tl.int64),
                          mask=take_here & (at < LIST_CAP))
                 at += take_here.to(tl.int32)
-        if WITH_MASS:  # (a masked element: x = -inf, e = 0)
-            mass += tl.sum(tl.sum(_mass_units(tl.exp((x - m) * inv_t), tl.float32), axis=2), axis=0)
     tl.debug_barrier()  # the list is written before any thread reads it
-    return tl.sum(mass, axis=0)
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..random import exponential_variate, philox4x32_10
-from ..reduce import row_start, softmax_stats
+from ..reduce import fold_segments, row_start, segment_stats
 from .compact import _compact, _list_entries, _mass_units, _mass_value
 from .keys import _key_to_value, _order_key, _race_key
 from .params import _inverse_temperature, _row_params
@@ -32,10 +32,11 @@ _FLOAT32_LOWEST = tl.constexpr(-3.4028234663852886e38)
 
 
 @triton.jit
-def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
-            SPLIT: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
+def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr, SEG,
+            SPLIT: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr, SEGS: tl.constexpr,
+            SEG_LANES: tl.constexpr, VEC: tl.constexpr,
             ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, LIST_BLOCK: tl.constexpr,
-            SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ROW_MASS: tl.constexpr, ACC: tl.constexpr,
+            SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr,
             WITH_ENTROPY: tl.constexpr = False, WITH_DRAW: tl.constexpr = False, race_key=None):  # fmt: skip
     """Everything about one row's processed distribution: (bad, greedy, m, first
     argmax, number of maxima, 1/T, log s, threshold key, log min_p, log s_kept,
@@ -52,7 +53,8 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
     a greedy row's is 0.
 
     Two reads of the row on every Triton, with no histogram in either: its
-    statistics (reduce.softmax_stats: m, s and the number of maxima) with
+    statistics (reduce.segment_stats, its segments folded: m, s and the number
+    of maxima; the bits a vocabulary shard's ranks fold, fastrl._sharded.sampling) with
     its sub-lanes' maxima from the same loads; then, for a row that lists
     (top-k, top-p, greedy), the compaction of the tokens at or above the
     floor those maxima give (_lane_floor; the max itself for a greedy row)
@@ -64,44 +66,35 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
     The thresholds, then s_kept, the first argmax and the draw in one more
     pass, read the list only. A row with more candidates than that (top-p
     over a flat row) uses the row itself as its list: the same code, each
-    step a read of the row.
-
-    With ROW_MASS (a launch that may have rows with top-p and no top-k, float32
-    only) the compaction also sums the row's exact mass, which such a row's
-    top-p target weighs (_compact: the tensor-parallel search's target, so the
-    kept set is the same bits at every degree); a row that did not compact
-    sums it over its list, the row, as a top-k row sums its kept mass. It
-    costs an exp per token in the compaction read."""
+    step a read of the row."""
     neg_inf = float("-inf")
     inv_t = _inverse_temperature(t, valid, ACC)
     if SPLIT:
         m, n_max, tail = _record_stats(split_ptr, ACC)
-    elif ACC == tl.float64:  # never lists
-        m, n_max, tail, _no_w = softmax_stats(row_ptr, V, inv_t, False, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
-                                              ACC, True)  # fmt: skip
     else:
-        m, n_max, tail, _no_w, sub = softmax_stats(row_ptr, V, inv_t, False, REPS, LANES, VEC, ALIGNED,
-                                                   MAX_IN_STORAGE_TYPE, ACC, True, SUB_MAX=True)  # fmt: skip
+        # The row's SEGS segments of SEG logits (fastrl._rows.segment_length), folded
+        # along fold_segments' tree: the statistics a vocabulary shard's ranks fold
+        # from theirs (shard._shard_segments_kernel); float64 rows never list.
+        if ACC == tl.float64:
+            m, n_max, tail, w, q = segment_stats(row_ptr, V, SEG, inv_t, False, False, REPS, SEGS, SEGS, SEG_LANES, VEC,
+                                                 ALIGNED, MAX_IN_STORAGE_TYPE, ACC, FOLD_TILES=True)  # fmt: skip
+        else:
+            m, n_max, tail, w, q, sub = segment_stats(row_ptr, V, SEG, inv_t, False, False, REPS, SEGS, SEGS, SEG_LANES,
+                                                      VEC, ALIGNED, MAX_IN_STORAGE_TYPE, ACC, FOLD_TILES=True,
+                                                      SUB_MAX=True)  # fmt: skip
+        m, n_max, tail, _no_w, _no_q = fold_segments(m, n_max, tail, w, q, inv_t, False, False)
     bad, greedy, m_safe, s, log_s, k_on, p_on = _row_state(V, t, k, p, valid, m, n_max, tail, ACC)
     # A listed row reads the entries its compaction counted (the counter; past
     # LIST_CAP the row is its own list), never a histogram's count of them: a
     # count off by one made the tokens read depend on the atomics' order.
-    # With ROW_MASS: the exact mass of the row, and whether its compaction summed it (every token read)
-    if ROW_MASS:
-        tl.static_assert(ACC != tl.float64, "float64 rows never compact")
-    row_mass = tl.zeros([], tl.int64)
     if SPLIT:
         compacted = tl.load(split_ptr + 4) != 0
-        massed = compacted
-        if ROW_MASS:  # (_split_compact_kernel's slices added theirs)
-            row_mass = tl.load(split_ptr + 5)
         n_candidates = tl.where(compacted, tl.load(counter_ptr), V)
         compacted = compacted & (n_candidates <= LIST_CAP)
     else:
         # Float64 rows never compact: their sums stay float64, in row order (_mass_units).
         n_candidates = V + tl.zeros([], tl.int32)
         compacted = n_candidates < 0
-        massed = compacted
         if ACC != tl.float64:
             if (~bad) & (k_on | p_on | greedy):
                 lowest = m_safe.to(tl.float32)  # greedy: the maxima (the first argmax)
@@ -109,9 +102,7 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
                 if k_on | p_on:
                     lowest, found = _lane_floor(sub, k, p, m_safe, inv_t, s, k_on, p_on)
                 if found:
-                    row_mass = _compact(row_ptr, 0, V, V, 0, lowest, cand_ptr, counter_ptr, m_safe, inv_t, REPS, LANES,
-                                        VEC, LANES, LIST_CAP, ROW_MASS)  # fmt: skip
-                    massed = found
+                    _compact(row_ptr, 0, V, V, 0, lowest, cand_ptr, counter_ptr, REPS, LANES, VEC, LANES, LIST_CAP)
                     # the tokens >= lowest, counted by the compaction's atomics
                     n_candidates = tl.atomic_add(counter_ptr, 0, sem="relaxed")
                     compacted = (n_candidates <= LIST_CAP) & (n_candidates < V)
@@ -120,9 +111,8 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
                     lowest, n_candidates, compacted = _list_floor(V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s,
                                                                   counts, LIST_CAP, True, ACC)  # fmt: skip
                     if compacted:
-                        row_mass = _compact(row_ptr, 0, V, V, 0, lowest, cand_ptr, counter_ptr, m_safe, inv_t, REPS,
-                                            LANES, VEC, LANES, LIST_CAP, ROW_MASS)  # fmt: skip
-                        massed = compacted
+                        _compact(row_ptr, 0, V, V, 0, lowest, cand_ptr, counter_ptr, REPS, LANES, VEC, LANES,
+                                 LIST_CAP)  # fmt: skip
                         n_candidates = tl.atomic_add(counter_ptr, 0, sem="relaxed")
                         compacted = n_candidates <= LIST_CAP
     n_list = tl.where(compacted, n_candidates, V)
@@ -135,19 +125,14 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
         else:
             threshold = _kth_largest_key32(row_ptr, cand_ptr, compacted, n_list, threshold, k, LIST_BLOCK)
     if p_on:
-        top_k_mass = s  # top-k off: the row's mass (float64; with ROW_MASS its exact one)
-        # top-k off, ROW_MASS, and no compaction summed the row: its units over the list, the row itself
-        # (threshold: every token)
-        unsummed = (~k_on) & (~massed) & ROW_MASS
-        if k_on | unsummed:
+        top_k_mass = s  # top-k off: the row's mass (float64)
+        if k_on:
             units = tl.zeros([], tl.float64 if ACC == tl.float64 else tl.int64)
             for start in range(0, n_list, LIST_BLOCK):
                 x, _, live = _list_entries(row_ptr, cand_ptr, compacted, n_list, start + tl.arange(0, LIST_BLOCK), ACC)
                 e = _mass_units(tl.exp((x - m_safe) * inv_t), ACC)
                 units += tl.sum(tl.where(live & (_order_key(x) >= threshold), e, 0), axis=0)
             top_k_mass = _mass_value(units, ACC)
-        elif ROW_MASS:
-            top_k_mass = _mass_value(row_mass, ACC)
         target = p.to(tl.float64) * top_k_mass
         threshold = _largest_key_reaching(row_ptr, cand_ptr, compacted, n_list, m_safe, inv_t, threshold, target, True,
                                           SEARCH_BLOCK, ACC)  # fmt: skip
@@ -204,12 +189,13 @@ def _sample_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
     seeds_ptr, seed, offset_ptr, offset,
-    tokens_ptr, logprobs_ptr, raw_ptr, entropy_ptr, cand_ptr, counter_ptr, split_ptr,
+    tokens_ptr, logprobs_ptr, raw_ptr, entropy_ptr, cand_ptr, counter_ptr, split_ptr, SEG,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
     PER_ROW_SEED: tl.constexpr, OFFSET_FROM_PTR: tl.constexpr, SPLIT: tl.constexpr,
-    REPS: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, ALIGNED: tl.constexpr,
+    REPS: tl.constexpr, LANES: tl.constexpr, SEGS: tl.constexpr, SEG_LANES: tl.constexpr, VEC: tl.constexpr,
+    ALIGNED: tl.constexpr,
     MAX_IN_STORAGE_TYPE: tl.constexpr, LIST_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-    LIST_CAP: tl.constexpr, ROW_MASS: tl.constexpr, ACC: tl.constexpr,
+    LIST_CAP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
@@ -221,8 +207,8 @@ def _sample_kernel(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
-        ), cand_ptr, counter_ptr + row, split_ptr, SPLIT, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
-        LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ROW_MASS, ACC, True, True, race_key,
+        ), cand_ptr, counter_ptr + row, split_ptr, SEG, SPLIT, REPS, LANES, SEGS, SEG_LANES, VEC, ALIGNED,
+        MAX_IN_STORAGE_TYPE, LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC, True, True, race_key,
     )  # fmt: skip
     d_win = (tl.load(row_ptr + winner, mask=~bad, other=0.0).to(ACC) - m) * inv_t  # a bad row's winner may be anything
     logprob = tl.where(greedy, 0.0, d_win - log_s_kept)
@@ -237,13 +223,12 @@ def _sample_kernel(
 def _truncated_fwd_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V, labels_ptr,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
-    out_ptr, stats_ptr, cand_ptr, counter_ptr, split_ptr,
+    out_ptr, stats_ptr, cand_ptr, counter_ptr, split_ptr, SEG,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
     WITH_STATS: tl.constexpr, SPLIT: tl.constexpr, REPS: tl.constexpr, LANES: tl.constexpr,
-    VEC: tl.constexpr,
+    SEGS: tl.constexpr, SEG_LANES: tl.constexpr, VEC: tl.constexpr,
     ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr,
-    LIST_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ROW_MASS: tl.constexpr,
-    ACC: tl.constexpr,
+    LIST_BLOCK: tl.constexpr, SEARCH_BLOCK: tl.constexpr, LIST_CAP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
@@ -254,8 +239,8 @@ def _truncated_fwd_kernel(
         row_ptr, V, *_row_params(
             row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
             PER_ROW_T, PER_ROW_K, PER_ROW_P, PER_ROW_MIN_P, ACC,
-        ), cand_ptr, counter_ptr + row, split_ptr, SPLIT, REPS, LANES, VEC, ALIGNED, MAX_IN_STORAGE_TYPE,
-        LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ROW_MASS, ACC,
+        ), cand_ptr, counter_ptr + row, split_ptr, SEG, SPLIT, REPS, LANES, SEGS, SEG_LANES, VEC, ALIGNED,
+        MAX_IN_STORAGE_TYPE, LIST_BLOCK, SEARCH_BLOCK, LIST_CAP, ACC,
     )  # fmt: skip
     label = tl.load(labels_ptr + row).to(tl.int64)
     in_range = (label >= 0) & (label < V)

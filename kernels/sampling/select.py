@@ -154,7 +154,7 @@ def _kth_largest_key32(row_ptr, cand_ptr, compacted, n, floor_key, k, BLOCK: tl.
 def _tile_top_digits(x, mask):
     """The counts [_BINS] of the top digits (_top_digit_of) of a tile's 32-bit
     keys: x of any shape, mask None (every element) or of x's shape. One
-    histogram of the whole tile (reduce.softmax_stats' HISTOGRAM). A masked-off
+    histogram of the whole tile. A masked-off
     element counts as -inf, in -inf's digit, and is taken back out of it after:
     a masked histogram branches around each element's shared-memory atomic."""
     SIZE: tl.constexpr = x.numel
@@ -212,7 +212,7 @@ def _top_p_floor(counts, p, m, inv_t, s, ACC: tl.constexpr):
 @triton.jit
 def _lane_floor(sub, k, p, m, inv_t, s, k_on, p_on):
     """(lowest, found): a floor for the row's candidate list from its sub-lanes'
-    maxima (reduce.softmax_stats' SUB_MAX, [LANES, VEC] float32), with no
+    maxima (reduce.segment_stats' SUB_MAX, [LANES, VEC] float32), with no
     histogram: the tokens >= lowest hold every kept token when ``found``.
 
     The floor is the lowest max of a set S of sub-lanes, so each of S's
@@ -366,9 +366,9 @@ def _window_histogram(row_ptr, V, m, c, TILE: tl.constexpr):
 
 @triton.jit
 def _row_state(V, t, k, p, valid, m, n_max, tail, ACC: tl.constexpr):
-    """From the row's statistics (m, n_max, tail: reduce.softmax_stats): (bad,
+    """From the row's statistics (m, n_max, tail: reduce.segment_stats, folded): (bad,
     greedy, m_safe, s, log s, k_on, p_on). A row is bad (nothing to sample) with
-    a NaN (s is NaN: reduce.softmax_stats), a +inf (m = inf: softmax is NaN),
+    a NaN (s is NaN: reduce.segment_stats), a +inf (m = inf: softmax is NaN),
     only -inf (m = -inf), or an invalid parameter."""
     neg_inf = float("-inf")
     greedy = t == 0

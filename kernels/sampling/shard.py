@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .._launch import float_scalar
 from ..random import exponential_variate, philox4x32_10
-from ..reduce import row_start
+from ..reduce import fold_segments, log_sum, row_start, segment_stats
 from .compact import _mass_units, _mass_value
 from .keys import _order_key, _race_key
 from .params import _inverse_temperature, _row_param, _row_params
@@ -225,3 +225,47 @@ def _mass_logs_kernel(masses_ptr, logs_ptr, n_rows, BLOCK: tl.constexpr):
     tl.store(logs_ptr + 3 * rows, tl.log(s).to(tl.float64), mask=live)
     tl.store(logs_ptr + 3 * rows + 1, log_s_kept.to(tl.float64), mask=live)
     tl.store(logs_ptr + 3 * rows + 2, (log_s_kept + spread / s_kept).to(tl.float64), mask=live)
+
+
+@triton.jit
+def _shard_segments_kernel(
+    logits_ptr, inner, outer_stride, inner_stride, V, SEG, temps_ptr, temp, segments_ptr,
+    PER_ROW_T: tl.constexpr, REPS: tl.constexpr, SEGS: tl.constexpr, REAL: tl.constexpr, SEG_LANES: tl.constexpr,
+    VEC: tl.constexpr, ALIGNED: tl.constexpr, MAX_IN_STORAGE_TYPE: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """Each of a shard's rows' REAL segments' (m, n, t) ([N, REAL, 3] float64, m
+    in ACC's value), a program a row, in sample._select's statistics pass
+    (reduce.segment_stats, FOLD_TILES, with the whole row's REPS, SEG_LANES and
+    VEC; SEGS slots, REAL of them read), so the same bits as the unsharded
+    sampler's segments. 1/T as _select takes it (1 for a greedy row; a row
+    with a bad temperature is bad whatever its statistics)."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
+    t = _row_param(temps_ptr, temp, row, PER_ROW_T, ACC)
+    inv_t = _inverse_temperature(t, (t >= 0) & (t < float("inf")), ACC)
+    m, n, tail, _no_w, _no_q = segment_stats(row_ptr, V, SEG, inv_t, False, False, REPS, SEGS, REAL, SEG_LANES, VEC,
+                                             ALIGNED, MAX_IN_STORAGE_TYPE, ACC, FOLD_TILES=True)  # fmt: skip
+    slot = tl.arange(0, SEGS)
+    out = segments_ptr + (row * REAL + slot) * 3
+    tl.store(out, m.to(tl.float64), mask=slot < REAL)
+    tl.store(out + 1, n, mask=slot < REAL)
+    tl.store(out + 2, tail, mask=slot < REAL)
+
+
+@triton.jit
+def _segments_fold_kernel(segments_ptr, temps_ptr, temp, stats_ptr, PER_ROW_T: tl.constexpr, SEGS: tl.constexpr,
+                          ACC: tl.constexpr):  # fmt: skip
+    """A row's (m, s, log s) [N, 3] float64 from its SEGS segments' (m, n, t)
+    gathered from the ranks in vocabulary order (_shard_segments_kernel's): the
+    fold of sample._select (reduce.fold_segments) and sample._row_state's
+    s = n + t and log s, so the unsharded sampler's bits."""
+    row = tl.program_id(0).to(tl.int64)
+    t = _row_param(temps_ptr, temp, row, PER_ROW_T, ACC)
+    inv_t = _inverse_temperature(t, (t >= 0) & (t < float("inf")), ACC)
+    at = segments_ptr + (row * SEGS + tl.arange(0, SEGS)) * 3
+    zero = tl.zeros([SEGS], tl.float64)
+    m, n, tail, _no_w, _no_q = fold_segments(tl.load(at).to(ACC), tl.load(at + 1), tl.load(at + 2), zero, zero, inv_t,
+                                             False, False)  # fmt: skip
+    tl.store(stats_ptr + 3 * row, m.to(tl.float64))
+    tl.store(stats_ptr + 3 * row + 1, n + tail)
+    tl.store(stats_ptr + 3 * row + 2, log_sum(n, tail).to(ACC).to(tl.float64))

@@ -170,12 +170,19 @@ def _truncated(n: int, v: int, dtype: torch.dtype) -> Callable[[], None]:
 
 
 def _shard_pass(batch: int, v: int) -> Callable[[], None]:
-    """A tp = 2 rank's sample at top-k 50 (fastrl._sharded.sampling): the top-k radix select's two
-    rounds over the shard (bf16 keys), then the shard pass (its tiles, then their fold)."""
+    """A tp = 2 rank's sample at top-k 50 (fastrl._sharded.sampling): its segments' statistics (the
+    rows' max and float sum, for the raw log-prob) and their fold once gathered, the top-k radix
+    select's two rounds over the shard (bf16 keys), then the shard pass (its tiles, then their fold)."""
     from fastrl.kernels import sampling
 
     def run() -> None:
         logits, prefix = meta(batch, v, dtype=BF16), meta(batch, dtype=I64)
+        with role("sample shard segments"):
+            sampling.sample_segments(logits, temperature=SAMPLING_TEMPERATURE, vocab=SAMPLING_VOCAB)
+        with role("sample shard segments fold"):
+            sampling.sample_segments_fold(meta(batch, SAMPLING_VOCAB // segment_length(SAMPLING_VOCAB), 3,
+                                               dtype=torch.float64), torch.float32,
+                                          temperature=SAMPLING_TEMPERATURE)  # fmt: skip
         for shift in (24, 16):
             with role("sample shard histogram"):
                 sampling.shard_digit_histogram(logits, prefix, shift, temperature=SAMPLING_TEMPERATURE)
@@ -229,7 +236,8 @@ def _sampling_cases() -> list[Case]:
                         compaction=COMPACTION))  # fmt: skip
     for batch in (64, 1024):  # the tensor-parallel sampler's read of a rank's shard (tp = 2)
         out.append(Case("sample shard top-k 50", (batch, SHARD_VOCAB), BF16,
-                        ("sample shard histogram", "sample shard histogram", "sample shard tiles", "sample shard fold"),
+                        ("sample shard segments", "sample shard segments fold", "sample shard histogram",
+                         "sample shard histogram", "sample shard tiles", "sample shard fold"),
                         _shard_pass(batch, SHARD_VOCAB)))  # fmt: skip
     n, v, dtype = TRUNCATED_SHAPE
     out.append(Case("truncated_logprobs top-k 50 fwd+bwd", (n, v), dtype,
@@ -376,6 +384,11 @@ def coverage() -> None:
                                            unit_scale=2.0**44)  # fmt: skip
             # the masses summed over the ranks, finished as the unsharded sampler finishes its own
             sampling.sample_mass_logs(meta(n, 6, dtype=I64), False)
+            # the row sums of an even split (2 and 8 ranks of the row's segments) and their fold
+            for ranks in (2, 8):
+                sampling.sample_segments(meta(n, v // ranks, dtype=dtype), temperature=params["temperature"], vocab=v)
+            sampling.sample_segments_fold(meta(n, v // segment_length(v), 3, dtype=torch.float64), torch.float32,
+                                          temperature=params["temperature"])  # fmt: skip
         # one row: split over many programs (kernels/sampling/__init__.py, _split_selection)
         one, one_temp = meta(1, v, dtype=dtype), meta(1, dtype=F32)
         split_params = {"temperature": one_temp, "top_k": meta(1, dtype=I64), "top_p": one_temp, "min_p": one_temp}

@@ -145,35 +145,20 @@ OP_BUDGETS: dict[str, float] = {
 
 # What today's kernels miss: (fragment of the case id, role or "*", gate) -> the
 # change that fixes it. The test marks these xfail(strict=True): once the kernel
-# is fixed the test passes, fails as XPASS, and the entry is removed. The
-# sampler's dearest pass, the compaction, is 14-15 SASS an element (within 1.5x
-# the log-prob forward's) but in a launch with top-p and no top-k, whose
-# compaction also sums the row's exact mass (issue 39: the kept set the same at
-# every tensor-parallel degree): an exp with its denormal guard and a
-# fixed-point conversion a token, ~25 SASS an element.
-_ROW_MASS_FIX = (
-    "a row's exact mass for top-p without top-k (kernels/sampling/sample.py, ROW_MASS) summed only for the "
-    "rows whose float-sum target lies within that sum's proven error bound of a list token's cumulative mass, "
-    "in a read of their own (the other rows' threshold is the exact target's). A read of its own for every "
-    "such row meets both budgets but was slower (sm_90 model, top-p 0.9 at B = 1024: 380 us against 342)"
-)
-KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
-    ("sample top-p 0.9", "sample", "SASS/element"): _ROW_MASS_FIX,
-}
+# is fixed the test passes, fails as XPASS, and the entry is removed. Empty since
+# the sampler's one program a row left its top-digit histogram (its dearest pass,
+# the compaction, is 14-15 SASS an element, within 1.5x the log-prob forward's).
+KNOWN_FAILURES: dict[tuple[str, str, str], str] = {}
 
 # Kernels that spill today under CI's Triton (tests/test_triton_compile.py,
 # test_no_kernel_spills), each with the change that fixes it: marked
 # xfail(strict=True) the same way, so that the fix removes the entry.
 KNOWN_SPILLS: dict[str, str] = {
-    # The truncated forward's one LDL on its kept-mass list loop under 3.9 went with
-    # the list's length read from the compaction's counter (kernels/sampling/sample.py,
-    # _select). The sampler's, launched with top-p and no top-k, spills 4 words under
-    # 3.9 (3 under 3.8): the compaction's exact mass holds the row's max, 1/T and an
-    # int64 sum across the loop, under the 64-register cap. The words are stored once
-    # a row and loaded in the list's last pass (once a row) and the window histogram
-    # (not taken by the benchmark's rows). The predictions file of each Triton
-    # (tools/sass/tritons.sh) records them.
-    "_sample_kernel": _ROW_MASS_FIX,
+    # None under CI's Triton (3.9). The truncated forward's one LDL on its kept-mass
+    # list loop under 3.9 went with the list's length read from the compaction's
+    # counter (kernels/sampling/sample.py, _select). Under triton 3.8 it has two
+    # local-memory instructions (the sampler's kernel none now): the predictions
+    # file of each Triton (tools/sass/tritons.sh) records them.
 }
 
 # Gates
