@@ -125,6 +125,13 @@ def segment_stats(row_ptr, V, SEG, inv_t, WITH_W: tl.constexpr, WITH_Q: tl.const
     if ALIGNED:  # every row, so every segment (SEG * element size a multiple of 16), on a 16-byte boundary
         row_ptr = tl.multiple_of(row_ptr, 16)
     lane_ptr = row_ptr + seg_start
+    if FOLD_TILES:  # (a pointer a thread to its elements of a tile: no offset live across the loop, where
+        # the 64-register sampler kernels kept it in local memory)
+        loop_ptr = lane_ptr + within
+        loop_offset = 0
+    else:
+        loop_ptr = lane_ptr
+        loop_offset = within
     # A tile of every segment at once: ROW_TILE of the row. V - V % ROW_TILE is REAL times the
     # whole tiles of a segment (V = REAL * SEG), so the loop runs a segment's whole tiles.
     ROW_TILE: tl.constexpr = REAL * REPS * SEG_LANES * VEC
@@ -132,9 +139,9 @@ def segment_stats(row_ptr, V, SEG, inv_t, WITH_W: tl.constexpr, WITH_Q: tl.const
     tl.static_assert((TILES == 1) or (TILES == 2), "segment_stats: one or two tiles an iteration")
     sub = tl.full([LANES, VEC], neg_inf, ACC)
     for start in range(0, whole, TILES * ROW_TILE):
-        x = lane_tile(tl.load((lane_ptr + (start // REAL + within)) + rep), LANES, VEC)
+        x = lane_tile(tl.load((loop_ptr + (start // REAL + loop_offset)) + rep), LANES, VEC)
         if TILES == 2:
-            x2 = lane_tile(tl.load((lane_ptr + ((start + ROW_TILE) // REAL + within)) + rep), LANES, VEC)
+            x2 = lane_tile(tl.load((loop_ptr + ((start + ROW_TILE) // REAL + loop_offset)) + rep), LANES, VEC)
         if FOLD_TILES:
             m, n, t = fold_lanes(m, n, t, *tile_lane_stats(x, k, MAX_IN_STORAGE_TYPE), k)
             if SUB_MAX:

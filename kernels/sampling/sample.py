@@ -155,7 +155,7 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
         kept_units += tl.sum(tl.where(kept, _mass_units(e, ACC), 0), axis=0)
         if WITH_ENTROPY:  # (a kept -inf logit, e = 0, adds 0 * finite: d is held above -inf)
             spread_units += tl.sum(tl.where(kept, _mass_units(e * -tl.maximum(d, _FLOAT32_LOWEST), ACC), 0), axis=0)
-        first = tl.minimum(first, tl.where(live & (x == m), index, V))
+        first = tl.minimum(first, tl.where(live & (x == m_safe), index, V))  # (a bad row's is never used)
         if WITH_DRAW:
             k0, k1, salt, c2, c3 = race_key
             zeros = tl.zeros([LIST_BLOCK], tl.uint32)
