@@ -151,9 +151,9 @@ def _segments(vocab: int, lanes: int) -> dict:
     """The statistics pass's segments (reduce.segment_stats, FOLD_TILES) of a row
     of ``vocab`` logits read by ``lanes`` lanes: SEGS segments of SEG logits
     (fastrl._rows.segment_length: 8 of V / 8 where V is a multiple of 64, else
-    the row), SEG_LANES = lanes / SEGS lanes each, the tile's REPS and VEC. A
-    function of V and the dtype alone, so that a vocabulary shard of whole
-    segments reduces each to the same bits (shard._shard_segments_kernel)."""
+    the row), SEG_LANES = lanes / SEGS lanes each (with the tile's REPS and
+    VEC). A function of V and the dtype alone, so that a vocabulary shard of
+    whole segments reduces each to the same bits (sample_segments)."""
     seg = segment_length(vocab)
     segs = vocab // seg
     return {"SEG": seg, "SEGS": segs, "SEG_LANES": lanes // segs}
