@@ -133,7 +133,8 @@ def _assert_same(actual, expected, what):
 
 
 def _opcheck_cases(device: str, backend: str) -> dict:
-    """Arguments for every operator of fastrl._ops, on ``device`` and ``backend``."""
+    """Arguments for every operator of fastrl._ops, on ``device`` and ``backend`` (a Triton-only
+    one, _ops.TRITON_LAUNCHERS, on the Triton backend alone)."""
     dev = torch.device(device)
     logits, labels = torch.randn(4, 33, device=dev), torch.randint(33, (4,), device=dev)
     wide = torch.randn(4, 256, device=dev)
@@ -152,7 +153,14 @@ def _opcheck_cases(device: str, backend: str) -> dict:
     count = torch.tensor(5.0, dtype=torch.float64, device=dev)
     _, _, row_weights = _ops.policy_finalize(policy_stats, 0, 1.0, count, 0.0, None, None, 9.0, 0.1, 0.0, torch.float32, backend)  # fmt: skip
     _, correction_stats = _ops.rollout_correction_forward(old, lp, mask, False, True, 0.0, 2.0, 0.5, backend)
-    return {
+    triton_only = {}
+    if backend == "triton":  # (a shard of two of the eight segments of a 256-entry vocabulary, and the fold of eight)
+        triton_only = {
+            "sample_segments": (wide[:, 64:128], temps, 0.0, 256, backend),
+            "sample_segments_fold": (_ops.sample_segments(wide, temps, 0.0, 256, backend), torch.float32, temps, 0.0,
+                                     backend),  # fmt: skip
+        }
+    return triton_only | {
         "logprobs_forward": (logits, labels, temps, 0.0, -100, True, True, True, backend),
         "logprobs_backward": (logits, labels, None, 0.7, -100, stats, entropy, ones, ones, grad(), 0, -1, backend),
         # (a shard of two of the eight segments of a 256-entry vocabulary, and the fold of eight)
@@ -189,7 +197,12 @@ def test_every_operator_passes_opcheck(device, backend):
     declared mutations of every torch.ops.fastrl operator, including under AOT dispatch."""
     cases = _opcheck_cases(device, backend)
     registered = {name for name in dir(torch.ops.fastrl) if isinstance(getattr(torch.ops.fastrl, name), torch._ops.OpOverloadPacket)}
-    assert registered == set(cases), f"operators without an opcheck case: {registered - set(cases)}"
+    triton_only = {name for names in _ops.TRITON_LAUNCHERS.values() for name in names}
+    expected = set(cases) | (triton_only if backend != "triton" else set())
+    assert registered == expected, f"operators without an opcheck case: {registered - expected}"
+    if backend != "triton":  # another backend is refused by name
+        with pytest.raises(ValueError, match="a Triton-only launcher"):
+            torch.ops.fastrl.sample_segments(torch.zeros(1, 64, device=device), None, 1.0, 64, backend)
     for name, args in cases.items():
         torch.library.opcheck(getattr(torch.ops.fastrl, name).default, args)
 
