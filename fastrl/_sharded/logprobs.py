@@ -142,10 +142,29 @@ def shard_segments(shard: Shard) -> tuple[int, tuple[int, ...], int]:
     or 8 ranks), so that the results are bitwise the unsharded ones; otherwise
     each shard is one segment read with its own row's tile, all its warps on it
     (exact to rounding, not bitwise)."""
+    whole = whole_segments(shard)
+    if whole is not None:
+        return *whole, shard.vocab
+    return shard.local, tuple(int(size > 0) for size in shard.sizes), shard.local
+
+
+def whole_segments(shard: Shard) -> tuple[int, tuple[int, ...]] | None:
+    """(the whole row's segment length, every rank's count of them) where every shard is whole
+    segments of the row (fastrl._rows.segment_length: an even split of a multiple of 64 over 1, 2,
+    4 or 8 ranks), else None."""
     segment = segment_length(shard.vocab)
     if all(start % segment == 0 and size % segment == 0 for start, size in zip(shard.starts, shard.sizes)):
-        return segment, tuple(size // segment for size in shard.sizes), shard.vocab
-    return shard.local, tuple(int(size > 0) for size in shard.sizes), shard.local
+        return segment, tuple(size // segment for size in shard.sizes)
+    return None
+
+
+def in_vocabulary_order(gathered: torch.Tensor, counts, values: int, shard: Shard) -> torch.Tensor:
+    """[N, G, values]: every rank's real segments, ``counts[rank]`` of ``values`` numbers each at the
+    start of its row of ``gathered`` [world, N, ...] (gather_ranks'), in vocabulary order (a shard
+    may hold fewer segments than the widest)."""
+    ranks = sorted(range(len(shard.starts)), key=lambda rank: shard.starts[rank])
+    in_order = torch.cat([gathered[rank, :, : counts[rank] * values] for rank in ranks], dim=1)
+    return in_order.reshape(gathered.shape[1], -1, values).contiguous()
 
 
 def label_logits(rows, labels, shard: Shard, acc) -> torch.Tensor:
@@ -190,14 +209,11 @@ def _segments_across_ranks(rows, labels, temps, temp_scalar, ignore_index, with_
     local[:, : mine * 5] = segments.reshape(n_rows, mine * 5)
     local[:, -1] = label_logits(rows, labels, shard, acc).double()
     gathered = gather_ranks(local, shard)  # [world, N, width * 5 + 1]
-    # Every rank's real segments, in vocabulary order (a shard may hold fewer than `width`).
-    ranks = sorted(range(len(shard.starts)), key=lambda rank: shard.starts[rank])
-    in_order = torch.cat([gathered[rank, :, : counts[rank] * 5] for rank in ranks], dim=1)
     x_y = None
     if labels is not None:
         x_y = gathered[:, :, -1].gather(0, label_owner(labels, shard).unsqueeze(0)).squeeze(0).to(acc).contiguous()
     logprob, entropy, stats, sum_pi_squared = _ops.logprobs_combine(
-        in_order.reshape(n_rows, -1, 5).contiguous(), x_y, labels, temps, temp_scalar, ignore_index, with_entropy,
+        in_vocabulary_order(gathered, counts, 5, shard), x_y, labels, temps, temp_scalar, ignore_index, with_entropy,
         True, with_sum_pi_squared, shard.vocab, acc, backend,
     )  # fmt: skip
     # (an output not asked for comes back empty: None here, as combine_across_ranks gives it)

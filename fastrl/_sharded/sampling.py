@@ -9,7 +9,8 @@ import torch
 from .. import _ops, reference
 from .._backend import select_backend
 from .._distributed import LABELED, Shard, agree, all_reduce_sum, gather_ranks, label_range, logits_layout
-from .._rows import exact_mass_limbs, mass_logs, row_view, segment_length
+from .._rows import exact_mass_limbs, mass_logs, row_view
+from .logprobs import in_vocabulary_order, whole_segments
 
 # The processed distribution's kept set is {x >= tau} (with min-p's per-token test; sampling.py),
 # so the ranks agree on the row's max M and on tau, then each reads its shard once:
@@ -269,19 +270,17 @@ def _row_sums(rows, params, shard: Shard, backend) -> torch.Tensor | None:
     (fastrl._rows.segment_length: an even split of a V that is a multiple of 64 over 1, 2, 4 or 8
     ranks). None elsewhere: on the native backend, whose sampler weighs exact masses that the shard
     passes add up, and on another split (then to rounding)."""
-    segment = segment_length(shard.vocab)
-    if backend != "triton" or any(start % segment or size % segment for start, size in zip(shard.starts, shard.sizes)):
+    whole = whole_segments(shard)
+    if backend != "triton" or whole is None:
         return None
+    segment, counts = whole
     temps, temp = _ops.split_row_param(params["temperature"])
     n_rows = rows.shape[0] * rows.shape[1]
-    counts = [size // segment for size in shard.sizes]
     local = torch.zeros(n_rows, max(counts) * 3, dtype=torch.float64, device=rows.device)
     local[:, : shard.local // segment * 3] = _ops.sample_segments(rows, temps, temp, shard.vocab, backend).reshape(
         n_rows, -1)  # fmt: skip
-    gathered = gather_ranks(local, shard)
-    ranks = sorted(range(len(shard.starts)), key=lambda rank: shard.starts[rank])
-    in_order = torch.cat([gathered[rank, :, : counts[rank] * 3] for rank in ranks], dim=1).reshape(n_rows, -1, 3)
-    return _ops.sample_segments_fold(in_order.contiguous(), reference.compute_dtype(rows), temps, temp, backend)
+    in_order = in_vocabulary_order(gather_ranks(local, shard), counts, 3, shard)
+    return _ops.sample_segments_fold(in_order, reference.compute_dtype(rows), temps, temp, backend)
 
 
 def _kept_threshold(rows, params, shard: Shard, top_k_on: bool, top_p_on: bool, backend):
