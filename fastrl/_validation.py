@@ -50,6 +50,19 @@ def check_logits(logits: object, name: str = "logits") -> torch.Tensor:
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+# The Triton sampler sums a float32-computed row's masses in int64 units of 2^-42
+# (kernels/sampling/compact.py, _mass_units): V of them, each at most 2^42, stay below
+# 2^63 for V < 2^21. A longer row (no language model's vocabulary) is refused, not wrapped.
+TRITON_SAMPLER_MAX_VOCAB = 1 << 21
+
+
+def check_sampler_vocab(vocab: int, backend: str, name: str = "logits") -> None:
+    """A ValueError for a row the Triton sampler cannot sum exactly (TRITON_SAMPLER_MAX_VOCAB)."""
+    if backend == "triton" and vocab >= TRITON_SAMPLER_MAX_VOCAB:
+        raise ValueError(f"{name}: the Triton sampler takes rows of fewer than 2^21 = {TRITON_SAMPLER_MAX_VOCAB} "
+                         f"tokens (its exact mass sums), got {vocab}")
+
+
 def check_ignore_index(value: object) -> int:
     """An int the kernels can compare labels with: int64."""
     return check_scalar(value, "ignore_index", integer=True,

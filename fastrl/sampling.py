@@ -191,6 +191,7 @@ def sample(
     params = _truncation(logits, temperature, top_k, top_p, min_p)
     seed, offset = _seed_and_offset(seed, offset, rows, logits.device)
     backend = select_backend(logits.device)
+    _validation.check_sampler_vocab(logits.shape[-1], backend)
     if logits.numel() == 0:
         acc = reference.compute_dtype(logits)
         empty = lambda dt: torch.empty(rows, dtype=dt, device=logits.device)  # noqa: E731
@@ -382,6 +383,7 @@ def truncated_logprobs(
     params = _truncation(logits, temperature, top_k, top_p, min_p)
     rows = logits.shape[:-1]
     backend = select_backend(logits.device)
+    _validation.check_sampler_vocab(logits.shape[-1], backend)
     if backend == "reference" or logits.numel() == 0:
         out = reference.truncated_logprobs(logits, labels, **_reference_args(logits, params))
     elif torch.is_grad_enabled() and logits.requires_grad:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from conftest import assert_close_to_reference, backend_params
+from conftest import assert_close_to_reference, backend_params, kernel_backends
 from fastrl.kernels.random import philox4x32_10
 from fastrl.kernels.sampling.select import _WINDOW_BINS, _window_counts
 from scipy import stats
@@ -1080,6 +1080,22 @@ def test_bad_logits_and_labels():
         fastrl.truncated_logprobs(torch.randn(2, 5), torch.tensor([0, 5]))
     with pytest.raises(ValueError, match="labels must have shape"):
         fastrl.truncated_logprobs(torch.randn(2, 5), torch.tensor([0]))
+
+
+@pytest.mark.skipif("triton" not in kernel_backends("cpu"), reason="the Triton backend's limit")
+def test_triton_sampler_refuses_rows_it_cannot_sum():
+    """The Triton sampler's masses are int64 sums of 2^-42 units (kernels/sampling/compact.py): a
+    row of 2^21 tokens could overflow them, so it is refused by name before any kernel runs (the
+    native backend takes it); 2^21 - 1 is a row it takes."""
+    wide = torch.zeros(1, 2**21)
+    with fastrl.use_backend("triton"):
+        with pytest.raises(ValueError, match=r"logits: the Triton sampler takes rows of fewer than 2\^21"):
+            fastrl.sample(wide, top_p=0.9, seed=1)
+        with pytest.raises(ValueError, match=r"logits: the Triton sampler takes rows of fewer than 2\^21"):
+            fastrl.truncated_logprobs(wide, torch.tensor([1]), top_k=5)
+    if "native" in kernel_backends("cpu"):
+        with fastrl.use_backend("native"):
+            assert 0 <= int(fastrl.sample(wide, top_p=0.9, seed=1).tokens) < 2**21
 
 
 def test_empty_and_shapes():

@@ -812,15 +812,15 @@ def test_segments_fold_to_the_whole_row(device, backend, vocab):
                         f"{name}: {degree} shards, {dtype} {backend} V={vocab}")
 
 
-def _exact_sampler_rows(backend: str, dtype: torch.dtype, kw: dict, n_rows: int) -> torch.Tensor:
+def _exact_sampler_rows(backend: str, kw: dict, n_rows: int) -> torch.Tensor:
     """[N] bool: the rows whose sharded sampler outputs (but the raw log-prob on Triton) are the
     unsharded ones bit for bit on _check_sampling's uneven split (fastrl._sharded.sampling): every
-    row on native; on Triton the float32-computed rows (not float64) but those with top-p and no
-    top-k, whose target weighs the unsharded kernel's float row sum, which only whole segments
-    give the ranks (test_top_p_at_a_mass_edge_keeps_the_sharded_set)."""
+    row on native; on Triton every row but those with top-p and no top-k, whose target weighs the
+    unsharded kernel's float row sum, which only whole segments give the ranks
+    (test_top_p_at_a_mass_edge_keeps_the_sharded_set)."""
     if backend == "native":
         return torch.ones(n_rows, dtype=torch.bool)
-    if backend != "triton" or dtype == torch.float64:
+    if backend != "triton":
         return torch.zeros(n_rows, dtype=torch.bool)
     top_k, top_p = kw.get("top_k", 0), kw.get("top_p", 1.0)
     return ~((torch.as_tensor(top_p) < 1) & (torch.as_tensor(top_k) == 0)).expand(n_rows)
@@ -847,15 +847,16 @@ def _check_sampling(rank: int, world: int, group, seed: int) -> None:
                per_row]  # fmt: skip
     weights = torch.randn(n_rows, dtype=torch.float64)
     # Every configuration in float32; bfloat16 and float64 (8 radix rounds) on the combined filters and
-    # per-row parameters; the Triton interpreter (~40 ms a row) float32 on three (each sharded call is a
-    # dozen collectives: 4 ranks on 2 cores take ~10 ms each; its top-p alone at a mass's edge:
-    # test_top_p_at_a_mass_edge_keeps_the_sharded_set).
+    # per-row parameters; the Triton interpreter (~40 ms a row) float32 on three and float64 on the per-row
+    # parameters (each sharded call is a dozen collectives: 4 ranks on 2 cores take ~10 ms each; its top-p
+    # alone at a mass's edge: test_top_p_at_a_mass_edge_keeps_the_sharded_set).
     cases = [(torch.float32, configs), (torch.bfloat16, configs[3:4] + configs[6:]), (torch.float64, configs[1:2] + configs[6:])]
+    triton_cases = [(torch.float32, configs[4:]), (torch.float64, configs[6:])]
     for backend in kernel_backends("cpu") + ["reference"]:
-        for dtype, chosen in cases[:1] if backend == "triton" else cases:
+        for dtype, chosen in triton_cases if backend == "triton" else cases:
             x = logits.to(dtype)
             acc = reference.compute_dtype(x)
-            for kw in chosen[4:] if backend == "triton" else chosen:
+            for kw in chosen:
                 kw = {k: v.to(acc) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kw.items()}
                 what = f"{backend} {dtype} {sorted(kw)} rank {rank}/{world}"
                 with fastrl.use_backend(backend):
@@ -864,12 +865,12 @@ def _check_sampling(rank: int, world: int, group, seed: int) -> None:
                     again = fastrl.sample(x[:, start:stop], **kw, seed=seed, offset=3, group=group)
                 # The same race over the same kept set (top-p's masses are exact sums: module comment;
                 # Triton's top-p rows without top-k weigh a float sum, agreed to rounding on this split).
-                exact = _exact_sampler_rows(backend, dtype, kw, n_rows)
+                exact = _exact_sampler_rows(backend, kw, n_rows)
                 same = exact if backend == "triton" else torch.ones(n_rows, dtype=torch.bool)
                 assert torch.equal(out.tokens[same], expected.tokens[same]), (what, out.tokens, expected.tokens)
                 assert all(torch.equal(a, b) for a, b in zip(out, again, strict=True)), what
                 # The unsharded bits (issue 39): exact mass sums on any split. Native: every output. Triton
-                # (float32): the log-prob and entropy; not its raw log-prob, whose log s is the unsharded
+                # (float32 and float64): the log-prob and entropy; not its raw log-prob, whose log s is the unsharded
                 # kernel's float sum over the row, its segments' statistics folded (on an even split the
                 # ranks fold the same: test_top_p_at_a_mass_edge_keeps_the_sharded_set).
                 for name in ("logprobs", "entropy") if backend == "triton" else out._fields:
@@ -999,6 +1000,10 @@ def _check_sampling(rank: int, world: int, group, seed: int) -> None:
     lo, hi = wide.shape[-1] * rank // world, wide.shape[-1] * (rank + 1) // world
     lp = fastrl.truncated_logprobs(wide[:, lo:hi], torch.tensor([1]), top_p=0.9, group=group)
     assert_close_to_reference(lp, reference.truncated_logprobs(wide.double(), torch.tensor([1]), top_p=0.9), 1e-5)
+    if "triton" in kernel_backends("cpu"):  # (whose 2^-42 units would overflow: refused on every rank)
+        with fastrl.use_backend("triton"):
+            _expect_error_everywhere(r"fewer than 2\^21",
+                                     lambda: fastrl.sample(wide[:, lo:hi], top_p=0.9, seed=1, group=group))  # fmt: skip
 
 
 def _check_top_p_edge(rank: int, world: int, group, seed: int) -> None:
@@ -1048,6 +1053,34 @@ def _check_top_p_edge(rank: int, world: int, group, seed: int) -> None:
         for name in sharded._fields:
             assert torch.equal(getattr(sharded, name), getattr(whole, name)), (name, split)
         assert torch.equal(sharded_lp, whole_lp), split
+    if world == 2:
+        # Float64 rows (masses in two int64 limbs, top-p weights in the shards' units: kernels/sampling/
+        # compact.py): random rows and extreme ones, each with filters of its own (top-p alone on two). 4096 tokens: each
+        # shard two of the list's 1024-token blocks, whose float sums the ranks added in another order before
+        # the limbs (every config then differed in the last bit). One program a row: a float64 row never
+        # compacts, so each of the 16 steps of its threshold search reads the row (the split's statistics
+        # are every dtype's, tested above).
+        short = 4096
+        x64 = make_logits((7,), short, torch.float64, std=3.0)  # (four random rows: most configs differed in one)
+        x64[4, : short // 2] = float("-inf")
+        x64[5, ::3] = torch.finfo(torch.float64).min
+        x64[6, short // 2 - 1 : short // 2 + 1] = float(x64[6].max()) + 1.0
+        part64 = x64[:, rank * short // 2 : (rank + 1) * short // 2]
+        per_row = dict(temperature=torch.tensor([0.7, 1.3, 1.0, 0.9, 0.8, 1.1, 0.6], dtype=torch.float64),
+                       top_k=torch.tensor([0, 50, 7, 0, 40, 0, 3]),
+                       top_p=torch.tensor([0.8, 0.95, 0.5, 1.0, 0.9, 0.85, 1.0], dtype=torch.float64),
+                       min_p=torch.tensor([0.0, 0.01, 0.0, 0.05, 0.0, 0.02, 0.0], dtype=torch.float64))  # fmt: skip
+        labels64 = torch.tensor([0, short - 1, 1, short // 2, 5, 7, short // 2 - 1])
+        kernels._sm_count = lambda device: 0
+        with fastrl.use_backend("triton"):
+            whole = fastrl.sample(x64, **per_row, seed=seed, offset=1)
+            sharded = fastrl.sample(part64, **per_row, seed=seed, offset=1, group=group)
+            whole_lp = fastrl.truncated_logprobs(x64, labels64, **per_row)
+            sharded_lp = fastrl.truncated_logprobs(part64, labels64, **per_row, group=group)
+        for name in sharded._fields:
+            got, want = getattr(sharded, name), getattr(whole, name)
+            assert torch.equal(got.nan_to_num(0.5), want.nan_to_num(0.5)), (name, "float64")
+        assert torch.equal(sharded_lp.nan_to_num(0.5), whole_lp.nan_to_num(0.5)), "float64"
 
 
 @pytest.mark.skipif("triton" not in kernel_backends("cpu"), reason="the Triton interpreter's exp")
@@ -1061,7 +1094,8 @@ def test_top_p_at_a_mass_edge_keeps_the_sharded_set(world, tmp_path):
     programs or not at 2), and give the same raw log-prob (log s); so do rows with -inf segments, finfo.min
     logits and a max tied across a shard boundary. (Weighed against the exact mass on the
     ranks, as before this fold, every such row kept one token fewer sharded.) The edge is computed
-    with numpy's float32 exp, the interpreter's; on a GPU the rows are merely random."""
+    with numpy's float32 exp, the interpreter's; on a GPU the rows are merely random. At 2 ranks,
+    float64 rows too, with every filter: each output bit for bit."""
     _spawn(_check_top_p_edge, world, tmp_path)
 
 

@@ -10,6 +10,7 @@ from .. import _ops, reference
 from .._backend import select_backend
 from .._distributed import LABELED, Shard, agree, all_reduce_sum, gather_ranks, label_range, logits_layout
 from .._rows import exact_mass_limbs, mass_logs, row_view
+from .._validation import check_sampler_vocab
 from .logprobs import in_vocabulary_order, whole_segments
 
 # The processed distribution's kept set is {x >= tau} (with min-p's per-token test; sampling.py),
@@ -26,11 +27,11 @@ from .logprobs import in_vocabulary_order, whole_segments
 #   3. top-p: the same descent weighted by mass, among the top-k tokens: the largest key u with
 #      mass(key >= u) >= p * mass(top-k set) (on Triton, a row without top-k: p * s, as its unsharded
 #      kernel weighs it, where step 1 gave s), masses in the unsharded kernels' integer fixed point
-#      (native: e * 2^(62 - bits of V) rounded to an int64, so that V of them cannot overflow;
-#      Triton, float32 rows: its own 2^-42 units, kernels/sampling/compact.py), exact sums in any
-#      order, with their counts, one all-reduce a round;
+#      (native, and Triton's float64 rows: e * 2^(62 - bits of V) rounded to an int64, so that V of
+#      them cannot overflow; Triton's float32 rows: its own 2^-42 units; kernels/sampling/compact.py,
+#      _weight_units), exact sums in any order, with their counts, one all-reduce a round;
 #   4. the shard pass (kernel): the shard's masses s and s_kept and its kept tokens' u = sum e (-d)
-#      as exact integer sums (csrc/sampling.cpp, ExactMass; Triton float32 rows: its units), and
+#      as exact integer sums (csrc/sampling.cpp, ExactMass; Triton: its units, compact._mass_units), and
 #      the exponential race over its kept tokens with the global index as Philox counter, so each
 #      rank's best score is the unsharded race's over those tokens (the same d = (x - M) / T, the
 #      same variates); one all-gather of 80 bytes a row, and every rank takes the best score (ties:
@@ -42,8 +43,7 @@ from .logprobs import in_vocabulary_order, whole_segments
 # of the vocabulary (issue 39), and every rank gets them. On Triton, what its unsharded kernel weighs
 # against the float row sum s (the raw log-prob's log s, a top-p target without top-k) is its bits
 # where step 1 folds the segments (an even split of a V that is a multiple of 64 over 1, 2, 4 or 8
-# ranks), else agrees to rounding; float64 rows' masses are float sums there, to rounding too (a
-# float64 row's token unless a top-p boundary falls within that rounding).
+# ranks), else agrees to rounding.
 
 
 def _mass_units(vocab: int) -> float:
@@ -290,6 +290,7 @@ def _kept_threshold(rows, params, shard: Shard, top_k_on: bool, top_p_on: bool, 
     outer, inner, vocab = rows.shape
     n_rows = outer * inner
     acc = reference.compute_dtype(rows)
+    check_sampler_vocab(shard.vocab, backend)  # (the whole row's V, agreed: every rank raises)
     sums = _row_sums(rows, params, shard, backend)
     if sums is None:
         maxima = gather_ranks(rows.amax(-1).reshape(n_rows).to(acc), shard)

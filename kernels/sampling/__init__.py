@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastrl._rows import exact_mass_limbs, mass_logs, row_count, row_layout, segment_length
+from fastrl._rows import row_count, row_layout, segment_length
 
 from .._launch import (
     CONTRACTED,
@@ -88,6 +88,7 @@ from .shard import (
     _shard_fold_kernel,
     _shard_segments_kernel,
     _shard_tile_kernel,
+    _tile_record,
 )
 from .split import (
     _FOLD_GROUP,
@@ -405,53 +406,48 @@ def sample_shard_pass(logits, given, *, temperature, min_p, column_base, seed=No
     ``offset`` as sample_forward's, or with ``labels`` (global ids) the
     truncated log-prob's terms.
 
-    The masses (s, s_kept, u), which the ranks add as integers: for float32
-    rows the unsharded sampler's own fixed point (compact._mass_units, in the
-    first int64 of each pair), so that s_kept and u are its bits; for float64
-    rows the float64 sums split exactly into two limbs (fastrl._rows.exact_mass_limbs).
-    The unsharded sampler's s is a float sum (its segments' statistics,
-    which sample_segments gives the ranks), and so are its float64 rows'
-    masses: those agree to rounding only (issue 39)."""
+    The masses (s, s_kept, u), which the ranks add as integers, in the
+    unsharded sampler's own fixed point (compact._mass_units, with for
+    float64 rows the low limbs, compact._mass_rest: pairs of int64), so that
+    s_kept and u are its bits. The unsharded sampler's s is a float sum (its
+    segments' statistics, which sample_segments gives the ranks)."""
     n_rows, vocab = row_count(logits), logits.shape[-1]
     _, acc_tl = acc_dtypes(logits)
-    sums = torch.empty(n_rows, 5, dtype=torch.float64, device=logits.device)
+    scores = torch.empty(n_rows, 2, dtype=torch.float64, device=logits.device)
+    masses = torch.empty(n_rows, 6, dtype=torch.int64, device=logits.device)
     picks = torch.empty(n_rows, 2, dtype=torch.int64, device=logits.device)
     args, flags = _params(temperature, 0, 1.0, min_p)
     per_row_seed, offset_from_ptr = isinstance(seed, torch.Tensor), isinstance(offset, torch.Tensor)
     block = min(triton.next_power_of_2(vocab), _SHARD_PASS_BLOCK)
     tiles = triton.cdiv(vocab, block)
-    masses = torch.empty(n_rows, tiles, 4, dtype=torch.float64, device=logits.device)
+    tile_masses = torch.empty(n_rows, tiles, _tile_record(acc_tl), dtype=torch.float64, device=logits.device)
     marks = torch.empty(n_rows, tiles, 3, dtype=torch.int32, device=logits.device)
     given_bits = given.view(torch.int64 if acc_tl == tl.float64 else torch.int32)
     _shard_tile_kernel[(n_rows, tiles)](
         logits, *row_layout(logits), vocab, given_bits, *args, column_base,
         seed if per_row_seed else None, 0 if per_row_seed or seed is None else seed,
-        offset if offset_from_ptr else None, 0 if offset_from_ptr else offset, masses, marks, tiles,
+        offset if offset_from_ptr else None, 0 if offset_from_ptr else offset, tile_masses, marks, tiles,
         **flags, RACE=labels is None, PER_ROW_SEED=per_row_seed, OFFSET_FROM_PTR=offset_from_ptr, BLOCK_V=block,
         ACC=acc_tl, num_warps=4, **_EXACT, maxnreg=_SHARD_TILE_MAXNREG,
     )  # fmt: skip
     _shard_fold_kernel[(n_rows,)](
-        logits, *row_layout(logits), vocab, given, *args, column_base, labels, masses, marks, sums, picks, tiles,
-        **flags, RACE=labels is None, TILE_BLOCK=triton.next_power_of_2(tiles), ACC=acc_tl, num_warps=4, **_EXACT,
+        logits, *row_layout(logits), vocab, given, *args, column_base, labels, tile_masses, marks, scores, masses,
+        picks, tiles, **flags, RACE=labels is None, TILE_BLOCK=triton.next_power_of_2(tiles), ACC=acc_tl,
+        num_warps=4, **_EXACT,
     )  # fmt: skip
-    if acc_tl == tl.float32:  # (the fold's units, in the first of each pair)
-        hi, lo = sums[:, [0, 1, 4]].view(torch.int64), torch.zeros(n_rows, 3, dtype=torch.int64, device=sums.device)
-    else:
-        hi, lo = exact_mass_limbs(sums[:, [0, 1, 4]])
-    return sums[:, 2:4].contiguous(), torch.stack([hi, lo], -1).reshape(n_rows, 6), picks
+    return scores, masses, picks
 
 
 def sample_mass_logs(masses, float64):
     """(log s, log s_kept, entropy) [N, 3] float64 of the tensor-parallel sampler's masses
-    [N, 6] summed over the ranks (sample_shard_pass's): for float32 rows by the unsharded
-    kernel's own float32 formula (_mass_logs_kernel), for float64 rows by
-    fastrl._rows.mass_logs (the unsharded kernel's float64 sums are not exact)."""
-    if float64:
-        return mass_logs(masses)
+    [N, 6] summed over the ranks (sample_shard_pass's) by the unsharded kernel's own formula
+    (_mass_logs_kernel), in float64 for ``float64`` rows, else float32."""
     n_rows = masses.shape[0]
     logs = torch.empty(n_rows, 3, dtype=torch.float64, device=masses.device)
     block = 128
-    _mass_logs_kernel[(triton.cdiv(n_rows, block),)](masses, logs, n_rows, BLOCK=block, num_warps=4, **_EXACT)
+    _mass_logs_kernel[(triton.cdiv(n_rows, block),)](masses, logs, n_rows, BLOCK=block,
+                                                      ACC=tl.float64 if float64 else tl.float32, num_warps=4,
+                                                      **_EXACT)  # fmt: skip
     return logs
 
 

@@ -3,7 +3,7 @@ at most list_capacity(V) of them, compacted into int64 entries (``_compact``);
 the entries as every later pass reads them, from the list or, for a row that
 is its own list, from the row (``_list_entries``); and the masses summed over
 them, in fixed point so that a sum does not depend on the list's order
-(``_mass_units``)."""
+(``_mass_units``; the top-p search's weights, ``_weight_units``)."""
 
 from __future__ import annotations
 
@@ -79,25 +79,70 @@ def _compact(row_ptr, begin, end, V, first_lane, lowest, cand_ptr, counter_ptr, 
 
 @triton.jit
 def _mass_units(e, ACC: tl.constexpr):
-    """Probability mass e = exp(d) in [0, 1] as the kernels sum it: float64 as
-    is; float32 in fixed point, round-down(e * 2^42) in int64, so that a sum is
-    exact and the same in any order (the candidate list's order is not fixed,
-    _compact). The units drop e < 2^-42 and round each term down by < 2^-42: on a
-    sum >= 1 (every kept set holds its max, e = 1) at most V * 2^-42 <= 4e-8
-    relative at V = 2^18, under float32's own rounding of the sum."""
+    """Probability mass e = exp(d) in [0, 1] as the kernels sum it, in fixed
+    point, so that a sum is exact and the same in any order (the candidate
+    list's order is not fixed, _compact; a vocabulary shard's ranks add theirs:
+    fastrl._sharded.sampling). Float32 rows: round-down(e * 2^42) in int64. The
+    units drop e < 2^-42 and round each term down by < 2^-42: on a sum >= 1
+    (every kept set holds its max, e = 1) at most V * 2^-42 <= 4e-8 relative at
+    V = 2^18, under float32's own rounding of the sum. Float64 rows: the high
+    limb of two, round-down(e * 2^32), with _mass_rest the low one: e to
+    2^-64, V * 2^-64 <= 2e-14 relative at V = 2^18; each limb's sum stays
+    below 2^63 for V < 2^31."""
     if ACC == tl.float64:
-        return e
+        return (e * 4294967296.0).to(tl.int64)
     else:
         return (e * 4398046511104.0).to(tl.int64)
 
 
 @triton.jit
-def _mass_value(units, ACC: tl.constexpr):
-    """The float64 mass of a sum of _mass_units."""
+def _mass_rest(e):
+    """A float64 mass's low limb (_mass_units): round-down of what the high limb
+    leaves of e * 2^32 (its fraction, exact), times 2^32."""
+    scaled = e * 4294967296.0
+    return ((scaled - scaled.to(tl.int64).to(tl.float64)) * 4294967296.0).to(tl.int64)
+
+
+@triton.jit
+def _mass_value(units, rest, ACC: tl.constexpr):
+    """The float64 mass of a sum of _mass_units (float64 rows: and of the sum
+    ``rest`` of their _mass_rest; float32 rows take 0), rounded once."""
     if ACC == tl.float64:
-        return units
+        return units.to(tl.float64) * 2.3283064365386963e-10 + rest.to(tl.float64) * 5.421010862427522e-20
     else:
         return units.to(tl.float64) * 2.2737367544323206e-13
+
+
+@triton.jit
+def _float64_unit_scale(V, POWER: tl.constexpr):
+    """2^(POWER * (62 - bits of V)) as a float64, from V's float64 exponent (exact
+    for any V > 0): the weight units of a float64 row's top-p search (_weight_units)."""
+    floor_log2 = ((V + tl.zeros([], tl.int64)).to(tl.float64).to(tl.int64, bitcast=True) >> 52) - 1023
+    return ((1023 + POWER * (61 - floor_log2)) << 52).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _weight_units(e, scale, ACC: tl.constexpr):
+    """A token's weight in the top-p search (select._largest_key_reaching, the
+    shard's shard._digit_histogram_kernel), in int64 so that sums are exact in
+    any order: float32 rows in _mass_units; float64 rows in one limb,
+    round(e * scale) (e in [0, 1]) with ``scale`` = 2^(62 - bits of V) of the whole row's V
+    (_float64_unit_scale; fastrl._sharded.sampling._mass_units, as the native
+    kernels): V weights sum below 2^63."""
+    if ACC == tl.float64:
+        return (e * scale + 0.5).to(tl.int64)
+    else:
+        return _mass_units(e, ACC)
+
+
+@triton.jit
+def _weight_value(units, inverse_scale, ACC: tl.constexpr):
+    """The float64 mass of a sum of _weight_units (``inverse_scale``: 1 / scale,
+    exact, a power of 2)."""
+    if ACC == tl.float64:
+        return units.to(tl.float64) * inverse_scale
+    else:
+        return _mass_value(units, 0, ACC)
 
 
 @triton.jit

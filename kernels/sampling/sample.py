@@ -13,7 +13,16 @@ import triton.language as tl
 
 from ..random import exponential_variate, philox4x32_10
 from ..reduce import fold_segments, row_start, segment_stats
-from .compact import _compact, _list_entries, _mass_units, _mass_value
+from .compact import (
+    _compact,
+    _float64_unit_scale,
+    _list_entries,
+    _mass_rest,
+    _mass_units,
+    _mass_value,
+    _weight_units,
+    _weight_value,
+)
 from .keys import _key_to_value, _order_key, _race_key
 from .params import _inverse_temperature, _row_params
 from .select import (
@@ -48,9 +57,11 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
     exp(d_j), d_j = (x_j - m) / T, and s_kept over the kept tokens (key >=
     threshold and d >= log min_p); bad as _row_state. The entropy of q_j =
     e_j / s_kept is -sum q_j log q_j = log s_kept + u / s_kept with u = sum_kept
-    e_j (-d_j) >= 0, summed as s_kept is (in fixed point for float32, so in any
-    order of the list: _mass_units, whose 2^-42 units hold e (-d) <= 1/e too);
-    a greedy row's is 0.
+    e_j (-d_j) >= 0, summed as s_kept is (in fixed point, so in any order of
+    the list and on any split of the row: _mass_units, which hold e (-d) <= 1/e
+    too); a greedy row's is 0. The top-p search weighs tokens
+    in _weight_units (float64 rows: one limb, in the units of the vocabulary
+    shards' search, fastrl._sharded.sampling).
 
     Two reads of the row on every Triton, with no histogram in either: its
     statistics (reduce.segment_stats, its segments folded: m, s and the number
@@ -92,7 +103,7 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
         n_candidates = tl.where(compacted, tl.load(counter_ptr), V)
         compacted = compacted & (n_candidates <= LIST_CAP)
     else:
-        # Float64 rows never compact: their sums stay float64, in row order (_mass_units).
+        # Float64 rows never compact (a list entry holds a float32 logit): their list is the row.
         n_candidates = V + tl.zeros([], tl.int32)
         compacted = n_candidates < 0
         if ACC != tl.float64:
@@ -118,28 +129,32 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
     n_list = tl.where(compacted, n_candidates, V)
 
     threshold = _order_key(tl.full([], neg_inf, ACC))  # keeps every non-NaN logit
+    # (the weights' scale and its inverse: float64 rows, _weight_units)
+    unit_scale, inverse_scale = _float64_unit_scale(V, 1), _float64_unit_scale(V, -1)
     if k_on:  # k <= n_list: the list holds the digits from the k-th largest's up
         if ACC == tl.float64:
-            threshold = _largest_key_reaching(row_ptr, cand_ptr, compacted, n_list, m_safe, inv_t, threshold, k, False,
-                                              SEARCH_BLOCK, ACC)  # fmt: skip
+            threshold = _largest_key_reaching(row_ptr, cand_ptr, compacted, n_list, m_safe, inv_t, threshold, k,
+                                              unit_scale, inverse_scale, False, SEARCH_BLOCK, ACC)  # fmt: skip
         else:
             threshold = _kth_largest_key32(row_ptr, cand_ptr, compacted, n_list, threshold, k, LIST_BLOCK)
     if p_on:
         top_k_mass = s  # top-k off: the row's mass (float64)
         if k_on:
-            units = tl.zeros([], tl.float64 if ACC == tl.float64 else tl.int64)
+            units = tl.zeros([], tl.int64)
             for start in range(0, n_list, LIST_BLOCK):
                 x, _, live = _list_entries(row_ptr, cand_ptr, compacted, n_list, start + tl.arange(0, LIST_BLOCK), ACC)
-                e = _mass_units(tl.exp((x - m_safe) * inv_t), ACC)
+                e = _weight_units(tl.exp((x - m_safe) * inv_t), unit_scale, ACC)
                 units += tl.sum(tl.where(live & (_order_key(x) >= threshold), e, 0), axis=0)
-            top_k_mass = _mass_value(units, ACC)
+            top_k_mass = _weight_value(units, inverse_scale, ACC)
         target = p.to(tl.float64) * top_k_mass
-        threshold = _largest_key_reaching(row_ptr, cand_ptr, compacted, n_list, m_safe, inv_t, threshold, target, True,
-                                          SEARCH_BLOCK, ACC)  # fmt: skip
+        threshold = _largest_key_reaching(row_ptr, cand_ptr, compacted, n_list, m_safe, inv_t, threshold, target,
+                                          unit_scale, inverse_scale, True, SEARCH_BLOCK, ACC)  # fmt: skip
 
     log_min_p = tl.where(min_p > 0, tl.log(min_p.to(ACC)), neg_inf).to(ACC)
-    kept_units = tl.zeros([], tl.float64 if ACC == tl.float64 else tl.int64)
-    spread_units = tl.zeros([], tl.float64 if ACC == tl.float64 else tl.int64)
+    kept_units = tl.zeros([], tl.int64)
+    spread_units = tl.zeros([], tl.int64)
+    kept_rest = tl.zeros([], tl.int64)  # (float64 rows: the low limbs, _mass_rest)
+    spread_rest = tl.zeros([], tl.int64)
     # and the first argmax (the lowest index with x == m), which the list holds
     first = tl.full([LIST_BLOCK], V, tl.int32)
     # With WITH_DRAW, the race in the same pass: the list's entries draw the
@@ -153,8 +168,13 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
         kept = live & (_order_key(x) >= threshold) & (d >= log_min_p)
         e = tl.exp(d)
         kept_units += tl.sum(tl.where(kept, _mass_units(e, ACC), 0), axis=0)
+        if ACC == tl.float64:
+            kept_rest += tl.sum(tl.where(kept, _mass_rest(e), 0), axis=0)
         if WITH_ENTROPY:  # (a kept -inf logit, e = 0, adds 0 * finite: d is held above -inf)
-            spread_units += tl.sum(tl.where(kept, _mass_units(e * -tl.maximum(d, _FLOAT32_LOWEST), ACC), 0), axis=0)
+            spread = e * -tl.maximum(d, _FLOAT32_LOWEST)
+            spread_units += tl.sum(tl.where(kept, _mass_units(spread, ACC), 0), axis=0)
+            if ACC == tl.float64:
+                spread_rest += tl.sum(tl.where(kept, _mass_rest(spread), 0), axis=0)
         first = tl.minimum(first, tl.where(live & (x == m_safe), index, V))  # (a bad row's is never used)
         if WITH_DRAW:
             k0, k1, salt, c2, c3 = race_key
@@ -168,14 +188,14 @@ def _select(row_ptr, V, t, k, p, min_p, valid, cand_ptr, counter_ptr, split_ptr,
             wins = (b_best > best) | ((b_best == best) & (b_best > float("-inf")) & (b_arg < winner))
             winner = tl.where(wins, b_arg, winner)
             best = tl.maximum(best, b_best)
-    s_kept = _mass_value(kept_units, ACC).to(ACC)
+    s_kept = _mass_value(kept_units, kept_rest, ACC).to(ACC)
     # A greedy row's log s_kept is 0, as the native kernel leaves it (its truncated
     # log-prob is 0 or -inf and its gradient 0, whatever it is): not the mass of its
     # list, which holds the maxima or more, by the route its floor took.
     log_s_kept = tl.where(greedy, 0.0, tl.log(s_kept)).to(ACC)
     entropy = tl.zeros([], ACC)
     if WITH_ENTROPY:
-        entropy = tl.where(greedy, 0.0, log_s_kept + _mass_value(spread_units, ACC).to(ACC) / s_kept).to(ACC)
+        entropy = tl.where(greedy, 0.0, log_s_kept + _mass_value(spread_units, spread_rest, ACC).to(ACC) / s_kept).to(ACC)
     arg = tl.min(first, axis=0).to(tl.int64)
     if WITH_DRAW:
         # the first argmax for a greedy row, and where every kept draw lost (E = inf, ~2^-25 each)

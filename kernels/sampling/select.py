@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..reduce import log_sum
-from .compact import _list_entries, _mass_units, _mass_value
+from .compact import _list_entries, _weight_units, _weight_value
 from .keys import _BINS, _digit_edge, _key_to_value, _order_key, _top_digit_of
 
 # The bins of the window histogram (_window_bin), the statistics pass's
@@ -30,10 +30,11 @@ _WINDOW_ONE = tl.constexpr(0x3F800000 >> _WINDOW_SHIFT.value)  # 1.0's bin
 
 
 @triton.jit
-def _largest_key_reaching(row_ptr, cand_ptr, compacted, n, m, inv_t, floor_key, target, WEIGHTED: tl.constexpr,
-                          BLOCK: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+def _largest_key_reaching(row_ptr, cand_ptr, compacted, n, m, inv_t, floor_key, target, unit_scale, inverse_scale,
+                          WEIGHTED: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """The largest key u with F(u) >= target, where F(u) counts (or, WEIGHTED,
-    sums e_j = exp((x_j - m) / T) over, in _mass_units; the target a float64 mass)
+    sums e_j = exp((x_j - m) / T) over, in _weight_units of ``unit_scale``, whose
+    inverse is ``inverse_scale`` (float64 rows); the target a float64 mass)
     the list's tokens (_list_entries) with key >= max(u, floor_key).
     F is non-increasing, so a descent digit by digit (16 pivots per pass, most
     significant first) keeps the largest pivot that still reaches the target.
@@ -48,22 +49,19 @@ def _largest_key_reaching(row_ptr, cand_ptr, compacted, n, m, inv_t, floor_key, 
     for level in tl.static_range((KEY_BITS - LOW) // 4):
         shift = KEY_BITS - 4 * (level + 1)  # a constexpr: level is one in static_range
         pivots = prefix + (digits << shift)
-        if WEIGHTED:
-            reach = tl.zeros([16], tl.float64 if ACC == tl.float64 else tl.int64)
-        else:
-            reach = tl.zeros([16], tl.int64)
+        reach = tl.zeros([16], tl.int64)
         for start in range(0, n, BLOCK):
             x, _, live = _list_entries(row_ptr, cand_ptr, compacted, n, start + tl.arange(0, BLOCK), ACC)
             key = _order_key(x)
             live = live & (key >= floor_key)
             above = (key[:, None] >= pivots[None, :]) & live[:, None]
             if WEIGHTED:
-                e = _mass_units(tl.exp((x - m) * inv_t), ACC)
+                e = _weight_units(tl.exp((x - m) * inv_t), unit_scale, ACC)
                 reach += tl.sum(tl.where(above, e[:, None], 0), axis=0)
             else:
                 reach += tl.sum(above.to(tl.int64), axis=0)
         if WEIGHTED:
-            best = tl.max(tl.where(_mass_value(reach, ACC) >= target, digits, 0), axis=0)
+            best = tl.max(tl.where(_weight_value(reach, inverse_scale, ACC) >= target, digits, 0), axis=0)
         else:
             best = tl.max(tl.where(reach >= target, digits, 0), axis=0)
         prefix = prefix + (best << shift)
@@ -402,7 +400,7 @@ def _list_floor(V, k, p, inv_t, bad, greedy, k_on, p_on, m_safe, s, counts, LIST
     # or top-p's mass bound, or the max's digit or bin (greedy: the first
     # argmax). Rows with min-p or temperature alone keep too many tokens to
     # list: they skip the histogram and read the row. Float64 rows never
-    # compact: their sums stay float64, in row order (_mass_units).
+    # compact (a list entry holds a float32 logit): their list is the row.
     lowest = tl.full([], float("-inf"), tl.float32)
     n_candidates = V + tl.zeros([], tl.int32)
     compacted = False

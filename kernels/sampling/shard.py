@@ -15,7 +15,7 @@ import triton.language as tl
 from .._launch import float_scalar
 from ..random import exponential_variate, philox4x32_10
 from ..reduce import fold_segments, log_sum, row_start, segment_stats
-from .compact import _mass_units, _mass_value
+from .compact import _mass_rest, _mass_units, _mass_value, _weight_units
 from .keys import _order_key, _race_key
 from .params import _inverse_temperature, _row_param, _row_params
 from .sample import _FLOAT32_LOWEST
@@ -32,8 +32,9 @@ def _shard_tile_kernel(
 ):  # fmt: skip
     """The first launch of csrc/sampling.h's sample_shard_pass: a program a tile of a row (grid
     axis 1) writes the tile's (s, s_kept, best race score, u = sum_kept e (-d)) to ``masses``
-    ([N, TILES, 4] float64; the three masses in _mass_units, in its bits) and (number of
-    maxima, first maximum, race winner) as int32 shard indices to ``marks`` ([N, TILES, 3]).
+    ([N, TILES, _tile_record(ACC)] float64; the three masses in _mass_units, in its bits, and for
+    float64 rows then their _mass_rest) and (number of maxima, first maximum, race winner) as
+    int32 shard indices to ``marks`` ([N, TILES, 3]).
     The race's score d - log E rounds as _sample_kernel's (the same functions, compiled without
     fused multiply-adds), so its winner is the unsharded sampler's; Philox runs only in a tile
     that holds a kept token."""
@@ -59,7 +60,8 @@ def _shard_tile_kernel(
     winner = V + tl.zeros([], tl.int32)
     # The race's processed entropy takes the tile's u = sum_kept e (-d), in a tile that holds a
     # kept token; a kept -inf logit, e = 0, adds 0 * finite (d held above -inf).
-    spread = tl.zeros([], tl.int64 if ACC == tl.float32 else tl.float64)
+    spread = tl.zeros([], tl.int64)
+    spread_rest = tl.zeros([], tl.int64)  # (float64 rows: _mass_rest)
     if RACE:
         if tl.max(kept.to(tl.int32), axis=0) > 0:
             k0, k1, salt, c2, c3 = _race_key(row, seeds_ptr, seed, offset_ptr, offset, PER_ROW_SEED,
@@ -70,55 +72,62 @@ def _shard_tile_kernel(
             race = tl.where(kept, d - tl.log(exponential_variate(w0, w1).to(ACC)), float("-inf"))
             best = tl.max(race, axis=0)
             winner = tl.min(tl.where((race == best) & kept, offs, V), axis=0)  # ties: the lowest index
-            spread = tl.sum(_mass_units(tl.where(kept, e * -tl.maximum(d, _FLOAT32_LOWEST), 0.0), ACC), axis=0)
-    # The masses as the unsharded sampler sums them (sample._select): for float32 rows in its fixed
-    # point (compact._mass_units, int64: exact, so the tiles' and the ranks' integer sums are the
-    # unsharded row's bits; one conversion a token for s and s_kept), for float64 rows in float64
-    # (a tree of depth log2(BLOCK_V) <= 10 over non-negative terms).
+            spread_e = tl.where(kept, e * -tl.maximum(d, _FLOAT32_LOWEST), 0.0)
+            spread = tl.sum(_mass_units(spread_e, ACC), axis=0)
+            if ACC == tl.float64:
+                spread_rest = tl.sum(_mass_rest(spread_e), axis=0)
+    # The masses as the unsharded sampler sums them (sample._select), in its fixed point
+    # (compact._mass_units, int64: exact, so the tiles' and the ranks' integer sums are the
+    # unsharded row's bits; one conversion a token for s and s_kept).
     units = _mass_units(e, ACC)
-    mass_at = (row * TILES + tile) * 4
+    mass_at = (row * TILES + tile) * _tile_record(ACC)
     tl.store(masses_ptr + mass_at, tl.sum(units, axis=0).to(tl.float64, bitcast=True))
     tl.store(masses_ptr + mass_at + 1, tl.sum(tl.where(kept, units, 0), axis=0).to(tl.float64, bitcast=True))
     tl.store(masses_ptr + mass_at + 2, best.to(tl.float64))
     tl.store(masses_ptr + mass_at + 3, spread.to(tl.float64, bitcast=True))
+    if ACC == tl.float64:
+        rest = _mass_rest(e)
+        tl.store(masses_ptr + mass_at + 4, tl.sum(rest, axis=0).to(tl.float64, bitcast=True))
+        tl.store(masses_ptr + mass_at + 5, tl.sum(tl.where(kept, rest, 0), axis=0).to(tl.float64, bitcast=True))
+        tl.store(masses_ptr + mass_at + 6, spread_rest.to(tl.float64, bitcast=True))
     at = (row * TILES + tile) * 3
     tl.store(marks_ptr + at, tl.sum(at_max.to(tl.int32), axis=0))
     tl.store(marks_ptr + at + 1, tl.min(tl.where(at_max, offs, V), axis=0))
     tl.store(marks_ptr + at + 2, winner)
 
 
+@triton.constexpr_function
+def _tile_record(acc):
+    """Float64 slots of a tile's record (_shard_tile_kernel): s, s_kept, the race's best score
+    and u, then for float64 rows the low limbs (compact._mass_rest) of s, s_kept and u."""
+    return 7 if str(acc) == "fp64" else 4
+
+
 @triton.jit
-def _tiles_mass(at_ptr, on, ACC: tl.constexpr):
-    """The sum of a row's tile masses (stored as float64 bits): int64 units
-    for float32 rows, float64 otherwise, bitcast to float64 for the sums record."""
-    if ACC == tl.float32:
-        return tl.sum(tl.load(at_ptr, mask=on, other=0.0).to(tl.int64, bitcast=True), axis=0).to(tl.float64,
-                                                                                                  bitcast=True)
-    else:
-        return tl.sum(tl.load(at_ptr, mask=on, other=0.0), axis=0)
+def _tiles_mass(at_ptr, on):
+    """The int64 sum of a row's tile masses (stored as float64 bits)."""
+    return tl.sum(tl.load(at_ptr, mask=on, other=0.0).to(tl.int64, bitcast=True), axis=0)
 
 
 @triton.jit
 def _count_mass(n, ACC: tl.constexpr):
-    """A greedy row's s, its number of maxima n, as _tiles_mass holds a mass."""
-    if ACC == tl.float32:
-        return (n.to(tl.int64) << 42).to(tl.float64, bitcast=True)
-    else:
-        return n.to(tl.float64)
+    """A greedy row's s, its number of maxima n, in _mass_units."""
+    return n.to(tl.int64) << (32 if ACC == tl.float64 else 42)
 
 
 @triton.jit
 def _shard_fold_kernel(
     logits_ptr, inner, outer_stride, inner_stride, V, given_ptr,
     temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p, column_base,
-    labels_ptr, masses_ptr, marks_ptr, sums_ptr, picks_ptr, TILES,
+    labels_ptr, masses_ptr, marks_ptr, scores_ptr, row_masses_ptr, picks_ptr, TILES,
     PER_ROW_T: tl.constexpr, PER_ROW_K: tl.constexpr, PER_ROW_P: tl.constexpr, PER_ROW_MIN_P: tl.constexpr,
     RACE: tl.constexpr, TILE_BLOCK: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """The second launch: one program a row folds its tiles' records in a fixed tree (the same
-    for every batch: a row's bits do not depend on the rows beside it) into the row's sums
-    [N, 5] (s, s_kept, the two scores, u; the masses as _tiles_mass holds them, 0 for a row
-    left to the caller) and picks [N, 2] (csrc/sampling.h)."""
+    for every batch: a row's bits do not depend on the rows beside it) into the row's scores
+    [N, 2] float64 (the race's best and the winner's d, or the label's d), its masses [N, 6]
+    int64 (s, s_kept, u, each as (_mass_units, _mass_rest) sums, the rest 0 for float32 rows;
+    0 for a row left to the caller) and picks [N, 2] (csrc/sampling.h)."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_start(logits_ptr, row, inner, outer_stride, inner_stride)
     t, _k, _p, mp, valid = _row_params(row, temps_ptr, temp, top_k_ptr, top_k, top_p_ptr, top_p, min_p_ptr, min_p,
@@ -128,11 +137,18 @@ def _shard_fold_kernel(
     greedy = t == 0
     tiles = tl.arange(0, TILE_BLOCK)
     on = tiles < TILES
-    mass_at = (row * TILES + tiles) * 4
+    mass_at = (row * TILES + tiles) * _tile_record(ACC)
     at = (row * TILES + tiles) * 3
-    s = _tiles_mass(masses_ptr + mass_at, on, ACC)
-    s_kept = _tiles_mass(masses_ptr + mass_at + 1, on, ACC)
-    spread = _tiles_mass(masses_ptr + mass_at + 3, on, ACC)
+    s = _tiles_mass(masses_ptr + mass_at, on)
+    s_kept = _tiles_mass(masses_ptr + mass_at + 1, on)
+    spread = _tiles_mass(masses_ptr + mass_at + 3, on)
+    s_rest = tl.zeros([], tl.int64)
+    s_kept_rest = tl.zeros([], tl.int64)
+    spread_rest = tl.zeros([], tl.int64)
+    if ACC == tl.float64:
+        s_rest = _tiles_mass(masses_ptr + mass_at + 4, on)
+        s_kept_rest = _tiles_mass(masses_ptr + mass_at + 5, on)
+        spread_rest = _tiles_mass(masses_ptr + mass_at + 6, on)
     n_max = tl.sum(tl.load(marks_ptr + at, mask=on, other=0), axis=0)
     first = tl.min(tl.load(marks_ptr + at + 1, mask=on, other=V), axis=0).to(tl.int64)
     nan = float("nan")
@@ -158,13 +174,16 @@ def _shard_fold_kernel(
         third = tl.where(greedy, 0.0, tl.where(here, tl.where(kept_label, d_label, float("-inf")), nan).to(tl.float64))
         fourth = tl.zeros([], tl.float64)
         win = tl.full([], -1, tl.int64)
-    # (masses as _tiles_mass gives them: a greedy row's s is its number of maxima in the same units)
-    zero = tl.zeros_like(s)
-    tl.store(sums_ptr + 5 * row, tl.where(ok, tl.where(greedy, _count_mass(n_max, ACC), s), zero))
-    tl.store(sums_ptr + 5 * row + 1, tl.where(ok & ~greedy, s_kept, zero))
-    tl.store(sums_ptr + 5 * row + 2, tl.where(ok, third, nan))
-    tl.store(sums_ptr + 5 * row + 3, tl.where(ok, fourth, nan))
-    tl.store(sums_ptr + 5 * row + 4, tl.where(ok & ~greedy, spread, zero))
+    tl.store(scores_ptr + 2 * row, tl.where(ok, third, nan))
+    tl.store(scores_ptr + 2 * row + 1, tl.where(ok, fourth, nan))
+    # (a greedy row's s: its number of maxima, in the same units)
+    masses_at = row_masses_ptr + 6 * row
+    tl.store(masses_at, tl.where(ok, tl.where(greedy, _count_mass(n_max, ACC), s), 0))
+    tl.store(masses_at + 1, tl.where(ok & ~greedy, s_rest, 0))
+    tl.store(masses_at + 2, tl.where(ok & ~greedy, s_kept, 0))
+    tl.store(masses_at + 3, tl.where(ok & ~greedy, s_kept_rest, 0))
+    tl.store(masses_at + 4, tl.where(ok & ~greedy, spread, 0))
+    tl.store(masses_at + 5, tl.where(ok & ~greedy, spread_rest, 0))
     tl.store(picks_ptr + 2 * row, tl.where(ok, win, -1))
     tl.store(picks_ptr + 2 * row + 1, tl.where(ok & (first < V), first + column_base, -1))
 
@@ -203,24 +222,22 @@ def _digit_histogram_kernel(
     tl.atomic_add(counts_ptr + digit, tl.full([BLOCK_V], 1, tl.int64), mask=counted, sem="relaxed")
     if WEIGHTED:
         # (e <= 1 below the row's max; the minimum keeps a row the caller ignores (bad) from overflowing)
-        e = tl.minimum(tl.exp((x - m) * inv_t), 1.0)
-        if ACC == tl.float32:  # the unsharded sampler's own units: its top-p threshold, bit for bit
-            units = _mass_units(e, ACC)
-        else:
-            units = (e.to(tl.float64) * scale + 0.5).to(tl.int64)
+        # (the unsharded sampler's own weights: its top-p threshold, bit for bit)
+        units = _weight_units(tl.minimum(tl.exp((x - m) * inv_t), 1.0), scale, ACC)
         tl.atomic_add(counts_ptr + 256 + digit, units, mask=counted & (units > 0), sem="relaxed")
 
 
 @triton.jit
-def _mass_logs_kernel(masses_ptr, logs_ptr, n_rows, BLOCK: tl.constexpr):
-    """(log s, log s_kept, entropy) [N, 3] float64 of float32 rows' masses [N, 6] (each mass
-    in compact._mass_units in its first int64, summed over the ranks) by sample._select's own
-    float32 formula: the unsharded Triton sampler's log s_kept and entropy, bit for bit."""
+def _mass_logs_kernel(masses_ptr, logs_ptr, n_rows, BLOCK: tl.constexpr, ACC: tl.constexpr):
+    """(log s, log s_kept, entropy) [N, 3] float64 of masses [N, 6] (_shard_fold_kernel's, summed
+    over the ranks: (_mass_units, _mass_rest) sums of s, s_kept and u) by sample._select's own
+    formula in ACC: the unsharded Triton sampler's log s_kept and entropy, bit for bit."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < n_rows
-    s = _mass_value(tl.load(masses_ptr + 6 * rows, mask=live, other=0), tl.float32).to(tl.float32)
-    s_kept = _mass_value(tl.load(masses_ptr + 6 * rows + 2, mask=live, other=0), tl.float32).to(tl.float32)
-    spread = _mass_value(tl.load(masses_ptr + 6 * rows + 4, mask=live, other=0), tl.float32).to(tl.float32)
+    at = masses_ptr + 6 * rows
+    s = _mass_value(tl.load(at, mask=live, other=0), tl.load(at + 1, mask=live, other=0), ACC).to(ACC)
+    s_kept = _mass_value(tl.load(at + 2, mask=live, other=0), tl.load(at + 3, mask=live, other=0), ACC).to(ACC)
+    spread = _mass_value(tl.load(at + 4, mask=live, other=0), tl.load(at + 5, mask=live, other=0), ACC).to(ACC)
     log_s_kept = tl.log(s_kept)
     tl.store(logs_ptr + 3 * rows, tl.log(s).to(tl.float64), mask=live)
     tl.store(logs_ptr + 3 * rows + 1, log_s_kept.to(tl.float64), mask=live)

@@ -384,11 +384,12 @@ def coverage() -> None:
                                            unit_scale=2.0**44)  # fmt: skip
             # the masses summed over the ranks, finished as the unsharded sampler finishes its own
             sampling.sample_mass_logs(meta(n, 6, dtype=I64), False)
-            # the row sums of an even split (2 and 8 ranks of the row's segments) and their fold
-            for ranks in (2, 8):
-                sampling.sample_segments(meta(n, v // ranks, dtype=dtype), temperature=params["temperature"], vocab=v)
-            sampling.sample_segments_fold(meta(n, v // segment_length(v), 3, dtype=torch.float64), torch.float32,
-                                          temperature=params["temperature"])  # fmt: skip
+            if isinstance(params["temperature"], torch.Tensor):
+                # the row sums of an even split and their fold, with per-row temperatures (the shard case
+                # compiles 2 ranks' with a scalar one): 8 ranks, a segment each
+                sampling.sample_segments(meta(n, v // 8, dtype=dtype), temperature=params["temperature"], vocab=v)
+                sampling.sample_segments_fold(meta(n, v // segment_length(v), 3, dtype=torch.float64), torch.float32,
+                                              temperature=params["temperature"])  # fmt: skip
         # one row: split over many programs (kernels/sampling/__init__.py, _split_selection)
         one, one_temp = meta(1, v, dtype=dtype), meta(1, dtype=F32)
         split_params = {"temperature": one_temp, "top_k": meta(1, dtype=I64), "top_p": one_temp, "min_p": one_temp}
