@@ -46,7 +46,7 @@ from .logprobs import in_vocabulary_order, whole_segments
 # ranks), else agrees to rounding.
 
 
-def _mass_units(vocab: int) -> float:
+def _weight_scale(vocab: int) -> float:
     """The fixed-point scale of a token's mass e = exp(d) in [0, 1] (step 3) on the native kernels
     (csrc/sampling.cpp, top_p_unit_scale) and Triton's float64 rows: V masses of at most
     2^(62 - bits of V) + 1/2 each sum below 2^63. (Triton's float32 rows weigh in the unsharded
@@ -122,7 +122,7 @@ def _digit_histograms(rows, shard: Shard, prefix, shift, backend, params, floor=
     if backend != "reference":
         given = None if floor is None else torch.stack([m, floor], -1)
         hist = _ops.shard_digit_histogram(rows, prefix.contiguous(), shift, given,
-                                          *_ops.split_row_param(params["temperature"]), _mass_units(shard.vocab),
+                                          *_ops.split_row_param(params["temperature"]), _weight_scale(shard.vocab),
                                           backend)  # fmt: skip
     else:
         hist = torch.zeros(n_rows, 1 if floor is None else 2, 257, dtype=torch.int64, device=prefix.device)
@@ -140,7 +140,7 @@ def _digit_histograms(rows, shard: Shard, prefix, shift, backend, params, floor=
             hist[first:last, 0].scatter_add_(1, digit, torch.ones_like(digit))
             if floor is not None:
                 e = torch.exp((x - m[first:last, None]) * inv_t[first:last, None]).clamp(max=1.0)
-                hist[first:last, 1].scatter_add_(1, digit, (e * _mass_units(shard.vocab)).round().to(torch.int64))
+                hist[first:last, 1].scatter_add_(1, digit, (e * _weight_scale(shard.vocab)).round().to(torch.int64))
         hist = hist[..., :256].contiguous()
     hist = all_reduce_sum(hist, shard)
     return hist[:, 0] if floor is None else hist
@@ -178,7 +178,7 @@ def _top_p_threshold(rows, shard: Shard, p, floor, m, backend, params, row_mass=
         if target is None:
             target = p.double() * units.sum(-1).double()
             if row_mass is not None:  # (in the units: a power of 2 times s, exact)
-                scale = 2.0**42 if rows.dtype != torch.float64 else _mass_units(shard.vocab)
+                scale = 2.0**42 if rows.dtype != torch.float64 else _weight_scale(shard.vocab)
                 target = torch.where(row_mass.isnan(), target, p.double() * row_mass * scale)
         reached = above.unsqueeze(-1) + units.flip(-1).cumsum(-1).flip(-1)  # mass of this digit and up
         present = counts > 0

@@ -127,7 +127,7 @@ def _weight_units(e, scale, ACC: tl.constexpr):
     shard's shard._digit_histogram_kernel), in int64 so that sums are exact in
     any order: float32 rows in _mass_units; float64 rows in one limb,
     round(e * scale) (e in [0, 1]) with ``scale`` = 2^(62 - bits of V) of the whole row's V
-    (_float64_unit_scale; fastrl._sharded.sampling._mass_units, as the native
+    (_float64_unit_scale; fastrl._sharded.sampling._weight_scale, as the native
     kernels): V weights sum below 2^63."""
     if ACC == tl.float64:
         return (e * scale + 0.5).to(tl.int64)
